@@ -1,0 +1,27 @@
+# Quick start: `make train`, then `make test`. Both set up .venv on first use.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test lint clean
+
+setup: $(STAMP)
+
+# Re-install only when the pins change; a no-op when already set up.
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/dpax train --out runs/digits-cnn
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests examples
+
+test: lint
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,5 @@
+import sys
+
+from dpax.cli import main
+
+sys.exit(main())

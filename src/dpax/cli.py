@@ -1,0 +1,101 @@
+"""The `dpax` command: a thin shell over `dpax.run.train` and friends.
+
+Flags are derived from `TrainConfig`, so defaults and help live in one place.
+Bad input exits 2 with one line on stderr and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+
+from dpax.config import TrainConfig
+from dpax.errors import DpaxError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        # argparse prints the whole usage block; one line that names the fix is kinder.
+        self.exit(EXIT_USAGE, f"dpax: error: {message} (see 'dpax {self.prog.split()[-1]} -h')\n")
+
+
+def _base_type(tp):
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing), {})  # annotations are strings under __future__
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return tp
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
+    """One `--flag` per dataclass field, with the field's default and help."""
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        tp = _base_type(f.type)
+        helptext = f.metadata.get("help", "")
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{helptext} (default: {f.default})")
+        else:
+            parser.add_argument(flag, type=tp, default=None, metavar=f.name.upper(),
+                                help=f"{helptext} (default: {f.default})")
+
+
+def config_from_args(args: argparse.Namespace, cls=TrainConfig):
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+             if getattr(args, f.name) is not None}
+    if "steps" in given and "epochs" not in given:
+        given["epochs"] = None  # --steps alone replaces the default epoch count
+    return cls(**given)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dpax", description="Data-parallel training on JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = sub.add_parser("train", help="train a model data-parallel",
+                           description="Train a model data-parallel on N devices.")
+    add_config_flags(train)
+    sub.add_parser("devices", help="print the devices JAX sees")
+    return parser
+
+
+def _start_devices(devices: int | None) -> None:
+    # Must run before anything creates the JAX backend. On CPU hosts this gives
+    # 8 simulated devices (or --devices of them); accelerators are unaffected.
+    from dpax.devices import simulate_devices
+
+    simulate_devices(max(devices or 8, 8))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "devices":
+            _start_devices(None)
+            from dpax.devices import describe
+
+            print(describe())
+            return 0
+        config = config_from_args(args)
+        config.validate()
+        _start_devices(config.devices)
+        from dpax.run import train
+
+        train(config)
+        return 0
+    except DpaxError as e:
+        print(f"dpax: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("dpax: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

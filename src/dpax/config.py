@@ -1,0 +1,81 @@
+"""The typed run configuration: the single source of defaults and help texts.
+
+The CLI is derived from these fields, so a default lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+
+def _field(default, help: str, **meta):
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """One training run. The default is the main job: the digits CNN on 8 devices."""
+
+    model: str = _field("cnn", "model: linear, mlp or cnn")
+    data: str = _field("digits", "data: regression, digits, random-images, or a path to a .npz")
+    devices: int | None = _field(
+        None, "devices to use (default: all local accelerators; on CPU, 8 simulated)"
+    )
+    backend: str = _field("shard_map", "shard_map (jit + shard_map) or pmap")
+    batch_size: int = _field(128, "GLOBAL batch size, split over the devices")
+    epochs: int | None = _field(15, "passes over the training data (or give --steps)")
+    steps: int | None = _field(None, "training steps (instead of --epochs)")
+    optimizer: str = _field("adam", "sgd, momentum, adam or adamw")
+    lr: float = _field(3e-3, "peak learning rate")
+    schedule: str = _field("constant", "constant or warmup-cosine")
+    warmup_steps: int = _field(0, "linear warmup steps")
+    scale_lr: bool = _field(False, "scale lr by batch-size / reference-batch (linear rule)")
+    reference_batch: int = _field(128, "batch size the lr was tuned for (with --scale-lr)")
+    momentum: float = _field(0.9, "momentum of the momentum optimizer")
+    weight_decay: float = _field(1e-4, "weight decay of adamw")
+    seed: int = _field(0, "seed of the init and of the batch order")
+    log_every: int = _field(10, "steps between metric logs (host syncs happen only here)")
+    eval_every: int = _field(0, "steps between evaluations (0: only at the end)")
+    out: str | None = _field(None, "run directory for metrics.jsonl and params.npz")
+
+    def validate(self) -> None:
+        """Raise `DpaxError` for a value no run can use, before anything is written."""
+        from dpax import backends, data, models, optim
+        from dpax.devices import MAX_SIMULATED_DEVICES
+        from dpax.errors import DpaxError
+
+        def positive(name, value, allow_none=False):
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DpaxError(f"--{name.replace('_', '-')} must be a whole number >= 1, "
+                                f"got {value!r}")
+
+        positive("devices", self.devices, allow_none=True)
+        if self.devices is not None and self.devices > MAX_SIMULATED_DEVICES:
+            raise DpaxError(f"--devices {self.devices} is over the cap of "
+                            f"{MAX_SIMULATED_DEVICES}; use fewer devices")
+        positive("batch_size", self.batch_size)
+        positive("reference_batch", self.reference_batch)
+        positive("log_every", self.log_every)
+        positive("epochs", self.epochs, allow_none=True)
+        positive("steps", self.steps, allow_none=True)
+        if (self.epochs is None) == (self.steps is None):
+            raise DpaxError("give exactly one of --steps or --epochs")
+        if self.eval_every < 0:
+            raise DpaxError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise DpaxError(f"--lr must be a finite number > 0, got {self.lr}")
+        for name, value, choices in (("model", self.model, models.MODELS),
+                                     ("optimizer", self.optimizer, optim.OPTIMIZERS),
+                                     ("schedule", self.schedule, optim.SCHEDULES),
+                                     ("backend", self.backend, backends.BACKENDS)):
+            if value not in choices:
+                raise DpaxError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+        if not self.data.endswith(".npz") and self.data not in data.DATASETS:
+            raise DpaxError(f"unknown data {self.data!r}; choose one of "
+                            f"{', '.join(data.DATASETS)} or a path to a .npz")
+        if self.out is not None and os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise DpaxError(f"--out {self.out} is a file; give a directory path")

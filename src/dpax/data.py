@@ -1,0 +1,139 @@
+"""Datasets dpax can name: arrays in memory with a fixed train/eval split.
+
+Nothing is downloaded: digits ships inside scikit-learn, the rest is generated
+from a fixed seed or read from the user's `.npz`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import zipfile
+
+import numpy as np
+
+from dpax.errors import DpaxError
+
+# The data never depends on --seed: runs with different seeds see the same split.
+DATA_SEED = 0
+EVAL_FRACTION = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """Train and eval arrays; `n_out` is the class count (classification) or 1."""
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_eval: np.ndarray
+    y_eval: np.ndarray
+    task: str  # "classification" | "regression"
+    n_out: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def _split(name, x, y, task, n_out) -> Dataset:
+    order = np.random.default_rng(DATA_SEED).permutation(len(x))
+    n_eval = int(round(len(x) * EVAL_FRACTION)) if len(x) >= 5 else 0
+    ev, tr = order[:n_eval], order[n_eval:]
+    if n_eval == 0:  # too few examples to hold any out: evaluate on the training set
+        ev = tr
+    return Dataset(name, x[tr], y[tr], x[ev], y[ev], task, n_out)
+
+
+def regression(n: int = 800, dim: int = 5) -> Dataset:
+    """Seed 000's synthetic linear data: y = x w + b + 0.1 noise."""
+    rng = np.random.default_rng(DATA_SEED)
+    w, b = true_regression_params(dim)
+    x = rng.normal(size=(n, dim)).astype(np.float32)
+    y = (x @ w + b + 0.1 * rng.normal(size=n)).astype(np.float32)
+    return _split("regression", x, y, "regression", 1)
+
+
+def true_regression_params(dim: int = 5) -> tuple[np.ndarray, float]:
+    """The w and b that `regression` data was drawn from."""
+    rng = np.random.default_rng(DATA_SEED + 1)
+    return rng.normal(size=dim).astype(np.float32), float(rng.normal())
+
+
+def digits() -> Dataset:
+    """scikit-learn's 1,797 8x8 digit images as NHWC float32 in [0, 1]."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.images[..., None] / 16.0).astype(np.float32)
+    return _split("digits", x, d.target.astype(np.int32), "classification", 10)
+
+
+def random_images(n: int = 2048, side: int = 32, channels: int = 3, classes: int = 10):
+    """Synthetic NHWC images whose label is a fixed linear function of the pixels,
+    so a model can learn it (benchmarks need real gradients, not noise)."""
+    rng = np.random.default_rng(DATA_SEED)
+    x = rng.normal(size=(n, side, side, channels)).astype(np.float32)
+    proj = rng.normal(size=(side * side * channels, classes)).astype(np.float32)
+    y = np.argmax(x.reshape(n, -1) @ proj, -1).astype(np.int32)
+    return _split("random-images", x, y, "classification", classes)
+
+
+def from_npz(path: str) -> Dataset:
+    """A user's `.npz` with arrays `x` (examples first) and `y` (labels or targets).
+
+    Integer `y` means classification with classes 0..max(y); float `y` regression.
+    """
+    if not os.path.isfile(path):
+        raise DpaxError(f"data file {path!r} does not exist; pass an existing .npz")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = {"x", "y"} - set(f.files)
+            if missing:
+                raise DpaxError(
+                    f"{path} lacks array(s) {', '.join(sorted(missing))}; save it with "
+                    "np.savez(path, x=inputs, y=targets)"
+                )
+            x, y = f["x"], f["y"]
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        if isinstance(e, DpaxError):
+            raise
+        raise DpaxError(
+            f"{path} is not a readable .npz ({type(e).__name__}); "
+            "write it with np.savez(path, x=..., y=...)"
+        ) from None
+    if len(x) == 0 or x.ndim == 0:
+        raise DpaxError(f"{path} holds no examples; x needs at least one row")
+    if y.ndim != 1 or len(y) != len(x):
+        raise DpaxError(
+            f"{path}: x has {len(x)} examples but y has shape {y.shape}; "
+            "y needs one value per example"
+        )
+    for k, a in (("x", x), ("y", y)):
+        if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
+            raise DpaxError(f"{path}: array {k} has non-numeric dtype {a.dtype}; use numbers")
+    x = x.astype(np.float32)
+    if x.ndim == 1:
+        x = x[:, None]
+    if not np.all(np.isfinite(x)):
+        raise DpaxError(f"{path}: x contains NaN or infinite values; clean the data first")
+    if np.issubdtype(y.dtype, np.integer) or y.dtype == bool:
+        y = y.astype(np.int32)
+        if y.min() < 0:
+            raise DpaxError(f"{path}: class labels must be >= 0, found {y.min()}")
+        return _split(path, x, y, "classification", int(y.max()) + 1)
+    return _split(path, x, y.astype(np.float32), "regression", 1)
+
+
+DATASETS = {"regression": regression, "digits": digits, "random-images": random_images}
+
+
+def load(name: str) -> Dataset:
+    """A named dataset, or a path ending in `.npz`."""
+    if name.endswith(".npz"):
+        return from_npz(name)
+    if name not in DATASETS:
+        raise DpaxError(
+            f"unknown data {name!r}; choose one of {', '.join(DATASETS)} or a path to a .npz"
+        )
+    return DATASETS[name]()

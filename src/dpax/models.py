@@ -1,0 +1,73 @@
+"""Built-in Flax NNX models, each written for ONE device, as the seeds teach.
+
+Any `nnx.Module` works with dpax; these are the ones the CLI can name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from flax import nnx
+
+from dpax.errors import DpaxError
+
+
+class Linear(nnx.Module):
+    """y = x w + b on flattened inputs (seed 000's linear regression)."""
+
+    def __init__(self, in_shape: tuple[int, ...], n_out: int, *, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(math.prod(in_shape), n_out, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense(x.reshape(x.shape[0], -1))
+
+
+class MLP(nnx.Module):
+    """Two hidden ReLU layers on flattened inputs."""
+
+    def __init__(
+        self, in_shape: tuple[int, ...], n_out: int, *, hidden: int = 128, rngs: nnx.Rngs
+    ):
+        d = math.prod(in_shape)
+        self.hidden1 = nnx.Linear(d, hidden, rngs=rngs)
+        self.hidden2 = nnx.Linear(hidden, hidden, rngs=rngs)
+        self.out = nnx.Linear(hidden, n_out, rngs=rngs)
+
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        x = nnx.relu(self.hidden1(x))
+        x = nnx.relu(self.hidden2(x))
+        return self.out(x)
+
+
+class CNN(nnx.Module):
+    """Seed 004's CNN: two conv + max-pool blocks and a dense head, on NHWC images."""
+
+    def __init__(self, in_shape: tuple[int, ...], n_out: int, *, rngs: nnx.Rngs):
+        h, w, c = in_shape
+        if h % 4 or w % 4:
+            raise DpaxError(f"cnn needs image sides divisible by 4, got {h}x{w}")
+        self.conv1 = nnx.Conv(c, 32, kernel_size=(3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), rngs=rngs)
+        self.dense = nnx.Linear(64 * (h // 4) * (w // 4), n_out, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.max_pool(nnx.relu(self.conv1(x)), window_shape=(2, 2), strides=(2, 2))
+        x = nnx.max_pool(nnx.relu(self.conv2(x)), window_shape=(2, 2), strides=(2, 2))
+        return self.dense(x.reshape(x.shape[0], -1))
+
+
+MODELS: dict[str, Callable[..., nnx.Module]] = {"linear": Linear, "mlp": MLP, "cnn": CNN}
+
+
+def make_model(name: str, in_shape: tuple[int, ...], n_out: int, seed: int) -> nnx.Module:
+    """Build a registered model for inputs of `in_shape` (no batch axis)."""
+    if name not in MODELS:
+        raise DpaxError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    if name == "cnn" and len(in_shape) != 3:
+        raise DpaxError(
+            f"cnn needs NHWC images, the data has examples of shape {in_shape}; "
+            "use --model mlp or linear"
+        )
+    return MODELS[name](tuple(in_shape), n_out, rngs=nnx.Rngs(seed))

@@ -1,0 +1,208 @@
+"""`Trainer`: data-parallel training, evaluation and prediction of one NNX model.
+
+The model, loss and optimizer are written for one device; the Trainer
+replicates the state, splits each global batch over its devices, and runs one
+compiled, donated step per batch. The host touches device values only at log
+boundaries.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from dpax import losses as losses_mod
+from dpax.backends import make_backend
+from dpax.devices import select_devices
+from dpax.errors import DpaxError
+from dpax.pipeline import BatchPlan, eval_batches, train_batches
+from dpax.sharding import padded_size
+from dpax.step import (
+    LossFn,
+    init_state,
+    make_eval_step,
+    make_predict_step,
+    make_train_step,
+)
+
+# XLA:CPU's cross-device rendezvous aborts ("Termination timeout for all
+# reduce") when too many multi-device steps are queued; two in flight keep the
+# device busy while the host prepares the next batch.
+MAX_IN_FLIGHT = 2
+
+
+class Trainer:
+    """Data-parallel trainer for one Flax NNX model.
+
+    Args:
+      model: an `nnx.Module` written for one device.
+      loss_fn: `loss_fn(model, batch) -> per-example losses` or
+        `(losses, {name: per-example metric})`, on one device's shard;
+        `batch` has `x`, `y` and the boolean `mask` of real rows.
+      optimizer: an Optax transformation (its schedule lives in its state).
+      devices: a device count, a list of devices, or None for all local ones.
+      backend: "shard_map" (default) or "pmap"; both give the same numbers.
+      predict_fn: `predict_fn(model, batch) -> one output per example`.
+      schedule: the learning-rate schedule, only to report the LR as a metric.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        loss_fn: LossFn,
+        optimizer: optax.GradientTransformation,
+        *,
+        devices: int | Sequence[jax.Device] | None = None,
+        backend: str = "shard_map",
+        predict_fn: Callable | None = None,
+        schedule: optax.Schedule | None = None,
+    ):
+        devs = devices if isinstance(devices, (list, tuple)) else select_devices(devices)
+        self.backend = make_backend(backend, devs)
+        self.n_devices = self.backend.n
+        self.loss_fn = loss_fn
+        self._graphdef, state = init_state(model, optimizer)
+        self.state = self.backend.put_state(state)
+        self.traces = collections.Counter()  # compilations per step kind
+        self._train = self.backend.train(self._counted("train", make_train_step(
+            self._graphdef, loss_fn, optimizer, schedule)))
+        self._eval = self.backend.reduce(self._counted("eval", make_eval_step(
+            self._graphdef, loss_fn)))
+        self._predict = None
+        if predict_fn is not None:
+            self._predict = self.backend.per_example(self._counted("predict", make_predict_step(
+                self._graphdef, predict_fn)))
+
+    def _counted(self, kind: str, fn: Callable) -> Callable:
+        def traced(*args):
+            self.traces[kind] += 1  # runs once per trace, i.e. per compilation
+            return fn(*args)
+
+        return traced
+
+    # -- one step --------------------------------------------------------------------
+    def padded(self, batch_size: int) -> int:
+        return padded_size(batch_size, self.n_devices)
+
+    def train_step(self, host_batch: dict) -> dict:
+        """One step on a padded, masked host batch; returns device-side metric sums."""
+        self.state, metrics = self._train(self.state, self.backend.put_batch(host_batch))
+        return metrics
+
+    # -- loops -----------------------------------------------------------------------
+    def fit(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        *,
+        batch_size: int,
+        steps: int | None = None,
+        epochs: int | None = None,
+        seed: int = 0,
+        log_every: int = 10,
+        on_log: Callable[[int, dict], None] | None = None,
+    ) -> list[dict]:
+        """Train on (x, y) with global batches of `batch_size`; returns the log rows.
+
+        Batches come from `BatchPlan`: their order depends on `seed` and the step
+        only, so any device count sees the same global batches.
+        """
+        plan = BatchPlan(len(x), batch_size, seed)
+        total = resolve_steps(steps, epochs, plan.steps_per_epoch)
+        start = int(self.backend.host(self.state.step))  # sync point, once per fit
+        rows: list[dict] = []
+        pending: list[dict] = []
+        in_flight: collections.deque = collections.deque()
+        t_last, s_last = time.perf_counter(), start
+        batches = train_batches(x, y, plan, self.padded(batch_size), start, total)
+        for step, host_batch in zip(range(start, total), batches):
+            metrics = self.train_step(host_batch)
+            pending.append(metrics)
+            in_flight.append(metrics["count"])
+            if len(in_flight) > MAX_IN_FLIGHT:
+                in_flight.popleft().block_until_ready()  # waits, transfers nothing
+            if (step + 1) % log_every == 0 or step + 1 == total:
+                row = summarize(self.backend.host(pending))  # sync point: once per log
+                now = time.perf_counter()
+                row.update(step=step + 1, epoch=(step + 1) / plan.steps_per_epoch,
+                           steps_per_sec=(step + 1 - s_last) / (now - t_last))
+                t_last, s_last = now, step + 1
+                pending = []
+                rows.append(row)
+                if on_log is not None:
+                    on_log(step + 1, row)
+        return rows
+
+    def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 256) -> dict:
+        """Mean loss and metrics over every example of (x, y), each counted once."""
+        size = self.padded(batch_size)
+        sums = [self._eval(self.state, self.backend.put_batch(b))
+                for b in eval_batches(x, y, batch_size, size)]
+        return summarize(self.backend.host(sums))  # sync point
+
+    def predict(self, x: np.ndarray, batch_size: int = 256) -> np.ndarray:
+        """One prediction per row of `x`, in order; padding is cut off."""
+        if self._predict is None:
+            raise DpaxError("this Trainer was built without predict_fn")
+        size = self.padded(batch_size)
+        outs, masks = [], []
+        for b in eval_batches(x, np.zeros(len(x), np.int32), batch_size, size):
+            outs.append(self._predict(self.state, self.backend.put_batch(b)))
+            masks.append(b["mask"])
+        flat = [self.backend.host_examples(o) for o in outs]  # sync point
+        return np.concatenate([f[m] for f, m in zip(flat, masks)])
+
+    # -- results ---------------------------------------------------------------------
+    @property
+    def params(self) -> nnx.State:
+        """Host copy of the parameters (replica 0 of this process)."""
+        return self.backend.host(self.state.params)
+
+    def model(self) -> nnx.Module:
+        """The trained model on the host, ready for single-device use."""
+        host = self.backend.host(self.state)
+        return nnx.merge(self._graphdef, host.params, host.rest)
+
+
+def resolve_steps(steps: int | None, epochs: int | None, steps_per_epoch: int) -> int:
+    """Total steps from exactly one of `steps` / `epochs`."""
+    if (steps is None) == (epochs is None):
+        raise DpaxError("give exactly one of --steps or --epochs")
+    if steps is not None:
+        if steps < 1:
+            raise DpaxError(f"--steps must be >= 1, got {steps}")
+        return steps
+    if epochs < 1:
+        raise DpaxError(f"--epochs must be >= 1, got {epochs}")
+    return epochs * steps_per_epoch
+
+
+def summarize(sums: Iterable[dict] | dict) -> dict:
+    """Means over steps from host metric sums: `x_sum / count`; last value otherwise."""
+    sums = [sums] if isinstance(sums, dict) else list(sums)
+    count = sum(float(s["count"]) for s in sums)
+    out = {"examples": int(count)}
+    for k in sums[-1]:
+        if k.endswith("_sum"):
+            name = "loss" if k == "loss_sum" else k[: -len("_sum")]
+            out[name] = _scalar(sum(np.asarray(s[k], np.float64) for s in sums) / count)
+        elif k != "count":
+            out[k] = _scalar(np.asarray(sums[-1][k]))
+    return out
+
+
+def _scalar(x: np.ndarray):
+    return float(x) if x.ndim == 0 else x
+
+
+def default_loss(task: str) -> tuple[LossFn, Callable]:
+    """The built-in (loss_fn, predict_fn) for a dataset's task."""
+    if task == "classification":
+        return losses_mod.classification_loss, losses_mod.classification_predict
+    return losses_mod.regression_loss, losses_mod.regression_predict

@@ -1,0 +1,65 @@
+import jax
+import numpy as np
+import pytest
+
+from dpax import replicas_in_sync, replicate, shard_batch, unreplicate, unshard
+from dpax.sharding import pad_batch, padded_size
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("b", [1, 3, 7, 8, 9, 41, 64])
+def test_shard_batch_pads_masks_and_round_trips(n, b):
+    x = np.arange(b * 3, dtype=np.float32).reshape(b, 3)
+    y = np.arange(b, dtype=np.int32)
+    s = shard_batch({"x": x, "y": y}, n)
+    rows = padded_size(b, n)
+    assert rows % n == 0 and rows - b < n
+    assert s["x"].shape == (n, rows // n, 3) and s["mask"].shape == (n, rows // n)
+    assert s["mask"].sum() == b
+    back = unshard({"x": s["x"], "y": s["y"]}, s["mask"])
+    np.testing.assert_array_equal(back["x"], x)
+    np.testing.assert_array_equal(back["y"], y)
+
+
+def test_padding_rows_are_zero_and_masked_off():
+    s = pad_batch({"x": np.ones((3, 2), np.float32)}, 8)
+    assert s["mask"].tolist() == [True] * 3 + [False] * 5
+    assert not s["x"][3:].any()
+
+
+def test_pad_keeps_an_existing_mask():
+    s = pad_batch({"x": np.ones(3), "mask": np.array([True, False, True])}, 4)
+    assert s["mask"].tolist() == [True, False, True, False]
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="differ"):
+        pad_batch({"x": np.ones(3), "y": np.ones(2)}, 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_batch({"x": np.ones(5)}, 4)
+    with pytest.raises(ValueError, match="multiple"):
+        shard_batch({"x": np.ones(5)}, 4, size=6)
+
+
+def test_replicate_unreplicate_and_sync_check_on_host():
+    tree = {"w": np.arange(6.0).reshape(2, 3), "b": np.float32(2.0)}
+    rep = replicate(tree, 4)
+    assert rep["w"].shape == (4, 2, 3) and rep["b"].shape == (4,)
+    assert replicas_in_sync(rep)
+    np.testing.assert_array_equal(unreplicate(rep)["w"], tree["w"])
+    broken = {"w": rep["w"].copy(), "b": rep["b"]}
+    broken["w"][3, 0, 0] += 1e-7
+    assert not replicas_in_sync(broken)
+
+
+def test_sync_check_reads_every_device_of_a_replicated_array():
+    devs = jax.devices()[:4]
+    mesh = jax.sharding.Mesh(np.array(devs), ("data",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    same = jax.device_put(np.ones(3, np.float32), rep)
+    assert replicas_in_sync(same)
+    # Assemble a "replicated" array whose copy on device 2 differs by one bit.
+    bufs = [jax.device_put(np.ones(3, np.float32) * (1 if i != 2 else 1.0000001), d)
+            for i, d in enumerate(devs)]
+    diverged = jax.make_array_from_single_device_arrays((3,), rep, bufs)
+    assert not replicas_in_sync(diverged)
