@@ -100,7 +100,7 @@ def test_one_device_equals_a_plain_jit_loop():
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    plan = dpax.pipeline.BatchPlan(len(ds.x_train), batch_size, seed=0)
+    plan = dpax.BatchPlan(len(ds.x_train), batch_size, seed=0)
     for s in range(STEPS):
         idx = plan.indices(s)
         params, opt_state = step(params, opt_state, ds.x_train[idx], ds.y_train[idx])

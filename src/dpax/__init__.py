@@ -1,6 +1,5 @@
 """dpax: data-parallel (SPMD) training on JAX, exactly equal to one device."""
 
-from dpax import pipeline
 from dpax.config import TrainConfig
 from dpax.data import Dataset
 from dpax.devices import MAX_SIMULATED_DEVICES, describe, select_devices, simulate_devices
@@ -8,6 +7,7 @@ from dpax.errors import DpaxError
 from dpax.losses import classification_loss, regression_loss
 from dpax.models import make_model
 from dpax.optim import make_optimizer, make_schedule, scaled_lr
+from dpax.pipeline import BatchPlan
 from dpax.run import train
 from dpax.sharding import (
     pad_batch,
@@ -23,7 +23,7 @@ from dpax.trainer import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
-    "MAX_SIMULATED_DEVICES", "Dataset", "DpaxError", "TrainConfig", "Trainer",
+    "MAX_SIMULATED_DEVICES", "BatchPlan", "Dataset", "DpaxError", "TrainConfig", "Trainer",
     "classification_loss", "describe", "make_model", "make_optimizer", "make_schedule",
     "pad_batch", "regression_loss", "replicas_in_sync", "replicate", "scaled_lr",
     "select_devices", "shard_batch", "simulate_devices", "spmd", "train", "unreplicate",
