@@ -19,7 +19,7 @@ def _backend_started() -> bool:
 
 
 def simulate_devices(n: int) -> None:
-    """Expose `n` CPU devices to JAX, for laptops and CI.
+    """Expose at least `n` CPU devices to JAX, for laptops and CI.
 
     Must run before JAX creates its backend (before the first array or
     `jax.devices()` call). Calling it later is fine if the CPU backend already
@@ -43,7 +43,9 @@ def simulate_devices(n: int) -> None:
             f"JAX already started with {have} CPU device(s), so {n} cannot be simulated "
             "now; call dpax.simulate_devices() before any JAX computation"
         )
-    jax.config.update("jax_num_cpu_devices", n)
+    # "At least n": a later, smaller request (an example run inside a test
+    # process that asked for 8) must not shrink what an earlier one set up.
+    jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices))
 
 
 def select_devices(n: int | None = None) -> list[jax.Device]:
