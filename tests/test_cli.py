@@ -89,9 +89,15 @@ def test_every_bad_input_exits_2_with_one_line_and_keeps_the_run_dir(tmp_path, r
     assert {p: (run_dir / p).read_bytes() for p in os.listdir(run_dir)} == before
 
 
-def test_api_config_needs_steps_or_epochs():
+def test_steps_or_epochs_where_a_count_is_needed():
+    with pytest.raises(dpax.DpaxError, match="not both"):
+        dpax.TrainConfig(epochs=2, steps=3).validate()
+    ds = dpax.data.digits()
+    t = dpax.Trainer(dpax.make_model("linear", ds.input_shape, ds.n_out, 0),
+                     dpax.classification_loss, dpax.make_optimizer("sgd", lambda s: 0.1),
+                     devices=1)
     with pytest.raises(dpax.DpaxError, match="exactly one"):
-        dpax.TrainConfig(epochs=None, steps=None).validate()
+        t.fit(ds.x_train, ds.y_train, batch_size=8)  # Trainer.fit has no default length
 
 
 def test_more_devices_than_present_is_a_clear_error():

@@ -50,8 +50,6 @@ def add_config_flags(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
 def config_from_args(args: argparse.Namespace, cls=TrainConfig):
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
              if getattr(args, f.name) is not None}
-    if "steps" in given and "epochs" not in given:
-        given["epochs"] = None  # --steps alone replaces the default epoch count
     return cls(**given)
 
 

@@ -9,6 +9,9 @@ import dataclasses
 import math
 import os
 
+# The main job's length when neither --epochs nor --steps is given.
+DEFAULT_EPOCHS = 15
+
 
 def _field(default, help: str, **meta):
     return dataclasses.field(default=default, metadata={"help": help, **meta})
@@ -25,7 +28,9 @@ class TrainConfig:
     )
     backend: str = _field("shard_map", "shard_map (jit + shard_map) or pmap")
     batch_size: int = _field(128, "GLOBAL batch size, split over the devices")
-    epochs: int | None = _field(15, "passes over the training data (or give --steps)")
+    epochs: int | None = _field(
+        None, f"passes over the training data (default {DEFAULT_EPOCHS} unless --steps is given)"
+    )
     steps: int | None = _field(None, "training steps (instead of --epochs)")
     optimizer: str = _field("adam", "sgd, momentum, adam or adamw")
     lr: float = _field(3e-3, "peak learning rate")
@@ -39,6 +44,12 @@ class TrainConfig:
     log_every: int = _field(10, "steps between metric logs (host syncs happen only here)")
     eval_every: int = _field(0, "steps between evaluations (0: only at the end)")
     out: str | None = _field(None, "run directory for metrics.jsonl and params.npz")
+
+    def total_steps(self, steps_per_epoch: int) -> int:
+        """Steps of this run: --steps, else --epochs (default DEFAULT_EPOCHS) passes."""
+        if self.steps is not None:
+            return self.steps
+        return (self.epochs or DEFAULT_EPOCHS) * steps_per_epoch
 
     def validate(self) -> None:
         """Raise `DpaxError` for a value no run can use, before anything is written."""
@@ -62,8 +73,8 @@ class TrainConfig:
         positive("log_every", self.log_every)
         positive("epochs", self.epochs, allow_none=True)
         positive("steps", self.steps, allow_none=True)
-        if (self.epochs is None) == (self.steps is None):
-            raise DpaxError("give exactly one of --steps or --epochs")
+        if self.epochs is not None and self.steps is not None:
+            raise DpaxError("give exactly one of --steps or --epochs, not both")
         if self.eval_every < 0:
             raise DpaxError(f"--eval-every must be >= 0, got {self.eval_every}")
         if not (math.isfinite(self.lr) and self.lr > 0):

@@ -14,7 +14,7 @@ from dpax import data as data_mod
 from dpax import models, optim
 from dpax.config import TrainConfig
 from dpax.pipeline import BatchPlan
-from dpax.trainer import Trainer, default_loss, resolve_steps
+from dpax.trainer import Trainer, default_loss
 from dpax.writers import ConsoleWriter, JsonlWriter, MultiWriter, save_params
 
 
@@ -46,7 +46,7 @@ def train(config: TrainConfig, *, log=sys.stdout) -> RunResult:
     config.validate()
     ds = data_mod.load(config.data)
     plan = BatchPlan(len(ds.x_train), config.batch_size, config.seed)
-    total = resolve_steps(config.steps, config.epochs, plan.steps_per_epoch)
+    total = config.total_steps(plan.steps_per_epoch)
     lr = config.lr
     if config.scale_lr:
         lr = optim.scaled_lr(lr, config.batch_size, config.reference_batch)
