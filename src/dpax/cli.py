@@ -39,12 +39,15 @@ def add_config_flags(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
         flag = "--" + f.name.replace("_", "-")
         tp = _base_type(f.type)
         helptext = f.metadata.get("help", "")
+        if f.default is not None:
+            helptext += f" (default: {f.default})"
+        # default=None everywhere: an unset flag leaves the dataclass default in charge.
         if tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{helptext} (default: {f.default})")
+                                help=helptext)
         else:
-            parser.add_argument(flag, type=tp, default=None, metavar=f.name.upper(),
-                                help=f"{helptext} (default: {f.default})")
+            metavar = {int: "N", float: "X"}.get(tp, "NAME")
+            parser.add_argument(flag, type=tp, default=None, metavar=metavar, help=helptext)
 
 
 def config_from_args(args: argparse.Namespace, cls=TrainConfig):
