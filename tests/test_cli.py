@@ -117,13 +117,14 @@ def dpax_cmd(*args, **kw):
 def test_train_pulse_through_the_real_entry_point(tmp_path):
     out = tmp_path / "pulse"
     r = dpax_cmd("train", "--devices", "2", "--steps", "6", "--batch-size", "50",
-                 "--log-every", "3", "--out", str(out))
+                 "--log-every", "3", "--eval-every", "3", "--out", str(out))
     assert r.returncode == 0, r.stderr
     summary = [ln for ln in r.stdout.splitlines() if ln.startswith("eval accuracy")]
     assert len(summary) == 1 and "steps 6" in summary[0]
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [3, 6, 6]
     assert rows[0]["examples"] == 150 and np.isfinite(rows[1]["loss"])
+    assert "eval_accuracy" in rows[0] and "eval_accuracy" not in rows[1]  # --eval-every 3
     assert 0.0 <= rows[2]["eval_accuracy"] <= 1.0
     with np.load(out / "params.npz") as p:
         assert set(p.files) == {"conv1/kernel", "conv1/bias", "conv2/kernel", "conv2/bias",
