@@ -38,9 +38,24 @@ class ShardMapBackend:
     def put_state(self, state: Any) -> Any:
         return jax.device_put(state, self._replicated)
 
-    def put_batch(self, batch: dict) -> dict:
-        """A padded host batch (rows a multiple of n) -> rows split over devices."""
-        return jax.device_put(batch, self._rows)
+    def local_rows(self, size: int) -> tuple[int, int]:
+        """The rows [lo, hi) of a padded global batch of `size` that this
+        process's devices hold; the whole batch when there is one process."""
+        index_map = self._rows.addressable_devices_indices_map((size,))
+        spans = [idx[0].indices(size)[:2] for idx in index_map.values()]
+        lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+        if hi - lo != sum(b - a for a, b in spans):
+            raise DpaxError("this process's devices are not contiguous in the mesh")
+        return lo, hi
+
+    def put_batch(self, batch: dict, size: int | None = None) -> dict:
+        """This process's rows of a padded global batch of `size` rows -> one
+        global array split over every process's devices."""
+        def put(v):
+            shape = ((size or len(v)),) + v.shape[1:]
+            return jax.make_array_from_process_local_data(self._rows, v, shape)
+
+        return {k: put(v) for k, v in batch.items()}
 
     def _wrap(self, fn: Callable, out_specs, donate: bool) -> Callable:
         mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), P(AXIS)), out_specs=out_specs)
@@ -60,8 +75,13 @@ class ShardMapBackend:
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
     def host_examples(self, tree: Any) -> Any:
-        """Host copy of per-example outputs, rows in global batch order (sync point)."""
-        return jax.device_get(tree)
+        """Host copy of per-example outputs, every process's rows in global batch
+        order (sync point; a gather across processes when there are several)."""
+        if jax.process_count() == 1:
+            return jax.device_get(tree)
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(tree, tiled=True)
 
 
 class PmapBackend:
@@ -83,7 +103,10 @@ class PmapBackend:
     def put_state(self, state: Any) -> Any:
         return jax.device_put(replicate(state, self.n), self._stacked)
 
-    def put_batch(self, batch: dict) -> dict:
+    def local_rows(self, size: int) -> tuple[int, int]:
+        return 0, size
+
+    def put_batch(self, batch: dict, size: int | None = None) -> dict:
         stacked = {k: v.reshape((self.n, -1) + v.shape[1:]) for k, v in batch.items()}
         return jax.device_put(stacked, self._stacked)
 

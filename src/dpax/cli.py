@@ -66,26 +66,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _start_devices(devices: int | None) -> None:
-    # Must run before anything creates the JAX backend. On CPU hosts this gives
-    # 8 simulated devices (or --devices of them); accelerators are unaffected.
-    from dpax.devices import simulate_devices
+def _start_devices(config: TrainConfig | None = None) -> None:
+    """Simulated CPU devices and the multi-process runtime, before JAX starts.
 
-    simulate_devices(max(devices or 8, 8))
+    On CPU hosts a single process gets 8 simulated devices (or --devices of
+    them, a subset used); each process of a multi-process run gets exactly
+    --devices. Accelerators are unaffected.
+    """
+    from dpax.devices import simulate_devices
+    from dpax.distributed import initialize
+
+    config = config or TrainConfig()
+    if (config.num_processes or 1) > 1:
+        simulate_devices(config.devices or 8)
+    else:
+        simulate_devices(max(config.devices or 8, 8))
+    initialize(config.coordinator, config.num_processes, config.process_id,
+               timeout=config.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "devices":
-            _start_devices(None)
+            _start_devices()
             from dpax.devices import describe
 
             print(describe())
             return 0
         config = config_from_args(args)
         config.validate()
-        _start_devices(config.devices)
+        _start_devices(config)
         from dpax.run import train
 
         train(config)

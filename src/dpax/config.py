@@ -9,6 +9,8 @@ import dataclasses
 import math
 import os
 
+from dpax.distributed import DEFAULT_TIMEOUT_S
+
 # The main job's length when neither --epochs nor --steps is given.
 DEFAULT_EPOCHS = 15
 
@@ -24,7 +26,7 @@ class TrainConfig:
     model: str = _field("cnn", "model: linear, mlp or cnn")
     data: str = _field("digits", "data: regression, digits, random-images, or a path to a .npz")
     devices: int | None = _field(
-        None, "devices to use (default: all local accelerators; on CPU, 8 simulated)"
+        None, "devices per process (default: all local accelerators; on CPU, 8 simulated)"
     )
     backend: str = _field("shard_map", "shard_map (jit + shard_map) or pmap")
     batch_size: int = _field(128, "GLOBAL batch size, split over the devices")
@@ -44,6 +46,14 @@ class TrainConfig:
     log_every: int = _field(10, "steps between metric logs (host syncs happen only here)")
     eval_every: int = _field(0, "steps between evaluations (0: only at the end)")
     out: str | None = _field(None, "run directory for metrics.jsonl and params.npz")
+    coordinator: str | None = _field(
+        None, "HOST:PORT of process 0, for multi-process runs (or use dpax launch)"
+    )
+    num_processes: int | None = _field(None, "processes in a multi-process run")
+    process_id: int | None = _field(None, "this process's rank, 0..num-processes-1")
+    timeout: int = _field(
+        DEFAULT_TIMEOUT_S, "seconds before an unreachable coordinator or a dead rank stops the run"
+    )
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """Steps of this run: --steps, else --epochs (default DEFAULT_EPOCHS) passes."""
@@ -88,5 +98,8 @@ class TrainConfig:
         if not self.data.endswith(".npz") and self.data not in data.DATASETS:
             raise DpaxError(f"unknown data {self.data!r}; choose one of "
                             f"{', '.join(data.DATASETS)} or a path to a .npz")
+        if self.backend == "pmap" and (self.num_processes or 1) > 1:
+            raise DpaxError("the pmap backend is single-process only in dpax; "
+                            "use --backend shard_map for several processes")
         if self.out is not None and os.path.exists(self.out) and not os.path.isdir(self.out):
             raise DpaxError(f"--out {self.out} is a file; give a directory path")

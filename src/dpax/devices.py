@@ -54,6 +54,13 @@ def select_devices(n: int | None = None) -> list[jax.Device]:
     A subset is fine: a process with 8 devices can train on 1, 2 or 4 of them.
     """
     available = jax.local_devices()
+    if jax.process_count() > 1:
+        # Several processes: the mesh spans every process's devices, and each
+        # process brings all of its own (a subset would leave holes in the mesh).
+        if n not in (None, len(available)):
+            raise DpaxError(f"with several processes each uses all its {len(available)} "
+                            f"local devices; drop --devices or set it to {len(available)}")
+        return list(jax.devices())
     if n is None:
         return list(available)
     if not isinstance(n, int) or n < 1:

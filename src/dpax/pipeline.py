@@ -43,22 +43,31 @@ def _shuffled(n: int, seed: int) -> grain.MapDataset:
     return grain.MapDataset.range(n).shuffle(seed=seed).repeat()
 
 
-def train_batches(
-    x: np.ndarray, y: np.ndarray, plan: BatchPlan, padded_size: int, start: int, stop: int
-) -> grain.IterDataset:
-    """Padded, masked host batches for steps `start..stop-1`.
+def local_part(x: np.ndarray, y: np.ndarray, idx: np.ndarray, rows: tuple[int, int]) -> Batch:
+    """Rows [lo, hi) of the padded global batch whose examples are `idx`: only
+    this process's examples are read; positions past len(idx) are padding."""
+    lo, hi = rows
+    mine = idx[lo:hi]
+    return pad_batch({"x": x[mine], "y": y[mine]}, hi - lo)
 
-    One Grain worker thread builds batch i+1 while the device runs step i.
+
+def train_batches(
+    x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, int], start: int, stop: int
+) -> grain.IterDataset:
+    """This process's rows of the padded, masked global batches of steps
+    `start..stop-1`. One Grain worker thread builds batch i+1 while the device
+    runs step i.
     """
     def make(step: int) -> Batch:
-        idx = plan.indices(step)
-        return pad_batch({"x": x[idx], "y": y[idx]}, padded_size)
+        return local_part(x, y, plan.indices(step), rows)
 
     ds = grain.MapDataset.range(start, stop).map(make)
     return ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=2))
 
 
-def eval_batches(x: np.ndarray, y: np.ndarray, batch_size: int, padded_size: int):
-    """Sequential padded, masked batches covering every example exactly once."""
-    for lo in range(0, len(x), batch_size):
-        yield pad_batch({"x": x[lo : lo + batch_size], "y": y[lo : lo + batch_size]}, padded_size)
+def eval_batches(x: np.ndarray, y: np.ndarray, batch_size: int, rows: tuple[int, int]):
+    """This process's rows of sequential padded, masked global batches that
+    cover every example exactly once."""
+    for start in range(0, len(x), batch_size):
+        idx = np.arange(start, min(start + batch_size, len(x)))
+        yield local_part(x, y, idx, rows)

@@ -28,10 +28,10 @@ def pad_batch(batch: Batch, size: int) -> Batch:
     every sum.
     """
     sizes = {k: len(v) for k, v in batch.items()}
-    b = next(iter(sizes.values()))
+    b = next(iter(sizes.values())) if sizes else 0
     if any(s != b for s in sizes.values()):
         raise ValueError(f"batch arrays differ in length: {sizes}")
-    if not 1 <= b <= size:
+    if not 0 <= b <= size:  # 0: a process whose rows of the batch are all padding
         raise ValueError(f"batch of {b} examples does not fit a padded size of {size}")
     out = {}
     for k, v in batch.items():

@@ -90,9 +90,10 @@ class Trainer:
     def padded(self, batch_size: int) -> int:
         return padded_size(batch_size, self.n_devices)
 
-    def train_step(self, host_batch: dict) -> dict:
-        """One step on a padded, masked host batch; returns device-side metric sums."""
-        self.state, metrics = self._train(self.state, self.backend.put_batch(host_batch))
+    def train_step(self, host_batch: dict, size: int | None = None) -> dict:
+        """One step on this process's rows of a padded, masked global batch of
+        `size` rows (default: all of them); returns device-side metric sums."""
+        self.state, metrics = self._train(self.state, self.backend.put_batch(host_batch, size))
         return metrics
 
     # -- loops -----------------------------------------------------------------------
@@ -120,9 +121,11 @@ class Trainer:
         pending: list[dict] = []
         in_flight: collections.deque = collections.deque()
         t_last, s_last = time.perf_counter(), start
-        batches = train_batches(x, y, plan, self.padded(batch_size), start, total)
+        size = self.padded(batch_size)
+        span = self.backend.local_rows(size)
+        batches = train_batches(x, y, plan, span, start, total)
         for step, host_batch in zip(range(start, total), batches):
-            metrics = self.train_step(host_batch)
+            metrics = self.train_step(host_batch, size)
             pending.append(metrics)
             in_flight.append(metrics["count"])
             if len(in_flight) > MAX_IN_FLIGHT:
@@ -142,8 +145,9 @@ class Trainer:
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 256) -> dict:
         """Mean loss and metrics over every example of (x, y), each counted once."""
         size = self.padded(batch_size)
-        sums = [self._eval(self.state, self.backend.put_batch(b))
-                for b in eval_batches(x, y, batch_size, size)]
+        rows = self.backend.local_rows(size)
+        sums = [self._eval(self.state, self.backend.put_batch(b, size))
+                for b in eval_batches(x, y, batch_size, rows)]
         return summarize(self.backend.host(sums))  # sync point
 
     def predict(self, x: np.ndarray, batch_size: int = 256) -> np.ndarray:
@@ -151,12 +155,13 @@ class Trainer:
         if self._predict is None:
             raise DpaxError("this Trainer was built without predict_fn")
         size = self.padded(batch_size)
-        outs, masks = [], []
-        for b in eval_batches(x, np.zeros(len(x), np.int32), batch_size, size):
-            outs.append(self._predict(self.state, self.backend.put_batch(b)))
-            masks.append(b["mask"])
+        rows = self.backend.local_rows(size)
+        outs = [self._predict(self.state, self.backend.put_batch(b, size))
+                for b in eval_batches(x, np.zeros(len(x), np.int32), batch_size, rows)]
         flat = [self.backend.host_examples(o) for o in outs]  # sync point
-        return np.concatenate([f[m] for f, m in zip(flat, masks)])
+        # Batch i holds examples i*batch_size.. in order, then padding: cut it off.
+        sizes = [min(batch_size, len(x) - lo) for lo in range(0, len(x), batch_size)]
+        return np.concatenate([f[:k] for f, k in zip(flat, sizes)])
 
     # -- results ---------------------------------------------------------------------
     @property
