@@ -63,6 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Train a model data-parallel on N devices.")
     add_config_flags(train)
     sub.add_parser("devices", help="print the devices JAX sees")
+    launch = sub.add_parser(
+        "launch", help="run `dpax train` as several local processes",
+        description="Start P processes of one multi-process run: "
+                    "dpax launch --nprocs 2 --devices-per-process 2 -- --steps 100")
+    launch.add_argument("--nprocs", type=int, required=True, metavar="P",
+                        help="number of processes")
+    launch.add_argument("--devices-per-process", type=int, default=None, metavar="D",
+                        help="devices per process (default: all local; on CPU, 8 simulated)")
+    launch.add_argument("--port", type=int, default=None,
+                        help="coordinator port (default: a free one)")
+    launch.add_argument("--verbose", action="store_true",
+                        help="show every rank's output, not only rank 0's")
+    launch.add_argument("train_args", nargs=argparse.REMAINDER,
+                        help="-- then the flags of dpax train")
     return parser
 
 
@@ -94,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
 
             print(describe())
             return 0
+        if args.command == "launch":
+            from dpax.launch import launch
+
+            train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+            return launch(train_args, args.nprocs, args.devices_per_process, args.port,
+                          args.verbose)
         config = config_from_args(args)
         config.validate()
         _start_devices(config)

@@ -31,7 +31,8 @@ def _check_reachable(host: str, port: int, process_id: int, timeout: float) -> N
     try:
         socket.getaddrinfo(host, port)
     except socket.gaierror:
-        raise DpaxError(f"coordinator host {host!r} does not resolve; check --coordinator") from None
+        msg = f"coordinator host {host!r} does not resolve; check --coordinator"
+        raise DpaxError(msg) from None
     if process_id == 0:  # process 0 hosts the coordinator: the port must be free here
         with socket.socket() as s:
             try:

@@ -13,6 +13,7 @@ from flax import nnx, traverse_util
 from dpax import data as data_mod
 from dpax import models, optim
 from dpax.config import TrainConfig
+from dpax.distributed import is_writer
 from dpax.pipeline import BatchPlan
 from dpax.trainer import Trainer, default_loss
 from dpax.writers import ConsoleWriter, JsonlWriter, MultiWriter, save_params
@@ -37,7 +38,7 @@ class RunResult:
 
 def flat_params(params: nnx.State) -> dict[str, np.ndarray]:
     """One host array per parameter path, e.g. `conv1/kernel`."""
-    flat = traverse_util.flatten_dict(params.to_pure_dict(), sep="/")
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(params), sep="/")
     return {k: np.asarray(v) for k, v in flat.items()}
 
 
@@ -57,8 +58,11 @@ def train(config: TrainConfig, *, log=sys.stdout) -> RunResult:
     trainer = Trainer(model, loss_fn, tx, devices=config.devices, backend=config.backend,
                       predict_fn=predict_fn, schedule=schedule)
 
+    writer_process = is_writer()  # only process 0 prints progress and writes --out
+    if not writer_process:
+        log = None
     writers: list = [] if log is None else [ConsoleWriter(total, log)]
-    if config.out is not None:
+    if config.out is not None and writer_process:
         os.makedirs(config.out, exist_ok=True)
         writers.append(JsonlWriter(os.path.join(config.out, "metrics.jsonl")))
     writer = MultiWriter(writers)
@@ -85,7 +89,7 @@ def train(config: TrainConfig, *, log=sys.stdout) -> RunResult:
     ev = trainer.evaluate(ds.x_eval, ds.y_eval)
     writer.write(total, {f"eval_{k}": v for k, v in ev.items()})
     writer.close()
-    if config.out is not None:
+    if config.out is not None and writer_process:
         save_params(os.path.join(config.out, "params.npz"), flat_params(trainer.params))
     result = RunResult(trainer, history, ev, total, speed)
     if log is not None:

@@ -1,0 +1,119 @@
+"""Several processes on JAX's own runtime (gloo on CPU) give one device's result."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import dpax
+from dpax.cli import main
+
+RUN = ["--steps", "10", "--batch-size", "50", "--optimizer", "sgd", "--lr", "0.1",
+       "--log-every", "5"]
+
+
+def launch(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "dpax", "launch", *args], capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+def in_process(devices, out):
+    assert main(["train", *RUN, "--devices", str(devices), "--out", str(out)]) == 0
+    with np.load(out / "params.npz") as p:
+        return {k: p[k] for k in p.files}
+
+
+def test_launch_2x2_equals_1x4_equals_1x1(tmp_path, capsys):
+    r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *RUN,
+               "--out", str(tmp_path / "launched"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(re.findall(r"^\[rank 0\] eval accuracy", r.stdout, re.M)) == 1
+    assert "[rank 1]" not in r.stdout  # only rank 0 reports, unless --verbose
+    assert sorted(os.listdir(tmp_path / "launched")) == ["metrics.jsonl", "params.npz"]
+    with np.load(tmp_path / "launched" / "params.npz") as p:
+        launched = {k: p[k] for k in p.files}
+    four, one = in_process(4, tmp_path / "four"), in_process(1, tmp_path / "one")
+    capsys.readouterr()
+    for ref in (four, one):
+        diff = max(float(np.max(np.abs(launched[k] - ref[k]))) for k in ref)
+        print(f"launched 2x2 vs in-process: max |diff| {diff:.2e}")
+        assert diff <= 1e-5
+
+
+def _children(ppid):
+    """{pid: command line} of the live processes whose parent is `ppid` (from /proc)."""
+    kids = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+            cmd = open(f"/proc/{entry}/cmdline").read().replace("\0", " ")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # state, ppid, ...
+        if int(fields[1]) == ppid and fields[0] != "Z":
+            kids[int(entry)] = cmd
+    return kids
+
+
+def test_killing_a_rank_stops_the_launch_and_leaves_no_process(tmp_path):
+    cmd = [sys.executable, "-m", "dpax", "launch", "--nprocs", "2", "--devices-per-process",
+           "2", "--", "--steps", "100000", "--batch-size", "50", "--log-every", "20"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:  # wait until training runs on both ranks
+        lines.append(line)
+        if "step 20/" in line:
+            break
+    ranks = _children(p.pid)
+    victim = next(pid for pid, args in ranks.items() if "--process-id 1" in args)
+    t0 = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    lines += p.stdout.readlines()
+    rc = p.wait(timeout=60)
+    took = time.monotonic() - t0
+    out = "".join(lines)
+    assert rc != 0 and took < 60
+    assert "dpax launch: rank 1 was killed by SIGKILL" in out, out[-2000:]
+    assert not _children(p.pid), "ranks still running after the launcher exited"
+    for pid in ranks:  # reparented ranks would no longer show as children: check each
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read()
+
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--coordinator", "no-port-here", "--num-processes", "2", "--process-id", "0"],
+     "not HOST:PORT"),
+    (["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in [0, 2)"),
+    (["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "-1"],
+     "--process-id must be in [0, 2)"),
+    (["--coordinator", "nosuchhost.invalid:1234", "--num-processes", "2",
+      "--process-id", "1"], "does not resolve"),
+    (["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "1",
+      "--timeout", "2"], "cannot reach the coordinator"),
+    (["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "0",
+      "--backend", "pmap"], "use --backend shard_map"),
+    (["--num-processes", "2"], "together"),
+])
+def test_bad_multiprocess_flags_exit_2_with_one_line(flags, needle, capsys):
+    assert main(["train", "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+
+
+def test_launch_refuses_flags_it_sets_itself():
+    r = launch("--nprocs", "2", "--", "--process-id", "1")
+    assert r.returncode == 2 and "sets --process-id itself" in r.stderr
+
+
+def test_pmap_with_several_processes_names_the_fix():
+    with pytest.raises(dpax.DpaxError, match="--backend shard_map"):
+        dpax.TrainConfig(backend="pmap", num_processes=2, process_id=0,
+                         coordinator="localhost:1").validate()
