@@ -63,3 +63,15 @@ def test_sync_check_reads_every_device_of_a_replicated_array():
             for i, d in enumerate(devs)]
     diverged = jax.make_array_from_single_device_arrays((3,), rep, bufs)
     assert not replicas_in_sync(diverged)
+
+
+def test_batch_plan_covers_each_epoch_once_and_reshuffles():
+    from dpax import BatchPlan
+
+    plan = BatchPlan(n_examples=10, batch_size=4, seed=3)
+    epochs = [np.concatenate([plan.indices(e * 3 + j) for j in range(3)]) for e in range(3)]
+    for order in epochs:
+        assert sorted(order.tolist()) == list(range(10))  # 4 + 4 + 2, nothing dropped
+    assert epochs[0].tolist() != epochs[1].tolist()
+    assert plan.indices(5).tolist() == BatchPlan(10, 4, 3).indices(5).tolist()
+    assert plan.indices(0).tolist() != BatchPlan(10, 4, 4).indices(0).tolist()
