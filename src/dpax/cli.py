@@ -14,8 +14,10 @@ import typing
 
 from dpax.config import TrainConfig
 from dpax.errors import DpaxError
+from dpax.trainer import TooManyBadSteps
 
-EXIT_USAGE = 2
+EXIT_USAGE = 2  # bad input: nothing ran
+EXIT_BAD_STEPS = 3  # too many non-finite steps in a row; last good params saved
 
 
 class _Parser(argparse.ArgumentParser):
@@ -124,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     except DpaxError as e:
         print(f"dpax: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except TooManyBadSteps as e:
+        print(f"dpax: stopped: {e}", file=sys.stderr)
+        return EXIT_BAD_STEPS
     except KeyboardInterrupt:
         print("dpax: interrupted", file=sys.stderr)
         return 130

@@ -42,6 +42,13 @@ class TrainConfig:
     reference_batch: int = _field(128, "batch size the lr was tuned for (with --scale-lr)")
     momentum: float = _field(0.9, "momentum of the momentum optimizer")
     weight_decay: float = _field(1e-4, "weight decay of adamw")
+    grad_accum: int = _field(1, "micro-batches per device, accumulated in the step")
+    precision: str = _field("fp32", "fp32, or bf16 compute on fp32 master params")
+    allreduce_dtype: str = _field("fp32", "dtype of the gradient all-reduce: fp32 or bf16")
+    clip_norm: float | None = _field(None, "clip the reduced gradient to this global norm")
+    max_bad_steps: int = _field(
+        10, "stop (exit 3) after this many non-finite steps in a row, checked at log steps"
+    )
     seed: int = _field(0, "seed of the init and of the batch order")
     log_every: int = _field(10, "steps between metric logs (host syncs happen only here)")
     eval_every: int = _field(0, "steps between evaluations (0: only at the end)")
@@ -85,6 +92,15 @@ class TrainConfig:
         positive("steps", self.steps, allow_none=True)
         if self.epochs is not None and self.steps is not None:
             raise DpaxError("give exactly one of --steps or --epochs, not both")
+        positive("grad_accum", self.grad_accum)
+        positive("max_bad_steps", self.max_bad_steps)
+        for name, value in (("precision", self.precision),
+                            ("allreduce_dtype", self.allreduce_dtype)):
+            if value not in ("fp32", "bf16"):
+                raise DpaxError(f"--{name.replace('_', '-')} must be fp32 or bf16, got {value!r}")
+        if self.clip_norm is not None and not (math.isfinite(self.clip_norm)
+                                               and self.clip_norm > 0):
+            raise DpaxError(f"--clip-norm must be a finite number > 0, got {self.clip_norm}")
         if self.eval_every < 0:
             raise DpaxError(f"--eval-every must be >= 0, got {self.eval_every}")
         if not (math.isfinite(self.lr) and self.lr > 0):

@@ -8,6 +8,7 @@ import sys
 import time
 
 import numpy as np
+import optax
 from flax import nnx, traverse_util
 
 from dpax import data as data_mod
@@ -15,7 +16,7 @@ from dpax import models, optim
 from dpax.config import TrainConfig
 from dpax.distributed import is_writer
 from dpax.pipeline import BatchPlan
-from dpax.trainer import Trainer, default_loss
+from dpax.trainer import TooManyBadSteps, Trainer, default_loss
 from dpax.writers import ConsoleWriter, JsonlWriter, MultiWriter, save_params
 
 
@@ -53,10 +54,15 @@ def train(config: TrainConfig, *, log=sys.stdout) -> RunResult:
         lr = optim.scaled_lr(lr, config.batch_size, config.reference_batch)
     schedule = optim.make_schedule(lr, config.schedule, config.warmup_steps, total)
     tx = optim.make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay)
+    if config.clip_norm is not None:
+        # Clipping sees the reduced gradient, so every replica clips identically.
+        tx = optax.chain(optax.clip_by_global_norm(config.clip_norm), tx)
     loss_fn, predict_fn = default_loss(ds.task)
     model = models.make_model(config.model, ds.input_shape, ds.n_out, config.seed)
     trainer = Trainer(model, loss_fn, tx, devices=config.devices, backend=config.backend,
-                      predict_fn=predict_fn, schedule=schedule)
+                      predict_fn=predict_fn, schedule=schedule, grad_accum=config.grad_accum,
+                      precision=config.precision, allreduce_dtype=config.allreduce_dtype,
+                      max_bad_steps=config.max_bad_steps)
 
     writer_process = is_writer()  # only process 0 prints progress and writes --out
     if not writer_process:
@@ -81,8 +87,14 @@ def train(config: TrainConfig, *, log=sys.stdout) -> RunResult:
         print(f"dpax: {config.model} on {ds.name}, {trainer.n_devices} device(s) "
               f"({config.backend}), global batch {config.batch_size}, {total} steps",
               file=log, flush=True)
-    history = trainer.fit(ds.x_train, ds.y_train, batch_size=config.batch_size, steps=total,
-                          seed=config.seed, log_every=config.log_every, on_log=on_log)
+    try:
+        history = trainer.fit(ds.x_train, ds.y_train, batch_size=config.batch_size, steps=total,
+                              seed=config.seed, log_every=config.log_every, on_log=on_log)
+    except TooManyBadSteps:
+        writer.close()
+        if config.out is not None and writer_process:  # keep the last good params
+            save_params(os.path.join(config.out, "params.npz"), flat_params(trainer.params))
+        raise
     (s0, t0), now = first_log[0], time.perf_counter()
     # Steady speed: the first log interval holds the compilation, so it is left out.
     speed = (total - s0) / (now - t0) if total > s0 else history[-1]["steps_per_sec"]

@@ -9,6 +9,7 @@ mean exactly, even when shards hold different numbers of real examples.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -31,12 +32,26 @@ class TrainState:
     params: nnx.State  # nnx.Param variables: what the optimizer updates
     rest: nnx.State  # every other model variable (e.g. batch statistics)
     opt_state: optax.OptState
+    bad_in_a_row: jax.Array  # consecutive steps skipped for a non-finite loss or gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How the training step computes; none of these change what it computes
+    beyond float rounding (bf16 compute and bf16 all-reduce round more)."""
+
+    grad_accum: int = 1  # micro-batches per device shard, summed inside the step
+    compute_dtype: Any = None  # e.g. jnp.bfloat16 for forward/backward; params stay f32
+    allreduce_dtype: Any = None  # e.g. jnp.bfloat16 halves the gradient bytes reduced
+    skip_nonfinite: bool = True  # a NaN/inf loss or gradient leaves the state unchanged
 
 
 def init_state(model: nnx.Module, tx: optax.GradientTransformation):
     """Split a model into its static graph and a `TrainState`."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return graphdef, TrainState(jnp.zeros((), jnp.int32), params, rest, tx.init(params))
+    # Two separate zeros: one buffer in two donated fields would be donated twice.
+    step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+    return graphdef, TrainState(step, params, rest, tx.init(params), bad)
 
 
 def _losses_and_metrics(loss_fn: LossFn, model, batch) -> tuple[jax.Array, dict]:
@@ -65,39 +80,87 @@ def _sums(loss_fn, model, batch):
     return _masked_sum(losses, mask), sums
 
 
+def _cast_floats(tree, dtype):
+    if dtype is None:
+        return tree
+    return jax.tree.map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _all_finite(*trees) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(a)) for t in trees for a in jax.tree.leaves(t)]
+    return jnp.all(jnp.stack(leaves))
+
+
 def make_train_step(
     graphdef: nnx.GraphDef,
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule | None = None,
+    options: StepOptions = StepOptions(),
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """The per-device training step: `(state, shard) -> (state, metric sums)`."""
+    k = options.grad_accum
 
     def train_step(state: TrainState, batch: dict):
-        def local_loss_sum(params):
-            model = nnx.merge(graphdef, params, state.rest)
-            loss_sum, sums = _sums(loss_fn, model, batch)
-            _, _, rest = nnx.split(model, nnx.Param, ...)
-            return loss_sum, (sums, rest)
-
         # Differentiate this device's own loss sum. Without the cast, shard_map
         # would transpose the replicated params into an implicit psum, and the
         # explicit one below would count every gradient N times.
         local_params = jax.lax.pcast(state.params, AXIS, to="varying")
-        (loss_sum, (sums, rest)), grad_sums = jax.value_and_grad(local_loss_sum, has_aux=True)(
-            local_params
-        )
+
+        def sums_and_grads(rest, micro):
+            def local_loss_sum(params):
+                model = nnx.merge(graphdef, _cast_floats(params, options.compute_dtype), rest)
+                micro_in = {**micro, "x": _cast_floats(micro["x"], options.compute_dtype)}
+                loss_sum, sums = _sums(loss_fn, model, micro_in)
+                _, _, new_rest = nnx.split(model, nnx.Param, ...)
+                # Model state keeps its own dtype whatever the compute dtype was.
+                new_rest = jax.tree.map(lambda n, o: n.astype(o.dtype), new_rest, rest)
+                return loss_sum, (sums, new_rest)
+
+            (loss_sum, (sums, rest)), grads = jax.value_and_grad(
+                local_loss_sum, has_aux=True)(local_params)
+            return (loss_sum, sums, grads), rest
+
+        if k == 1:
+            (loss_sum, sums, grad_sums), rest = sums_and_grads(state.rest, batch)
+        else:
+            # K micro-batches of this shard, summed in a scan: activations of one
+            # micro-batch live at a time, and the all-reduce below still runs once.
+            micro = jax.tree.map(lambda v: v.reshape((k, -1) + v.shape[1:]), batch)
+            first = jax.tree.map(lambda v: v[0], micro)
+            acc, rest = sums_and_grads(state.rest, first)
+
+            def accumulate(carry, mb):
+                acc, rest = carry
+                new, rest = sums_and_grads(rest, mb)
+                return (jax.tree.map(jnp.add, acc, new), rest), None
+
+            (acc, rest), _ = jax.lax.scan(
+                accumulate, (acc, rest), jax.tree.map(lambda v: v[1:], micro))
+            loss_sum, sums, grad_sums = acc
+
         count = jnp.sum(batch["mask"].astype(jnp.float32))
+        grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
         # One all-reduce for everything: sums add up exactly across devices.
         loss_sum, count, grad_sums, sums = jax.lax.psum((loss_sum, count, grad_sums, sums), AXIS)
-        grads = jax.tree.map(lambda g: g / count, grad_sums)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / count, grad_sums)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss_sum": loss_sum, "count": count, **sums}
+        new = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state,
+                            bad_in_a_row=jnp.zeros_like(state.bad_in_a_row))
+        finite = _all_finite(loss_sum, grads)  # reduced values: the same on every replica
+        if options.skip_nonfinite:
+            keep = state.replace(step=state.step + 1, bad_in_a_row=state.bad_in_a_row + 1)
+            new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, keep)
+        # A skipped step adds nothing to the logged means; it is counted instead.
+        metrics = jax.tree.map(lambda v: jnp.where(finite, v, 0.0),
+                               {"loss_sum": loss_sum, "count": count, **sums})
+        metrics["skipped_total"] = 1.0 - finite.astype(jnp.float32)
+        metrics["bad_in_a_row"] = new.bad_in_a_row
         metrics["grad_norm"] = optax.tree.norm(grads)
         if schedule is not None:
             metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
-        new = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state)
         return new, metrics
 
     return train_step

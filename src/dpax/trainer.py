@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -21,10 +22,11 @@ from dpax import losses as losses_mod
 from dpax.backends import make_backend
 from dpax.devices import select_devices
 from dpax.errors import DpaxError
-from dpax.pipeline import BatchPlan, eval_batches, train_batches
+from dpax.pipeline import BatchPlan, eval_batches, local_part, train_batches
 from dpax.sharding import padded_size
 from dpax.step import (
     LossFn,
+    StepOptions,
     init_state,
     make_eval_step,
     make_predict_step,
@@ -50,6 +52,11 @@ class Trainer:
       backend: "shard_map" (default) or "pmap"; both give the same numbers.
       predict_fn: `predict_fn(model, batch) -> one output per example`.
       schedule: the learning-rate schedule, only to report the LR as a metric.
+      grad_accum: micro-batches per device shard, accumulated inside the step.
+      precision: "fp32", or "bf16" for bf16 forward/backward on fp32 params.
+      allreduce_dtype: "fp32" or "bf16" for the gradient all-reduce.
+      max_bad_steps: stop with `TooManyBadSteps` after this many skipped
+        (non-finite) steps in a row, checked at log boundaries; None: never.
     """
 
     def __init__(
@@ -62,16 +69,24 @@ class Trainer:
         backend: str = "shard_map",
         predict_fn: Callable | None = None,
         schedule: optax.Schedule | None = None,
+        grad_accum: int = 1,
+        precision: str = "fp32",
+        allreduce_dtype: str = "fp32",
+        max_bad_steps: int | None = 10,
     ):
         devs = devices if isinstance(devices, (list, tuple)) else select_devices(devices)
         self.backend = make_backend(backend, devs)
         self.n_devices = self.backend.n
         self.loss_fn = loss_fn
+        self.grad_accum = grad_accum
+        self.max_bad_steps = max_bad_steps
+        options = StepOptions(grad_accum=grad_accum, compute_dtype=_dtype(precision),
+                              allreduce_dtype=_dtype(allreduce_dtype))
         self._graphdef, state = init_state(model, optimizer)
         self.state = self.backend.put_state(state)
         self.traces = collections.Counter()  # compilations per step kind
         self._train = self.backend.train(self._counted("train", make_train_step(
-            self._graphdef, loss_fn, optimizer, schedule)))
+            self._graphdef, loss_fn, optimizer, schedule, options)))
         self._eval = self.backend.reduce(self._counted("eval", make_eval_step(
             self._graphdef, loss_fn)))
         self._predict = None
@@ -88,7 +103,8 @@ class Trainer:
 
     # -- one step --------------------------------------------------------------------
     def padded(self, batch_size: int) -> int:
-        return padded_size(batch_size, self.n_devices)
+        """Rows a global batch is padded to: a multiple of devices x micro-batches."""
+        return padded_size(batch_size, self.n_devices * self.grad_accum)
 
     def train_step(self, host_batch: dict, size: int | None = None) -> dict:
         """One step on this process's rows of a padded, masked global batch of
@@ -132,6 +148,7 @@ class Trainer:
                 in_flight.popleft().block_until_ready()  # waits, transfers nothing
             if (step + 1) % log_every == 0 or step + 1 == total:
                 row = summarize(self.backend.host(pending))  # sync point: once per log
+                self._check_bad_steps(row)
                 now = time.perf_counter()
                 row.update(step=step + 1, epoch=(step + 1) / plan.steps_per_epoch,
                            steps_per_sec=(step + 1 - s_last) / (now - t_last))
@@ -141,6 +158,64 @@ class Trainer:
                 if on_log is not None:
                     on_log(step + 1, row)
         return rows
+
+    def _check_bad_steps(self, row: dict) -> None:
+        bad = int(row.pop("bad_in_a_row", 0))
+        if self.max_bad_steps is not None and bad >= self.max_bad_steps:
+            raise TooManyBadSteps(
+                f"{bad} steps in a row had a non-finite loss or gradient and were skipped "
+                f"(limit {self.max_bad_steps}); the params are the last good ones. Lower the "
+                "learning rate, clip gradients (--clip-norm) or check the data for NaNs"
+            )
+
+    def fit_stream(
+        self,
+        batches: Iterable[dict],
+        *,
+        buckets: Sequence[int] | None = None,
+        log_every: int = 10,
+        on_log: Callable[[int, dict], None] | None = None,
+    ) -> list[dict]:
+        """Train on host batches of ANY size, one step each.
+
+        Each batch (arrays `x`, `y` of b >= 1 rows) is padded to the smallest
+        bucket that holds it and masked, so the step compiles at most once per
+        bucket, however many sizes arrive. Default buckets: N*K times powers of
+        two (N devices, K micro-batches).
+        """
+        unit = self.n_devices * self.grad_accum
+        if buckets is not None:
+            buckets = sorted(buckets)
+            if any(b % unit for b in buckets):
+                raise DpaxError(f"every bucket must be a multiple of {unit} "
+                                f"(devices x grad_accum), got {buckets}")
+        rows, pending = [], []
+        in_flight: collections.deque = collections.deque()
+        t_last, n_last, step = time.perf_counter(), 0, 0
+        for step, batch in enumerate(batches, 1):
+            b = len(batch["x"])
+            size = _bucket(b, unit, buckets)
+            span = self.backend.local_rows(size)
+            host = local_part(batch["x"], batch["y"], np.arange(b), span)
+            metrics = self.train_step(host, size)
+            pending.append(metrics)
+            in_flight.append(metrics["count"])
+            if len(in_flight) > MAX_IN_FLIGHT:
+                in_flight.popleft().block_until_ready()  # waits, transfers nothing
+            if step % log_every == 0:
+                rows.append(self._log(pending, step, t_last, n_last, on_log))
+                pending, t_last, n_last = [], time.perf_counter(), step
+        if pending:
+            rows.append(self._log(pending, step, t_last, n_last, on_log))
+        return rows
+
+    def _log(self, pending, step, t_last, n_last, on_log) -> dict:
+        row = summarize(self.backend.host(pending))  # sync point: once per log
+        self._check_bad_steps(row)
+        row.update(step=step, steps_per_sec=(step - n_last) / (time.perf_counter() - t_last))
+        if on_log is not None:
+            on_log(step, row)
+        return row
 
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 256) -> dict:
         """Mean loss and metrics over every example of (x, y), each counted once."""
@@ -190,16 +265,43 @@ def resolve_steps(steps: int | None, epochs: int | None, steps_per_epoch: int) -
 
 def summarize(sums: Iterable[dict] | dict) -> dict:
     """Means over steps from host metric sums: `x_sum / count`; last value otherwise."""
+    """Means over steps from host metric sums: `x_sum / count`; `x_total` is
+    summed over the steps; anything else is the last step's value."""
     sums = [sums] if isinstance(sums, dict) else list(sums)
     count = sum(float(s["count"]) for s in sums)
     out = {"examples": int(count)}
     for k in sums[-1]:
+        total = sum(np.asarray(s[k], np.float64) for s in sums) if k != "count" else None
         if k.endswith("_sum"):
             name = "loss" if k == "loss_sum" else k[: -len("_sum")]
-            out[name] = _scalar(sum(np.asarray(s[k], np.float64) for s in sums) / count)
+            out[name] = _scalar(total / count) if count else float("nan")
+        elif k.endswith("_total"):
+            out[k[: -len("_total")]] = _scalar(total)
         elif k != "count":
             out[k] = _scalar(np.asarray(sums[-1][k]))
     return out
+
+
+def _bucket(b: int, unit: int, buckets: Sequence[int] | None) -> int:
+    if buckets is None:
+        size = unit
+        while size < b:
+            size *= 2
+        return size
+    for size in buckets:
+        if size >= b:
+            return size
+    raise DpaxError(f"a batch of {b} examples is larger than the largest bucket {buckets[-1]}")
+
+
+def _dtype(name: str):
+    if name not in ("fp32", "bf16"):
+        raise DpaxError(f"unknown precision {name!r}; choose fp32 or bf16")
+    return jnp.bfloat16 if name == "bf16" else None
+
+
+class TooManyBadSteps(RuntimeError):
+    """Too many consecutive non-finite steps; the state holds the last good params."""
 
 
 def _scalar(x: np.ndarray):

@@ -36,7 +36,8 @@ class ConsoleWriter:
 
     def write(self, step: int, row: dict) -> None:
         parts = [f"step {step}/{self._total}"]
-        for key in ("loss", "accuracy", "eval_loss", "eval_accuracy", "lr", "grad_norm"):
+        for key in ("loss", "accuracy", "eval_loss", "eval_accuracy", "lr", "grad_norm",
+                    "skipped"):
             if key in row:
                 parts.append(f"{key} {row[key]:.4g}")
         if "steps_per_sec" in row:

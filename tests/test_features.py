@@ -1,0 +1,226 @@
+"""Seed training tricks, compiled into the one step, keeping the promise:
+gradient accumulation, bf16, clipping, the non-finite guard, dynamic batches."""
+
+import functools
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dpax
+from dpax import data, losses, models
+
+STEPS = 10
+
+
+@functools.cache
+def digits():
+    return data.digits()
+
+
+def mlp():
+    ds = digits()
+    return models.MLP(ds.input_shape, ds.n_out, hidden=16, rngs=nnx.Rngs(0))
+
+
+def trainer(n, tx=None, **kw):
+    return dpax.Trainer(mlp(), losses.classification_loss, tx or optax.sgd(0.1), devices=n,
+                        **kw)
+
+
+def fit(t, batch_size, steps=STEPS, log_every=1):
+    ds = digits()
+    return t.fit(ds.x_train, ds.y_train, batch_size=batch_size, steps=steps, log_every=log_every)
+
+
+def leaves(t):
+    return jax.tree.leaves(t.params)
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def plain_jit_params(tx, batches):
+    """The textbook single-device loop on the mean loss of each unpadded batch."""
+    graphdef, params = nnx.split(mlp())
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        def loss(p):
+            logits = nnx.merge(graphdef, p)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for x, y in batches:
+        params, opt_state = step(params, opt_state, x, y)
+    return jax.tree.leaves(params)
+
+
+def plan_batches(batch_size, steps=STEPS):
+    ds = digits()
+    plan = dpax.BatchPlan(len(ds.x_train), batch_size, seed=0)
+    return [(ds.x_train[plan.indices(s)], ds.y_train[plan.indices(s)]) for s in range(steps)]
+
+
+# -- gradient accumulation ---------------------------------------------------------------
+@pytest.mark.parametrize("batch_size", [64, 61])  # 61: not divisible by 2 x 4
+@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+def test_two_devices_with_grad_accum_4_equal_one_device(batch_size, backend):
+    ref = trainer(1)
+    fit(ref, batch_size)
+    acc = trainer(2, grad_accum=4, backend=backend)
+    fit(acc, batch_size)
+    diff = max_diff(leaves(acc), leaves(ref))
+    print(f"grad-accum 4 on 2 devices ({backend}), batch {batch_size}: max |diff| {diff:.2e}")
+    assert diff <= 1e-5
+    assert acc.traces["train"] == 1
+
+
+def hlo_all_reduces(t, batch_size):
+    """(count, bytes) of the all-reduce ops in the compiled training step."""
+    size = t.padded(batch_size)
+    ds = digits()
+    batch = dpax.pad_batch({"x": ds.x_train[:batch_size], "y": ds.y_train[:batch_size]}, size)
+    text = t._train.lower(t.state, t.backend.put_batch(batch, size)).compile().as_text()
+    ops = [ln for ln in text.splitlines() if re.search(r"\ball-reduce(-start)?\(", ln)]
+    width = {"f32": 4, "bf16": 2, "s32": 4, "f64": 8}
+    total = 0
+    for ln in ops:
+        result = ln.split("=", 1)[1].split("all-reduce")[0]
+        for dt, dims in re.findall(r"(f32|bf16|s32|f64)\[([\d,]*)\]", result):
+            total += width[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return len(ops), total, text
+
+
+def test_grad_accum_does_not_multiply_the_all_reduces():
+    one = hlo_all_reduces(trainer(4), 64)
+    four = hlo_all_reduces(trainer(4, grad_accum=4), 64)
+    print(f"all-reduce ops/bytes: K=1 {one[:2]}, K=4 {four[:2]}")
+    assert one[0] >= 1 and (one[0], one[1]) == (four[0], four[1])
+
+
+# -- bf16 --------------------------------------------------------------------------------
+def lowered_all_reduce_types(t, batch_size):
+    """Operand types of every all-reduce in the step as dpax emits it (StableHLO)."""
+    size = t.padded(batch_size)
+    ds = digits()
+    batch = dpax.pad_batch({"x": ds.x_train[:batch_size], "y": ds.y_train[:batch_size]}, size)
+    text = t._train.lower(t.state, t.backend.put_batch(batch, size)).as_text()
+    return re.findall(r'"stablehlo.all_reduce"\(.*?\}\) : \((.*?)\) ->', text, re.S)
+
+
+def test_bf16_all_reduce_shows_in_the_hlo():
+    fp32 = lowered_all_reduce_types(trainer(4), 64)
+    bf16 = lowered_all_reduce_types(trainer(4, allreduce_dtype="bf16"), 64)
+    assert fp32 and not any("bf16" in t for t in fp32)
+    grads = [t for t in bf16 if "bf16" in t]
+    print(f"all-reduces with --allreduce-dtype bf16: {len(grads)} bf16 of {len(bf16)}")
+    assert len(grads) == 6  # the MLP's 3 kernels and 3 biases; loss and count stay f32
+
+
+def test_bf16_trains_digits_with_fp32_params_close_to_fp32():
+    ds = digits()
+
+    def run(precision, allreduce):
+        model = dpax.make_model("cnn", ds.input_shape, ds.n_out, seed=0)
+        t = dpax.Trainer(model, losses.classification_loss, optax.adam(3e-3), devices=8,
+                         precision=precision, allreduce_dtype=allreduce)
+        rows = t.fit(ds.x_train, ds.y_train, batch_size=128, epochs=10, log_every=12)
+        return t, np.array([r["loss"] for r in rows])
+
+    t32, curve32 = run("fp32", "fp32")
+    t16, curve16 = run("bf16", "bf16")
+    assert all(a.dtype == np.float32 for a in leaves(t16))
+    acc = t16.evaluate(ds.x_eval, ds.y_eval)["accuracy"]
+    gap = float(np.max(np.abs(curve16 - curve32)))
+    print(f"bf16 eval accuracy {acc:.3f}; loss curve max |bf16 - fp32| {gap:.3f}")
+    assert acc >= 0.95
+    assert gap <= 0.02  # per-epoch mean loss, from 2.3 down to ~0.03
+
+
+# -- clipping ----------------------------------------------------------------------------
+def test_clipping_on_4_devices_equals_optax_clip_on_one():
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1))
+    t = trainer(4, tx=tx)
+    rows = fit(t, 61)
+    assert min(r["grad_norm"] for r in rows) > 0.05  # the clip really acted every step
+    ref = plain_jit_params(tx, plan_batches(61))
+    assert max_diff(leaves(t), ref) <= 1e-5
+
+
+# -- non-finite guard --------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+def test_a_nan_batch_is_skipped_on_every_replica(backend):
+    good = plan_batches(40, steps=4)
+    nan = (good[1][0].copy(), good[1][1])
+    nan[0][3] = np.nan
+    stream = [good[0], nan, good[1], good[2], good[3]]
+    t = trainer(4, backend=backend)
+    rows = t.fit_stream(({"x": x, "y": y} for x, y in stream), log_every=5)
+    assert rows[0]["skipped"] == 1 and rows[0]["examples"] == 160  # 4 good batches of 40
+    assert dpax.replicas_in_sync(t.state)
+    ref = plain_jit_params(optax.sgd(0.1), good)
+    assert max_diff(leaves(t), ref) <= 1e-5
+
+
+def test_too_many_bad_steps_exit_3_and_keep_the_last_good_params(tmp_path):
+    out = tmp_path / "diverged"
+    r = subprocess.run([sys.executable, "-m", "dpax", "train", "--devices", "2", "--optimizer",
+                        "sgd", "--lr", "1e20", "--steps", "40", "--log-every", "5",
+                        "--max-bad-steps", "5", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, r.stderr
+    assert "in a row" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    with np.load(out / "params.npz") as p:
+        assert all(np.isfinite(p[k]).all() for k in p.files)
+
+
+# -- dynamic batch sizes -----------------------------------------------------------------
+def test_random_batch_sizes_compile_once_per_bucket_and_equal_one_device():
+    ds = digits()
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(50):
+        idx = rng.choice(len(ds.x_train), size=int(rng.integers(1, 301)), replace=False)
+        batches.append((ds.x_train[idx], ds.y_train[idx]))
+    buckets = [64, 128, 256, 320]
+    t = trainer(8)
+    t.fit_stream(({"x": x, "y": y} for x, y in batches), buckets=buckets, log_every=50)
+    assert 1 <= t.traces["train"] <= len(buckets)
+    default = trainer(8)
+    default.fit_stream(({"x": x, "y": y} for x, y in batches), log_every=50)
+    assert default.traces["train"] <= 7  # buckets 8, 16, ..., 512 cover sizes 1..300
+    ref = plain_jit_params(optax.sgd(0.1), batches)
+    diff = max(max_diff(leaves(t), ref), max_diff(leaves(default), ref))
+    print(f"dynamic batches vs unpadded single-device jit: max |diff| {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_buckets_must_fit_the_devices():
+    with pytest.raises(dpax.DpaxError, match="multiple of 8"):
+        trainer(4, grad_accum=2).fit_stream(iter([]), buckets=[12])
+
+
+def test_grad_accum_cuts_peak_activation_memory():
+    """XLA's own memory analysis of the compiled step: temp buffers shrink ~K-fold."""
+    ds = digits()
+    temp = {}
+    for k in (1, 4):
+        model = dpax.make_model("cnn", ds.input_shape, ds.n_out, seed=0)
+        t = dpax.Trainer(model, losses.classification_loss, optax.sgd(0.1), devices=2,
+                         grad_accum=k)
+        size = t.padded(512)
+        batch = dpax.pad_batch({"x": ds.x_train[:512], "y": ds.y_train[:512]}, size)
+        compiled = t._train.lower(t.state, t.backend.put_batch(batch, size)).compile()
+        temp[k] = compiled.memory_analysis().temp_size_in_bytes
+    print(f"step temp memory: K=1 {temp[1] / 2**20:.1f} MiB, K=4 {temp[4] / 2**20:.1f} MiB")
+    assert temp[4] < 0.4 * temp[1]
