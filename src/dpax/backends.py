@@ -74,6 +74,11 @@ class ShardMapBackend:
         """Host copy of replicated outputs. A device-to-host transfer: a sync point."""
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
 
+    def logical(self, state: Any) -> Any:
+        """One device-count-independent copy of the state: the replicated global
+        arrays themselves (Orbax writes one copy, from process 0's devices)."""
+        return state
+
     def host_examples(self, tree: Any) -> Any:
         """Host copy of per-example outputs, every process's rows in global batch
         order (sync point; a gather across processes when there are several)."""
@@ -98,7 +103,8 @@ class PmapBackend:
         self.n = len(self.devices)
         # pmap on current JAX is jit + shard_map over exactly this mesh, so
         # placing inputs with its sharding means pmap never copies them again.
-        self._stacked = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), P(AXIS))
+        self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        self._stacked = NamedSharding(self.mesh, P(AXIS))
 
     def put_state(self, state: Any) -> Any:
         return jax.device_put(replicate(state, self.n), self._stacked)
@@ -127,6 +133,10 @@ class PmapBackend:
     def host(self, tree: Any) -> Any:
         """Replica 0's host copy (sync point)."""
         return unreplicate(tree)
+
+    def logical(self, state: Any) -> Any:
+        """One device-count-independent copy of the state (host arrays)."""
+        return unreplicate(state)
 
     def host_examples(self, tree: Any) -> Any:
         """Per-example outputs with the device axis merged back (sync point)."""

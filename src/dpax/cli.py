@@ -14,10 +14,12 @@ import typing
 
 from dpax.config import TrainConfig
 from dpax.errors import DpaxError
+from dpax.run import Preempted
 from dpax.trainer import TooManyBadSteps
 
 EXIT_USAGE = 2  # bad input: nothing ran
 EXIT_BAD_STEPS = 3  # too many non-finite steps in a row; last good params saved
+EXIT_PREEMPTED = 4  # SIGTERM/SIGINT: stopped at a step boundary, checkpoint saved
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,7 +46,10 @@ def add_config_flags(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
         if f.default is not None:
             helptext += f" (default: {f.default})"
         # default=None everywhere: an unset flag leaves the dataclass default in charge.
-        if tp is bool:
+        if "nargs" in f.metadata:  # e.g. --resume [PATH]
+            parser.add_argument(flag, nargs=f.metadata["nargs"], const=f.metadata["const"],
+                                default=None, metavar="PATH", help=helptext)
+        elif tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=helptext)
         else:
@@ -65,6 +70,24 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Train a model data-parallel on N devices.")
     add_config_flags(train)
     sub.add_parser("devices", help="print the devices JAX sees")
+    for name, text in (("eval", "evaluate a checkpoint on the eval split"),
+                       ("predict", "predict every row of an .npz with a checkpoint")):
+        p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        p.add_argument("--checkpoint", required=True, metavar="PATH",
+                       help="a checkpoint directory (newest step) or one step directory")
+        p.add_argument("--data", default=None, required=name == "predict",
+                       metavar="NAME" if name == "eval" else "X.npz",
+                       help="data to evaluate (default: what it trained on)" if name == "eval"
+                       else ".npz with an array x of inputs")
+        if name == "predict":
+            p.add_argument("--out", required=True, metavar="PREDS.npz",
+                           help="where to write the array `predictions`")
+        p.add_argument("--devices", type=int, default=None, metavar="N",
+                       help="devices to use (default: all local; on CPU, 8 simulated)")
+        p.add_argument("--backend", default="shard_map", metavar="NAME",
+                       help="shard_map or pmap (default: shard_map)")
+        p.add_argument("--batch-size", type=int, default=256, metavar="N",
+                       help="global batch size (default: 256)")
     launch = sub.add_parser(
         "launch", help="run `dpax train` as several local processes",
         description="Start P processes of one multi-process run: "
@@ -116,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
             return launch(train_args, args.nprocs, args.devices_per_process, args.port,
                           args.verbose)
+        if args.command in ("eval", "predict"):
+            return _checkpoint_command(args)
         config = config_from_args(args)
         config.validate()
         _start_devices(config)
@@ -126,12 +151,34 @@ def main(argv: list[str] | None = None) -> int:
     except DpaxError as e:
         print(f"dpax: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Preempted as e:
+        print(f"dpax: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except TooManyBadSteps as e:
         print(f"dpax: stopped: {e}", file=sys.stderr)
         return EXIT_BAD_STEPS
     except KeyboardInterrupt:
         print("dpax: interrupted", file=sys.stderr)
         return 130
+
+
+def _checkpoint_command(args) -> int:
+    if args.devices is not None and args.devices < 1:
+        raise DpaxError(f"--devices must be a whole number >= 1, got {args.devices}")
+    if args.batch_size < 1:
+        raise DpaxError(f"--batch-size must be a whole number >= 1, got {args.batch_size}")
+    _start_devices(TrainConfig(devices=args.devices))
+    from dpax import run
+
+    if args.command == "eval":
+        ev = run.evaluate_checkpoint(args.checkpoint, args.data, args.devices, args.backend,
+                                     args.batch_size)
+        print(f"{run.summary_line(ev)}  examples {ev['examples']}")
+    else:
+        preds = run.predict_checkpoint(args.checkpoint, args.data, args.out, args.devices,
+                                       args.backend, args.batch_size)
+        print(f"wrote {len(preds)} predictions to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,14 @@ import os
 
 from dpax.distributed import DEFAULT_TIMEOUT_S
 
+# Fields that change how a run executes, not what it computes (beyond float
+# rounding): a checkpoint may be resumed with different values of these.
+HOW_FIELDS = frozenset({
+    "devices", "backend", "log_every", "eval_every", "out", "checkpoint_dir",
+    "checkpoint_every", "keep", "resume", "coordinator", "num_processes", "process_id",
+    "timeout", "max_bad_steps", "grad_accum",
+})
+
 # The main job's length when neither --epochs nor --steps is given.
 DEFAULT_EPOCHS = 15
 
@@ -53,6 +61,12 @@ class TrainConfig:
     log_every: int = _field(10, "steps between metric logs (host syncs happen only here)")
     eval_every: int = _field(0, "steps between evaluations (0: only at the end)")
     out: str | None = _field(None, "run directory for metrics.jsonl and params.npz")
+    checkpoint_dir: str | None = _field(None, "directory for Orbax checkpoints")
+    checkpoint_every: int = _field(0, "steps between checkpoints (0: only at the end)")
+    keep: int = _field(3, "checkpoints to keep")
+    resume: str | None = _field(
+        None, "resume from the newest checkpoint in --checkpoint-dir, or from PATH",
+        nargs="?", const="latest")
     coordinator: str | None = _field(
         None, "HOST:PORT of process 0, for multi-process runs (or use dpax launch)"
     )
@@ -61,6 +75,10 @@ class TrainConfig:
     timeout: int = _field(
         DEFAULT_TIMEOUT_S, "seconds before an unreachable coordinator or a dead rank stops the run"
     )
+
+    def meaning(self) -> dict:
+        """The fields that define what is trained; a resume may change only the others."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in HOW_FIELDS}
 
     def total_steps(self, steps_per_epoch: int) -> int:
         """Steps of this run: --steps, else --epochs (default DEFAULT_EPOCHS) passes."""
@@ -101,6 +119,13 @@ class TrainConfig:
         if self.clip_norm is not None and not (math.isfinite(self.clip_norm)
                                                and self.clip_norm > 0):
             raise DpaxError(f"--clip-norm must be a finite number > 0, got {self.clip_norm}")
+        positive("keep", self.keep)
+        if self.checkpoint_every < 0:
+            raise DpaxError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise DpaxError("--checkpoint-every needs --checkpoint-dir DIR")
+        if self.resume == "latest" and self.checkpoint_dir is None:
+            raise DpaxError("--resume without a PATH needs --checkpoint-dir DIR")
         if self.eval_every < 0:
             raise DpaxError(f"--eval-every must be >= 0, got {self.eval_every}")
         if not (math.isfinite(self.lr) and self.lr > 0):

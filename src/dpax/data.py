@@ -125,6 +125,25 @@ def from_npz(path: str) -> Dataset:
     return _split(path, x, y.astype(np.float32), "regression", 1)
 
 
+def read_inputs(path: str) -> np.ndarray:
+    """Array `x` of a user's .npz (for prediction; `y` may be absent)."""
+    if not os.path.isfile(path):
+        raise DpaxError(f"data file {path!r} does not exist; pass an existing .npz")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if "x" not in f.files:
+                raise DpaxError(f"{path} lacks array x; save it with np.savez(path, x=inputs)")
+            x = f["x"]
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        if isinstance(e, DpaxError):
+            raise
+        raise DpaxError(f"{path} is not a readable .npz ({type(e).__name__}); "
+                        "write it with np.savez(path, x=...)") from None
+    if x.ndim == 0 or len(x) == 0 or not np.issubdtype(x.dtype, np.number):
+        raise DpaxError(f"{path}: x must be a non-empty numeric array, examples first")
+    return x.astype(np.float32)
+
+
 DATASETS = {"regression": regression, "digits": digits, "random-images": random_images}
 
 

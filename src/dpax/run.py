@@ -1,10 +1,14 @@
-"""`train(config)`: the whole job the CLI runs, as one Python call."""
+"""The jobs the CLI runs, as Python calls: `train`, `evaluate_checkpoint`,
+`predict_checkpoint`."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -13,11 +17,17 @@ from flax import nnx, traverse_util
 
 from dpax import data as data_mod
 from dpax import models, optim
+from dpax.checkpoint import Checkpointer, locate
 from dpax.config import TrainConfig
 from dpax.distributed import is_writer
-from dpax.pipeline import BatchPlan
+from dpax.errors import DpaxError
+from dpax.pipeline import BatchPlan, train_batches
 from dpax.trainer import TooManyBadSteps, Trainer, default_loss
 from dpax.writers import ConsoleWriter, JsonlWriter, MultiWriter, save_params
+
+
+class Preempted(RuntimeError):
+    """SIGTERM/SIGINT arrived; the run stopped at a step boundary after saving."""
 
 
 @dataclasses.dataclass
@@ -29,12 +39,19 @@ class RunResult:
     steps_per_sec: float
 
     def summary(self) -> str:
-        parts = []
-        if "accuracy" in self.eval:
-            parts.append(f"eval accuracy {self.eval['accuracy']:.3f}")
-        parts.append(f"eval loss {self.eval['loss']:.4g}")
-        parts += [f"steps {self.steps}", f"{self.steps_per_sec:.1f} steps/s"]
-        return "  ".join(parts)
+        return summary_line(self.eval, self.steps, self.steps_per_sec)
+
+
+def summary_line(ev: dict, steps: int | None = None, speed: float | None = None) -> str:
+    parts = []
+    if "accuracy" in ev:
+        parts.append(f"eval accuracy {ev['accuracy']:.3f}")
+    parts.append(f"eval loss {ev['loss']:.4g}")
+    if steps is not None:
+        parts.append(f"steps {steps}")
+    if speed is not None:
+        parts.append(f"{speed:.1f} steps/s")
+    return "  ".join(parts)
 
 
 def flat_params(params: nnx.State) -> dict[str, np.ndarray]:
@@ -43,9 +60,25 @@ def flat_params(params: nnx.State) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in flat.items()}
 
 
-def train(config: TrainConfig, *, log=sys.stdout) -> RunResult:
-    """Run one training job; writes `metrics.jsonl` and `params.npz` to `config.out`."""
-    config.validate()
+@dataclasses.dataclass
+class Job:
+    """Everything a config builds before training starts."""
+
+    config: TrainConfig
+    ds: data_mod.Dataset
+    plan: BatchPlan
+    total: int
+    trainer: Trainer
+
+    def meta(self) -> dict:
+        """What a checkpoint needs besides the state: the resolved config, and
+        the shapes to rebuild the model without the training data."""
+        return {"config": dataclasses.asdict(self.config), "task": self.ds.task,
+                "input_shape": list(self.ds.input_shape), "n_out": self.ds.n_out}
+
+
+def build(config: TrainConfig) -> Job:
+    """Data, model, optimizer and Trainer for a validated config."""
     ds = data_mod.load(config.data)
     plan = BatchPlan(len(ds.x_train), config.batch_size, config.seed)
     total = config.total_steps(plan.steps_per_epoch)
@@ -63,6 +96,79 @@ def train(config: TrainConfig, *, log=sys.stdout) -> RunResult:
                       predict_fn=predict_fn, schedule=schedule, grad_accum=config.grad_accum,
                       precision=config.precision, allreduce_dtype=config.allreduce_dtype,
                       max_bad_steps=config.max_bad_steps)
+    return Job(config, ds, plan, total, trainer)
+
+
+def _check_same_meaning(saved: dict, config: TrainConfig) -> None:
+    old = TrainConfig(**saved).meaning()
+    for key, value in config.meaning().items():
+        if old.get(key) != value:
+            flag = "--" + key.replace("_", "-")
+            raise DpaxError(f"cannot resume: {flag} was {old.get(key)!r} in the checkpoint, "
+                            f"now {value!r}; resume with the same {flag} or start a new run")
+
+
+def _keep_metrics_up_to(path: str, step: int) -> None:
+    """Drop log rows past the resumed step, so every step is logged once."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(rows)
+    os.replace(tmp, path)
+
+
+class _Preemption:
+    """First SIGTERM/SIGINT: stop at the next step boundary. Second: exit at once."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals reach only the main thread; nothing to catch here
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        # The default action comes back, so a second signal ends the process now.
+        signal.signal(signum, self._old[signum])
+        print(f"dpax: {signal.Signals(signum).name} received: stopping at the next step "
+              "(send it again to exit now)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+def train(config: TrainConfig, *, log="stdout") -> RunResult:
+    """Run one training job: writes `metrics.jsonl` and `params.npz` to
+    `config.out` and checkpoints to `config.checkpoint_dir`.
+
+    Args:
+      log: a text stream for progress lines, None for silence; "stdout" is
+        sys.stdout at call time (so a redirected stdout is honoured).
+    """
+    if log == "stdout":
+        log = sys.stdout
+    config.validate()
+    job = build(config)
+    trainer, ds, total = job.trainer, job.ds, job.total
+    size = trainer.padded(config.batch_size)
+    # Batches of steps 0..total-1; a resumed run restores the iterator's position.
+    data_iter = iter(train_batches(ds.x_train, ds.y_train, job.plan,
+                                   trainer.backend.local_rows(size), 0, total))
+    ckpt = None
+    if config.checkpoint_dir is not None:
+        ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint_every, config.keep)
+    start = 0
+    if config.resume is not None:
+        start = _resume(config, ckpt, trainer, data_iter, log)
 
     writer_process = is_writer()  # only process 0 prints progress and writes --out
     if not writer_process:
@@ -70,8 +176,11 @@ def train(config: TrainConfig, *, log=sys.stdout) -> RunResult:
     writers: list = [] if log is None else [ConsoleWriter(total, log)]
     if config.out is not None and writer_process:
         os.makedirs(config.out, exist_ok=True)
-        writers.append(JsonlWriter(os.path.join(config.out, "metrics.jsonl")))
+        metrics_path = os.path.join(config.out, "metrics.jsonl")
+        _keep_metrics_up_to(metrics_path, start)
+        writers.append(JsonlWriter(metrics_path, append=start > 0))
     writer = MultiWriter(writers)
+    meta = job.meta()
 
     first_log: list[tuple[int, float]] = []  # (step, time) of the first log, after compiling
 
@@ -83,27 +192,112 @@ def train(config: TrainConfig, *, log=sys.stdout) -> RunResult:
             row.update({f"eval_{k}": v for k, v in ev.items() if k != "examples"})
         writer.write(step, row)
 
+    def save_params_now() -> None:
+        if config.out is not None and writer_process:
+            save_params(os.path.join(config.out, "params.npz"), flat_params(trainer.params))
+
     if log is not None:
         print(f"dpax: {config.model} on {ds.name}, {trainer.n_devices} device(s) "
-              f"({config.backend}), global batch {config.batch_size}, {total} steps",
-              file=log, flush=True)
-    try:
-        history = trainer.fit(ds.x_train, ds.y_train, batch_size=config.batch_size, steps=total,
-                              seed=config.seed, log_every=config.log_every, on_log=on_log)
-    except TooManyBadSteps:
-        writer.close()
-        if config.out is not None and writer_process:  # keep the last good params
-            save_params(os.path.join(config.out, "params.npz"), flat_params(trainer.params))
-        raise
-    (s0, t0), now = first_log[0], time.perf_counter()
-    # Steady speed: the first log interval holds the compilation, so it is left out.
-    speed = (total - s0) / (now - t0) if total > s0 else history[-1]["steps_per_sec"]
+              f"({config.backend}), global batch {config.batch_size}, {total} steps"
+              + (f", resumed at step {start}" if start else ""), file=log, flush=True)
+    with _Preemption() as preemption:
+        def on_step(step: int) -> None:
+            if preemption.signum is not None:
+                if ckpt is not None:
+                    ckpt.save(step, trainer.state_dict(), data_iter, meta)
+                    ckpt.close()
+                raise Preempted(f"stopped by {signal.Signals(preemption.signum).name} at step "
+                                f"{step}" + (f"; checkpoint saved in {ckpt.directory}, continue "
+                                             "with --resume" if ckpt else
+                                             "; no --checkpoint-dir, so it cannot be resumed"))
+            if ckpt is not None:
+                ckpt.maybe_save(step, trainer.state_dict(), data_iter, meta)
+
+        try:
+            history = trainer.fit(ds.x_train, ds.y_train, batch_size=config.batch_size,
+                                  steps=total, seed=config.seed, log_every=config.log_every,
+                                  on_log=on_log, on_step=on_step, batches=data_iter)
+        except (TooManyBadSteps, Preempted):
+            writer.close()
+            save_params_now()  # the last good params, whatever happens next
+            raise
+    if first_log and total > first_log[0][0]:
+        s0, t0 = first_log[0]
+        # Steady speed: the first log interval holds the compilation, so it is left out.
+        speed = (total - s0) / (time.perf_counter() - t0)
+    else:
+        speed = history[-1]["steps_per_sec"] if history else 0.0
+    if ckpt is not None:
+        ckpt.save(total, trainer.state_dict(), data_iter, meta)
+        ckpt.close()
     ev = trainer.evaluate(ds.x_eval, ds.y_eval)
     writer.write(total, {f"eval_{k}": v for k, v in ev.items()})
     writer.close()
-    if config.out is not None and writer_process:
-        save_params(os.path.join(config.out, "params.npz"), flat_params(trainer.params))
+    save_params_now()
     result = RunResult(trainer, history, ev, total, speed)
     if log is not None:
         print(result.summary(), file=log, flush=True)
     return result
+
+
+def _resume(config: TrainConfig, ckpt: Checkpointer | None, trainer: Trainer, data_iter,
+            log) -> int:
+    if config.resume == "latest":
+        directory, step = ckpt.directory, None
+    else:
+        directory, step = locate(config.resume)
+    source = ckpt if ckpt is not None and ckpt.directory == directory else Checkpointer(directory)
+    step, state, meta = source.restore(trainer.state_template(), data_iter, step)
+    _check_same_meaning(meta["config"], config)
+    trainer.load_state_dict(state)
+    return step
+
+
+def load_checkpoint(path: str, devices: int | None = None, backend: str = "shard_map",
+                    data: str | None = None) -> tuple[Job, dict]:
+    """A Trainer holding a checkpoint's state, on any device count."""
+    directory, step = locate(path)
+    ckpt = Checkpointer(directory)
+    steps = ckpt.steps()
+    if step is None and not steps:
+        raise DpaxError(f"no checkpoint in {directory}")
+    meta = ckpt.read_meta(step if step is not None else steps[-1])
+    saved = dict(meta["config"], devices=devices, backend=backend, resume=None,
+                 checkpoint_dir=None, checkpoint_every=0, out=None, coordinator=None,
+                 num_processes=None, process_id=None)
+    if data is not None:
+        saved["data"] = data
+    config = TrainConfig(**saved)
+    config.validate()
+    job = build(config)
+    _, state, _ = ckpt.restore(job.trainer.state_template(), None, step)
+    job.trainer.load_state_dict(state)
+    ckpt.close()
+    return job, meta
+
+
+def evaluate_checkpoint(path: str, data: str | None = None, devices: int | None = None,
+                        backend: str = "shard_map", batch_size: int = 256) -> dict:
+    """Eval loss and accuracy of a checkpoint on the eval split of `data`
+    (default: the data it was trained on)."""
+    job, _ = load_checkpoint(path, devices, backend, data)
+    return job.trainer.evaluate(job.ds.x_eval, job.ds.y_eval, batch_size)
+
+
+def predict_checkpoint(path: str, data: str, out: str, devices: int | None = None,
+                       backend: str = "shard_map", batch_size: int = 256) -> np.ndarray:
+    """Predictions of a checkpoint for every row of `x` in the .npz `data`,
+    written to `out` as an .npz with array `predictions`."""
+    if os.path.isdir(out):
+        raise DpaxError(f"--out {out} is a directory; give a file path such as preds.npz")
+    x = data_mod.read_inputs(data)
+    job, meta = load_checkpoint(path, devices, backend)
+    if tuple(x.shape[1:]) != tuple(meta["input_shape"]):
+        raise DpaxError(f"{data}: examples of shape {x.shape[1:]}, the model takes "
+                        f"{tuple(meta['input_shape'])}")
+    preds = job.trainer.predict(x, batch_size)
+    if is_writer():
+        tmp = out + ".tmp.npz"
+        np.savez(tmp, predictions=preds)
+        os.replace(tmp, out)
+    return preds

@@ -9,14 +9,17 @@ boundaries.
 from __future__ import annotations
 
 import collections
+import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dpax import losses as losses_mod
 from dpax.backends import make_backend
@@ -124,40 +127,69 @@ class Trainer:
         seed: int = 0,
         log_every: int = 10,
         on_log: Callable[[int, dict], None] | None = None,
+        on_step: Callable[[int], None] | None = None,
+        batches: Iterator[dict] | None = None,
     ) -> list[dict]:
-        """Train on (x, y) with global batches of `batch_size`; returns the log rows.
+        """Train on (x, y) with global batches of `batch_size` until the step
+        counter reaches the total; returns the log rows.
 
         Batches come from `BatchPlan`: their order depends on `seed` and the step
         only, so any device count sees the same global batches.
+
+        Args:
+          on_log: called with (step, row) at every log step.
+          on_step: called with the step count after every step (host-side only:
+            checkpoints and preemption checks hang here).
+          batches: this process's host batches from the current step on (a
+            restored `train_batches` iterator); default: made here.
         """
         plan = BatchPlan(len(x), batch_size, seed)
         total = resolve_steps(steps, epochs, plan.steps_per_epoch)
-        start = int(self.backend.host(self.state.step))  # sync point, once per fit
+        start = self.step
+        size = self.padded(batch_size)
+        if batches is None:
+            batches = iter(train_batches(x, y, plan, self.backend.local_rows(size), start, total))
+        sized = ((size, b) for b in itertools.islice(batches, max(total - start, 0)))
+        return self._loop(sized, start, total, log_every, on_log, on_step,
+                          plan.steps_per_epoch)
+
+    @property
+    def step(self) -> int:
+        """Steps trained so far (a device-to-host sync: not for the hot loop)."""
+        return int(self.backend.host(self.state.step))
+
+    def _loop(self, sized_batches, start, total, log_every, on_log, on_step,
+              steps_per_epoch=None) -> list[dict]:
         rows: list[dict] = []
         pending: list[dict] = []
         in_flight: collections.deque = collections.deque()
-        t_last, s_last = time.perf_counter(), start
-        size = self.padded(batch_size)
-        span = self.backend.local_rows(size)
-        batches = train_batches(x, y, plan, span, start, total)
-        for step, host_batch in zip(range(start, total), batches):
+        last = (time.perf_counter(), start)
+        step = start
+        for step, (size, host_batch) in enumerate(sized_batches, start + 1):
             metrics = self.train_step(host_batch, size)
             pending.append(metrics)
             in_flight.append(metrics["count"])
             if len(in_flight) > MAX_IN_FLIGHT:
                 in_flight.popleft().block_until_ready()  # waits, transfers nothing
-            if (step + 1) % log_every == 0 or step + 1 == total:
-                row = summarize(self.backend.host(pending))  # sync point: once per log
-                self._check_bad_steps(row)
-                now = time.perf_counter()
-                row.update(step=step + 1, epoch=(step + 1) / plan.steps_per_epoch,
-                           steps_per_sec=(step + 1 - s_last) / (now - t_last))
-                t_last, s_last = now, step + 1
-                pending = []
-                rows.append(row)
-                if on_log is not None:
-                    on_log(step + 1, row)
+            if step % log_every == 0 or step == total:
+                rows.append(self._log(pending, step, last, steps_per_epoch, on_log))
+                pending, last = [], (time.perf_counter(), step)
+            if on_step is not None:
+                on_step(step)
+        if pending:
+            rows.append(self._log(pending, step, last, steps_per_epoch, on_log))
         return rows
+
+    def _log(self, pending, step, last, steps_per_epoch, on_log) -> dict:
+        row = summarize(self.backend.host(pending))  # sync point: once per log
+        self._check_bad_steps(row)
+        t_last, s_last = last
+        row.update(step=step, steps_per_sec=(step - s_last) / (time.perf_counter() - t_last))
+        if steps_per_epoch:
+            row["epoch"] = step / steps_per_epoch
+        if on_log is not None:
+            on_log(step, row)
+        return row
 
     def _check_bad_steps(self, row: dict) -> None:
         bad = int(row.pop("bad_in_a_row", 0))
@@ -189,33 +221,15 @@ class Trainer:
             if any(b % unit for b in buckets):
                 raise DpaxError(f"every bucket must be a multiple of {unit} "
                                 f"(devices x grad_accum), got {buckets}")
-        rows, pending = [], []
-        in_flight: collections.deque = collections.deque()
-        t_last, n_last, step = time.perf_counter(), 0, 0
-        for step, batch in enumerate(batches, 1):
-            b = len(batch["x"])
-            size = _bucket(b, unit, buckets)
-            span = self.backend.local_rows(size)
-            host = local_part(batch["x"], batch["y"], np.arange(b), span)
-            metrics = self.train_step(host, size)
-            pending.append(metrics)
-            in_flight.append(metrics["count"])
-            if len(in_flight) > MAX_IN_FLIGHT:
-                in_flight.popleft().block_until_ready()  # waits, transfers nothing
-            if step % log_every == 0:
-                rows.append(self._log(pending, step, t_last, n_last, on_log))
-                pending, t_last, n_last = [], time.perf_counter(), step
-        if pending:
-            rows.append(self._log(pending, step, t_last, n_last, on_log))
-        return rows
 
-    def _log(self, pending, step, t_last, n_last, on_log) -> dict:
-        row = summarize(self.backend.host(pending))  # sync point: once per log
-        self._check_bad_steps(row)
-        row.update(step=step, steps_per_sec=(step - n_last) / (time.perf_counter() - t_last))
-        if on_log is not None:
-            on_log(step, row)
-        return row
+        def sized():
+            for batch in batches:
+                b = len(batch["x"])
+                size = _bucket(b, unit, buckets)
+                span = self.backend.local_rows(size)
+                yield size, local_part(batch["x"], batch["y"], np.arange(b), span)
+
+        return self._loop(sized(), self.step, None, log_every, on_log, None)
 
     def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = 256) -> dict:
         """Mean loss and metrics over every example of (x, y), each counted once."""
@@ -238,6 +252,30 @@ class Trainer:
         sizes = [min(batch_size, len(x) - lo) for lo in range(0, len(x), batch_size)]
         return np.concatenate([f[:k] for f, k in zip(flat, sizes)])
 
+    # -- checkpointing ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The state as {path: array}, one logical copy whatever the device count."""
+        flat, _ = jax.tree_util.tree_flatten_with_path(self.backend.logical(self.state))
+        return {_key(path): leaf for path, leaf in flat}
+
+    def state_template(self) -> dict[str, Any]:
+        """Shapes and dtypes of `state_dict()`, placed replicated on this Trainer's
+        devices: the restore target that re-shards a checkpoint onto any mesh."""
+        sharding = NamedSharding(self.backend.mesh, PartitionSpec())
+        return {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=sharding)
+                for k, v in self.state_dict().items()}
+
+    def load_state_dict(self, flat: dict[str, Any]) -> None:
+        """Replace the state with one from `state_dict()` (of any device count)."""
+        template = self.backend.logical(self.state)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+        missing = [_key(p) for p, _ in paths if _key(p) not in flat]
+        if missing:
+            raise DpaxError(f"checkpoint lacks {len(missing)} state entries, e.g. {missing[0]}; "
+                            "it was saved for another model or optimizer")
+        leaves = [flat[_key(p)] for p, _ in paths]
+        self.state = self.backend.put_state(jax.tree.unflatten(treedef, leaves))
+
     # -- results ---------------------------------------------------------------------
     @property
     def params(self) -> nnx.State:
@@ -248,6 +286,10 @@ class Trainer:
         """The trained model on the host, ready for single-device use."""
         host = self.backend.host(self.state)
         return nnx.merge(self._graphdef, host.params, host.rest)
+
+
+def _key(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
 def resolve_steps(steps: int | None, epochs: int | None, steps_per_epoch: int) -> int:

@@ -16,8 +16,8 @@ class MetricWriter(Protocol):
 class JsonlWriter:
     """`metrics.jsonl`: one JSON object per log step, flushed as it is written."""
 
-    def __init__(self, path: str):
-        self._f = open(path, "w")
+    def __init__(self, path: str, append: bool = False):
+        self._f = open(path, "a" if append else "w")
 
     def write(self, step: int, row: dict) -> None:
         row = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in row.items()}
@@ -31,8 +31,8 @@ class JsonlWriter:
 class ConsoleWriter:
     """One plain line per log step."""
 
-    def __init__(self, total_steps: int, stream: IO[str] = sys.stdout):
-        self._total, self._stream = total_steps, stream
+    def __init__(self, total_steps: int, stream: IO[str] | None = None):
+        self._total, self._stream = total_steps, stream or sys.stdout
 
     def write(self, step: int, row: dict) -> None:
         parts = [f"step {step}/{self._total}"]
