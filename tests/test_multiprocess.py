@@ -29,7 +29,9 @@ def in_process(devices, out):
 
 
 def test_launch_2x2_equals_1x4_equals_1x1(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
     r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *RUN,
+               "--checkpoint-dir", ck, "--checkpoint-every", "5",
                "--out", str(tmp_path / "launched"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert len(re.findall(r"^\[rank 0\] eval accuracy", r.stdout, re.M)) == 1
@@ -38,8 +40,12 @@ def test_launch_2x2_equals_1x4_equals_1x1(tmp_path, capsys):
     with np.load(tmp_path / "launched" / "params.npz") as p:
         launched = {k: p[k] for k in p.files}
     four, one = in_process(4, tmp_path / "four"), in_process(1, tmp_path / "one")
+    # The 2-process checkpoint of step 5 resumes in one process on 2 devices.
+    assert main(["train", *RUN, "--devices", "2", "--resume", f"{ck}/5",
+                 "--out", str(tmp_path / "resumed")]) == 0
+    resumed = dict(np.load(tmp_path / "resumed" / "params.npz"))
     capsys.readouterr()
-    for ref in (four, one):
+    for ref in (four, one, resumed):
         diff = max(float(np.max(np.abs(launched[k] - ref[k]))) for k in ref)
         print(f"launched 2x2 vs in-process: max |diff| {diff:.2e}")
         assert diff <= 1e-5

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 
 from dpax.errors import DpaxError
@@ -64,6 +65,12 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def _saved_processes(self, step: int) -> int | None:
+        data_dir = os.path.join(self.directory, str(step), "data")
+        names = os.listdir(data_dir) if os.path.isdir(data_dir) else []
+        counts = {n.split("-of-")[1].split(".")[0] for n in names if "-of-" in n}
+        return int(counts.pop()) if len(counts) == 1 else None
+
     def read_meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore())).meta
@@ -82,7 +89,9 @@ class Checkpointer:
         for s in candidates:
             args = {"state": ocp.args.StandardRestore(template),
                     "meta": ocp.args.JsonRestore()}
-            if data is not None:
+            # The data position is saved per process; with another process count
+            # the caller rebuilds it from the step (batches depend on the step only).
+            if data is not None and self._saved_processes(s) == jax.process_count():
                 args["data"] = grain.checkpoint.CheckpointRestore(data)
             try:
                 restored = self.manager.restore(s, args=ocp.args.Composite(**args))
@@ -92,7 +101,8 @@ class Checkpointer:
                       f"({type(e).__name__}: {reason}); trying an older one",
                       file=warn or sys.stderr, flush=True)
                 continue
-            return s, dict(restored.state), restored.meta
+            meta = dict(restored.meta, data_restored="data" in args)
+            return s, dict(restored.state), meta
         raise DpaxError(f"no readable checkpoint in {self.directory} (tried steps "
                         f"{', '.join(map(str, candidates))}); they are damaged")
 

@@ -168,7 +168,10 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
         ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint_every, config.keep)
     start = 0
     if config.resume is not None:
-        start = _resume(config, ckpt, trainer, data_iter, log)
+        start, data_restored = _resume(config, ckpt, trainer, data_iter)
+        if not data_restored:  # saved by another process count: rebuild the position
+            data_iter = iter(train_batches(ds.x_train, ds.y_train, job.plan,
+                                           trainer.backend.local_rows(size), start, total))
 
     writer_process = is_writer()  # only process 0 prints progress and writes --out
     if not writer_process:
@@ -240,8 +243,10 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     return result
 
 
-def _resume(config: TrainConfig, ckpt: Checkpointer | None, trainer: Trainer, data_iter,
-            log) -> int:
+def _resume(config: TrainConfig, ckpt: Checkpointer | None, trainer: Trainer,
+            data_iter) -> tuple[int, bool]:
+    """Load the checkpoint into `trainer` (and `data_iter`, when it was saved by
+    as many processes); returns (step, whether the data position was restored)."""
     if config.resume == "latest":
         directory, step = ckpt.directory, None
     else:
@@ -250,7 +255,7 @@ def _resume(config: TrainConfig, ckpt: Checkpointer | None, trainer: Trainer, da
     step, state, meta = source.restore(trainer.state_template(), data_iter, step)
     _check_same_meaning(meta["config"], config)
     trainer.load_state_dict(state)
-    return step
+    return step, meta["data_restored"]
 
 
 def load_checkpoint(path: str, devices: int | None = None, backend: str = "shard_map",
