@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test lint clean
+.PHONY: setup train test lint docs clean
 
 setup: $(STAMP)
 
@@ -18,10 +18,14 @@ train: $(STAMP)
 	$(BIN)/dpax train --out runs/digits-cnn
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff check src tests examples scripts
 
 test: lint
 	$(BIN)/pytest
+
+# The README's flag table is generated from TrainConfig; a test checks it is current.
+docs: $(STAMP)
+	$(BIN)/python scripts/update_readme_flags.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -36,7 +36,8 @@ def test_launch_2x2_equals_1x4_equals_1x1(tmp_path, capsys):
     assert r.returncode == 0, r.stdout + r.stderr
     assert len(re.findall(r"^\[rank 0\] eval accuracy", r.stdout, re.M)) == 1
     assert "[rank 1]" not in r.stdout  # only rank 0 reports, unless --verbose
-    assert sorted(os.listdir(tmp_path / "launched")) == ["metrics.jsonl", "params.npz"]
+    assert sorted(os.listdir(tmp_path / "launched")) == ["config.yaml", "metrics.csv",
+                                                        "metrics.jsonl", "params.npz"]
     with np.load(tmp_path / "launched" / "params.npz") as p:
         launched = {k: p[k] for k in p.files}
     four, one = in_process(4, tmp_path / "four"), in_process(1, tmp_path / "one")

@@ -1,15 +1,66 @@
-"""The README's Python block runs as written."""
+"""The README is tested: its Python block runs, its flag table matches the
+config, and every command in its bash blocks runs (or says why it cannot)."""
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
-README = pathlib.Path(__file__).parent.parent / "README.md"
+import numpy as np
+import pytest
+
+from dpax.cli import flags_markdown
+
+ROOT = pathlib.Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text()
+NOT_RUN = "# not run in tests:"
 
 
 def test_readme_python_block_runs(capsys):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
     assert blocks, "README lost its API example"
     for code in blocks:
         exec(compile(code, "README.md", "exec"), {})
-    out = capsys.readouterr().out
-    assert "'examples': 359" in out
+    assert "'examples': 359" in capsys.readouterr().out
+
+
+def test_flag_table_is_generated_from_the_config():
+    table = README.split("<!-- flags:start -->\n")[1].split("<!-- flags:end -->")[0]
+    assert table.strip() == flags_markdown(), "README flag table is stale: run `make docs`"
+
+
+def bash_lines():
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        lines += [ln.strip() for ln in block.splitlines() if ln.strip()]
+    return lines
+
+
+def test_every_readme_command_runs(tmp_path):
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    digits_x = __import__("dpax").data.digits().x_eval
+    np.savez(tmp_path / "x.npz", x=digits_x)  # the input the predict example names
+    ran = 0
+    for line in bash_lines():
+        if NOT_RUN in line:
+            assert line.split(NOT_RUN)[1].strip(), f"say why it is not run: {line}"
+            continue
+        if line.startswith("make "):
+            target = line.split()[1]
+            r = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True)
+            assert r.returncode == 0, f"Makefile lacks {target}: {r.stderr}"
+            continue
+        assert line.startswith("dpax "), f"README command neither run nor excused: {line}"
+        r = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, f"{line}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+        ran += 1
+    assert ran >= 8
+    assert (tmp_path / "preds.npz").exists()
+    assert (tmp_path / "runs" / "compare-one-vs-eight.png").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "launch", "eval", "predict", "plot", "devices"])
+def test_every_subcommand_is_documented(command):
+    assert f"dpax {command}" in README

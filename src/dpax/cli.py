@@ -58,9 +58,23 @@ def add_config_flags(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
 
 
 def config_from_args(args: argparse.Namespace, cls=TrainConfig):
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-             if getattr(args, f.name) is not None}
-    return cls(**given)
+    """Defaults < the --config YAML file < flags given on the command line."""
+    fields = cls.yaml_fields(args.config) if getattr(args, "config", None) else {}
+    fields.update({f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                   if getattr(args, f.name) is not None})
+    try:
+        return cls(**fields)
+    except TypeError as e:
+        raise DpaxError(f"bad config: {e}") from None
+
+
+def flags_markdown(cls=TrainConfig) -> str:
+    """The `dpax train` flag table for the README, from the dataclass itself."""
+    lines = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for f in dataclasses.fields(cls):
+        default = "" if f.default is None else f"`{f.default}`"
+        lines.append(f"| `--{f.name.replace('_', '-')}` | {default} | {f.metadata['help']} |")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,8 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="train a model data-parallel",
                            description="Train a model data-parallel on N devices.")
+    train.add_argument("--config", metavar="FILE.yaml",
+                       help="load a config (e.g. a run's config.yaml); flags override it")
     add_config_flags(train)
     sub.add_parser("devices", help="print the devices JAX sees")
+    plot = sub.add_parser("plot", help="PNG plots of runs' metrics, overlaid",
+                          description="Plot loss, accuracy, LR and steps/s of one or more runs.")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories from --out")
+    plot.add_argument("--out", default=None, metavar="FILE.png",
+                      help="where to write (default: next to the runs)")
     for name, text in (("eval", "evaluate a checkpoint on the eval split"),
                        ("predict", "predict every row of an .npz with a checkpoint")):
         p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
@@ -139,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
             train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
             return launch(train_args, args.nprocs, args.devices_per_process, args.port,
                           args.verbose)
+        if args.command == "plot":
+            from dpax.plot import plot_runs
+
+            print(f"wrote {plot_runs(args.run_dirs, args.out)}")
+            return 0
         if args.command in ("eval", "predict"):
             return _checkpoint_command(args)
         config = config_from_args(args)

@@ -16,7 +16,8 @@ from dpax.distributed import DEFAULT_TIMEOUT_S
 HOW_FIELDS = frozenset({
     "devices", "backend", "log_every", "eval_every", "out", "checkpoint_dir",
     "checkpoint_every", "keep", "resume", "coordinator", "num_processes", "process_id",
-    "timeout", "max_bad_steps", "grad_accum",
+    "timeout", "max_bad_steps", "grad_accum", "tensorboard", "profile_steps", "quiet",
+    "verbose",
 })
 
 # The main job's length when neither --epochs nor --steps is given.
@@ -67,6 +68,11 @@ class TrainConfig:
     resume: str | None = _field(
         None, "resume from the newest checkpoint in --checkpoint-dir, or from PATH",
         nargs="?", const="latest")
+    tensorboard: bool = _field(False, "also write TensorBoard event files to --out/tensorboard")
+    profile_steps: str | None = _field(
+        None, "A:B: a JAX profiler trace of steps A..B into --out/profile (Perfetto/TensorBoard)")
+    quiet: bool = _field(False, "no progress output, only the summary line and errors")
+    verbose: bool = _field(False, "plain progress lines even on a terminal, plus run details")
     coordinator: str | None = _field(
         None, "HOST:PORT of process 0, for multi-process runs (or use dpax launch)"
     )
@@ -75,6 +81,48 @@ class TrainConfig:
     timeout: int = _field(
         DEFAULT_TIMEOUT_S, "seconds before an unreachable coordinator or a dead rank stops the run"
     )
+
+    def profile_range(self) -> tuple[int, int]:
+        """First and last step (1-based, inclusive) of --profile-steps A:B."""
+        from dpax.errors import DpaxError
+
+        a, sep, b = (self.profile_steps or "").partition(":")
+        if not (sep and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)):
+            raise DpaxError(f"--profile-steps must be A:B with 1 <= A <= B, e.g. 10:20; "
+                            f"got {self.profile_steps!r}")
+        return int(a), int(b)
+
+    def to_yaml(self) -> str:
+        """The resolved config; `dpax train --config FILE` runs it again."""
+        import yaml
+
+        fields = dict(dataclasses.asdict(self), resume=None)  # a rerun starts fresh
+        return yaml.safe_dump(fields, sort_keys=False)
+
+    @classmethod
+    def yaml_fields(cls, path: str) -> dict:
+        """Field values from a YAML file, checked against the dataclass."""
+        import yaml
+
+        from dpax.errors import DpaxError
+
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise DpaxError(f"cannot read --config {path}: {e.strerror}") from None
+        except yaml.YAMLError as e:
+            line = getattr(getattr(e, "problem_mark", None), "line", None)
+            where = f" at line {line + 1}" if line is not None else ""
+            raise DpaxError(f"--config {path} is not valid YAML{where}") from None
+        if not isinstance(loaded, dict):
+            raise DpaxError(f"--config {path} must hold a mapping of field: value")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(loaded) - known)
+        if unknown:
+            raise DpaxError(f"--config {path}: unknown field(s) {', '.join(unknown)}; "
+                            "see dpax train --help")
+        return loaded
 
     def meaning(self) -> dict:
         """The fields that define what is trained; a resume may change only the others."""
@@ -91,6 +139,15 @@ class TrainConfig:
         from dpax import backends, data, models, optim
         from dpax.devices import MAX_SIMULATED_DEVICES
         from dpax.errors import DpaxError
+
+        for f in dataclasses.fields(self):
+            value, expected = getattr(self, f.name), _TYPES[f.name]
+            ok = value is None if expected is None else (
+                isinstance(value, expected) and not (isinstance(value, bool)
+                                                     and bool not in expected))
+            if not ok and not (value is None and f.default is None):
+                raise DpaxError(f"--{f.name.replace('_', '-')} must be "
+                                f"{' or '.join(t.__name__ for t in expected)}, got {value!r}")
 
         def positive(name, value, allow_none=False):
             if value is None and allow_none:
@@ -126,6 +183,14 @@ class TrainConfig:
             raise DpaxError("--checkpoint-every needs --checkpoint-dir DIR")
         if self.resume == "latest" and self.checkpoint_dir is None:
             raise DpaxError("--resume without a PATH needs --checkpoint-dir DIR")
+        if self.profile_steps is not None:
+            self.profile_range()
+            if self.out is None:
+                raise DpaxError("--profile-steps needs --out DIR for the trace")
+        if self.tensorboard and self.out is None:
+            raise DpaxError("--tensorboard needs --out DIR for the event files")
+        if self.quiet and self.verbose:
+            raise DpaxError("give --quiet or --verbose, not both")
         if self.eval_every < 0:
             raise DpaxError(f"--eval-every must be >= 0, got {self.eval_every}")
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -144,3 +209,16 @@ class TrainConfig:
                             "use --backend shard_map for several processes")
         if self.out is not None and os.path.exists(self.out) and not os.path.isdir(self.out):
             raise DpaxError(f"--out {self.out} is a file; give a directory path")
+
+
+def _types() -> dict[str, tuple[type, ...]]:
+    import typing
+
+    out = {}
+    for name, tp in typing.get_type_hints(TrainConfig).items():
+        args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+        out[name] = tuple(args) + ((int,) if float in args else ())
+    return out
+
+
+_TYPES = _types()  # field -> accepted Python types (an int is a fine float)

@@ -19,11 +19,17 @@ from dpax import data as data_mod
 from dpax import models, optim
 from dpax.checkpoint import Checkpointer, locate
 from dpax.config import TrainConfig
+from dpax.devices import describe
 from dpax.distributed import is_writer
 from dpax.errors import DpaxError
+from dpax.outputs import save_npz, save_text
 from dpax.pipeline import BatchPlan, train_batches
+from dpax.profiling import StepProfiler
 from dpax.trainer import TooManyBadSteps, Trainer, default_loss
-from dpax.writers import ConsoleWriter, JsonlWriter, MultiWriter, save_params
+from dpax.writers import MultiWriter
+from dpax.writers.console import console_writer
+from dpax.writers.csv_file import CsvWriter
+from dpax.writers.jsonl import JsonlWriter
 
 
 class Preempted(RuntimeError):
@@ -176,14 +182,14 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     writer_process = is_writer()  # only process 0 prints progress and writes --out
     if not writer_process:
         log = None
-    writers: list = [] if log is None else [ConsoleWriter(total, log)]
     if config.out is not None and writer_process:
         os.makedirs(config.out, exist_ok=True)
-        metrics_path = os.path.join(config.out, "metrics.jsonl")
-        _keep_metrics_up_to(metrics_path, start)
-        writers.append(JsonlWriter(metrics_path, append=start > 0))
-    writer = MultiWriter(writers)
+        save_text(os.path.join(config.out, "config.yaml"), config.to_yaml())
     meta = job.meta()
+    profiler = None
+    if config.profile_steps is not None:
+        profiler = StepProfiler(os.path.join(config.out, "profile"), *config.profile_range())
+        profiler.before(start + 1)
 
     first_log: list[tuple[int, float]] = []  # (step, time) of the first log, after compiling
 
@@ -197,12 +203,17 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
 
     def save_params_now() -> None:
         if config.out is not None and writer_process:
-            save_params(os.path.join(config.out, "params.npz"), flat_params(trainer.params))
+            save_npz(os.path.join(config.out, "params.npz"), flat_params(trainer.params))
 
-    if log is not None:
+    if log is not None and not config.quiet:
         print(f"dpax: {config.model} on {ds.name}, {trainer.n_devices} device(s) "
               f"({config.backend}), global batch {config.batch_size}, {total} steps"
               + (f", resumed at step {start}" if start else ""), file=log, flush=True)
+        if config.verbose:
+            print(describe(), file=log)
+            print(config.to_yaml().rstrip(), file=log, flush=True)
+    # After the header line: a bar drawn before it would be broken by it.
+    writer = _writers(config, total, start, log, writer_process)
     with _Preemption() as preemption:
         def on_step(step: int) -> None:
             if preemption.signum is not None:
@@ -215,6 +226,9 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
                                              "; no --checkpoint-dir, so it cannot be resumed"))
             if ckpt is not None:
                 ckpt.maybe_save(step, trainer.state_dict(), data_iter, meta)
+            if profiler is not None:
+                profiler.after(step, trainer.state)
+                profiler.before(step + 1)
 
         try:
             history = trainer.fit(ds.x_train, ds.y_train, batch_size=config.batch_size,
@@ -224,6 +238,9 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             writer.close()
             save_params_now()  # the last good params, whatever happens next
             raise
+        finally:
+            if profiler is not None:
+                profiler.close()
     if first_log and total > first_log[0][0]:
         s0, t0 = first_log[0]
         # Steady speed: the first log interval holds the compilation, so it is left out.
@@ -241,6 +258,22 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     if log is not None:
         print(result.summary(), file=log, flush=True)
     return result
+
+
+def _writers(config: TrainConfig, total: int, start: int, log, writer_process: bool):
+    writers = []
+    if log is not None and not config.quiet:
+        writers.append(console_writer(total, start, log, config.verbose))
+    if config.out is not None and writer_process:
+        jsonl = os.path.join(config.out, "metrics.jsonl")
+        _keep_metrics_up_to(jsonl, start)
+        writers.append(JsonlWriter(jsonl, append=start > 0))
+        writers.append(CsvWriter(os.path.join(config.out, "metrics.csv"), append=start > 0))
+        if config.tensorboard:
+            from dpax.writers.tensorboard import TensorBoardWriter
+
+            writers.append(TensorBoardWriter(os.path.join(config.out, "tensorboard")))
+    return MultiWriter(writers)
 
 
 def _resume(config: TrainConfig, ckpt: Checkpointer | None, trainer: Trainer,
@@ -302,7 +335,5 @@ def predict_checkpoint(path: str, data: str, out: str, devices: int | None = Non
                         f"{tuple(meta['input_shape'])}")
     preds = job.trainer.predict(x, batch_size)
     if is_writer():
-        tmp = out + ".tmp.npz"
-        np.savez(tmp, predictions=preds)
-        os.replace(tmp, out)
+        save_npz(out, {"predictions": preds})
     return preds

@@ -1,0 +1,32 @@
+"""Where log rows go: peers behind one small interface (as in clu's
+metric_writers). `MultiWriter` fans a row out; only process 0 builds writers."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class MetricWriter(Protocol):
+    def write(self, step: int, row: dict) -> None: ...
+    def close(self) -> None: ...
+
+
+class MultiWriter:
+    """Fans one row out to several writers."""
+
+    def __init__(self, writers: list[MetricWriter]):
+        self._writers = writers
+
+    def write(self, step: int, row: dict) -> None:
+        for w in self._writers:
+            w.write(step, row)
+
+    def close(self) -> None:
+        for w in self._writers:
+            w.close()
+
+
+def scalars(row: dict) -> dict[str, float]:
+    """The plain numbers of a row (vector metrics and strings left out)."""
+    return {k: float(v) for k, v in row.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -1,0 +1,20 @@
+"""`metrics.jsonl`: one JSON object per log step."""
+
+from __future__ import annotations
+
+import json
+
+
+class JsonlWriter:
+    """Flushed as written, so a crash loses no logged step."""
+
+    def __init__(self, path: str, append: bool = False):
+        self._f = open(path, "a" if append else "w")
+
+    def write(self, step: int, row: dict) -> None:
+        row = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in row.items()}
+        self._f.write(json.dumps({"step": step, **row}) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
