@@ -224,3 +224,15 @@ def test_grad_accum_cuts_peak_activation_memory():
         temp[k] = compiled.memory_analysis().temp_size_in_bytes
     print(f"step temp memory: K=1 {temp[1] / 2**20:.1f} MiB, K=4 {temp[4] / 2**20:.1f} MiB")
     assert temp[4] < 0.4 * temp[1]
+
+
+# -- steps per call ----------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+def test_eight_steps_per_call_equal_one_per_call(backend):
+    one, eight = trainer(4, backend=backend), trainer(4, backend=backend, steps_per_call=8)
+    rows1, rows8 = fit(one, 61, steps=20, log_every=4), fit(eight, 61, steps=20, log_every=4)
+    assert max_diff(leaves(eight), leaves(one)) <= 1e-6
+    assert eight.traces["train_multi"] == 1  # steps 1-16 in two calls, 17-20 one by one
+    # Logs land on call boundaries; their means cover exactly the steps since the last.
+    assert [r["step"] for r in rows8] == [8, 16, 20]
+    assert sum(r["examples"] for r in rows8) == sum(r["examples"] for r in rows1) == 20 * 61

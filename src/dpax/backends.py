@@ -57,12 +57,30 @@ class ShardMapBackend:
 
         return {k: put(v) for k, v in batch.items()}
 
-    def _wrap(self, fn: Callable, out_specs, donate: bool) -> Callable:
-        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), P(AXIS)), out_specs=out_specs)
+    def put_batches(self, batches: list[dict], size: int) -> dict:
+        """K host batches -> one array per key of shape (K, size, ...), rows split
+        over devices: the input of a K-steps-per-call step."""
+        sharding = NamedSharding(self.mesh, P(None, AXIS))
+
+        def put(*vs):
+            local = np.stack(vs)
+            shape = (len(vs), size) + local.shape[2:]
+            return jax.make_array_from_process_local_data(sharding, local, shape)
+
+        return {k: put(*(b[k] for b in batches)) for k in batches[0]}
+
+    def _wrap(self, fn: Callable, out_specs, donate: bool, batch_spec=None) -> Callable:
+        batch_spec = P(AXIS) if batch_spec is None else batch_spec
+        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), batch_spec),
+                               out_specs=out_specs)
         return jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
     def train(self, fn: Callable) -> Callable:
         return self._wrap(fn, (P(), P()), donate=True)
+
+    def train_multi(self, fn: Callable) -> Callable:
+        """`fn(state, batches)` with batches stacked along a leading step axis."""
+        return self._wrap(fn, (P(), P()), donate=True, batch_spec=P(None, AXIS))
 
     def reduce(self, fn: Callable) -> Callable:
         return self._wrap(fn, P(), donate=False)
@@ -116,12 +134,25 @@ class PmapBackend:
         stacked = {k: v.reshape((self.n, -1) + v.shape[1:]) for k, v in batch.items()}
         return jax.device_put(stacked, self._stacked)
 
+    def put_batches(self, batches: list[dict], size: int) -> dict:
+        """K host batches -> (n, K, size / n, ...) per key: device axis first."""
+        def put(*vs):
+            x = np.stack(vs)  # (K, size, ...)
+            x = x.reshape((len(vs), self.n, -1) + x.shape[2:]).swapaxes(0, 1)
+            return x
+
+        return jax.device_put({k: put(*(b[k] for b in batches)) for k in batches[0]},
+                              self._stacked)
+
     def _wrap(self, fn: Callable, donate: bool) -> Callable:
         return jax.pmap(
             fn, axis_name=AXIS, devices=self.devices, donate_argnums=(0,) if donate else ()
         )
 
     def train(self, fn: Callable) -> Callable:
+        return self._wrap(fn, donate=True)
+
+    def train_multi(self, fn: Callable) -> Callable:
         return self._wrap(fn, donate=True)
 
     def reduce(self, fn: Callable) -> Callable:

@@ -34,12 +34,17 @@ class Checkpointer:
     def __init__(self, directory: str, every: int = 0, keep: int = 3):
         self.directory = os.path.abspath(directory)
         self.every = every
+        self._last: int | None = None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def maybe_save(self, step: int, state: dict, data: Any, meta: dict) -> bool:
-        if self.every and step % self.every == 0:
+        """Save when a multiple of `every` was reached since the last call (with
+        several steps per call the state exists only at call boundaries)."""
+        last = step - 1 if self._last is None else self._last
+        self._last = step
+        if self.every and step // self.every > last // self.every:
             self.save(step, state, data, meta)
             return True
         return False

@@ -17,7 +17,7 @@ HOW_FIELDS = frozenset({
     "devices", "backend", "log_every", "eval_every", "out", "checkpoint_dir",
     "checkpoint_every", "keep", "resume", "coordinator", "num_processes", "process_id",
     "timeout", "max_bad_steps", "grad_accum", "tensorboard", "profile_steps", "quiet",
-    "verbose",
+    "verbose", "steps_per_call",
 })
 
 # The main job's length when neither --epochs nor --steps is given.
@@ -58,6 +58,8 @@ class TrainConfig:
     max_bad_steps: int = _field(
         10, "stop (exit 3) after this many non-finite steps in a row, checked at log steps"
     )
+    steps_per_call: int = _field(
+        1, "training steps per compiled call (a scan over batches on the device)")
     seed: int = _field(0, "seed of the init and of the batch order")
     log_every: int = _field(10, "steps between metric logs (host syncs happen only here)")
     eval_every: int = _field(0, "steps between evaluations (0: only at the end)")
@@ -168,6 +170,7 @@ class TrainConfig:
         if self.epochs is not None and self.steps is not None:
             raise DpaxError("give exactly one of --steps or --epochs, not both")
         positive("grad_accum", self.grad_accum)
+        positive("steps_per_call", self.steps_per_call)
         positive("max_bad_steps", self.max_bad_steps)
         for name, value in (("precision", self.precision),
                             ("allreduce_dtype", self.allreduce_dtype)):

@@ -8,8 +8,10 @@ epoch is short and gets padded, never dropped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import json
 
 import grain
 import numpy as np
@@ -77,3 +79,44 @@ def eval_batches(x: np.ndarray, y: np.ndarray, batch_size: int, rows: tuple[int,
     for start in range(0, len(x), batch_size):
         idx = np.arange(start, min(start + batch_size, len(x)))
         yield local_part(x, y, idx, rows)
+
+
+class TrainedPosition:
+    """A Grain iterator whose checkpointed position is the last batch TRAINED
+    on, not the last one read: the Trainer reads ahead to overlap transfers.
+
+    Saved and restored by `grain.checkpoint.CheckpointSave/Restore` like the
+    iterator itself (state as JSON bytes).
+    """
+
+    def __init__(self, iterator):
+        self._it = iterator
+        self._read: collections.deque[bytes] = collections.deque()  # after each read
+        self._trained = self._state()
+
+    def _state(self) -> bytes:
+        return json.dumps(self._it.get_state()).encode()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self._it)
+        self._read.append(self._state())
+        return batch
+
+    def trained(self, n: int) -> None:
+        """`n` more of the batches read so far have been trained on."""
+        for _ in range(n):
+            self._trained = self._read.popleft()
+
+    def get_state(self) -> bytes:
+        return self._trained
+
+    def set_state(self, state: bytes) -> None:
+        self._it.set_state(json.loads(state))
+        self._trained, self._read = state, collections.deque()
+
+    def start_prefetch(self) -> None:
+        if hasattr(self._it, "start_prefetch"):
+            self._it.start_prefetch()

@@ -23,7 +23,7 @@ from dpax.devices import describe
 from dpax.distributed import is_writer
 from dpax.errors import DpaxError
 from dpax.outputs import save_npz, save_text
-from dpax.pipeline import BatchPlan, train_batches
+from dpax.pipeline import BatchPlan, TrainedPosition, train_batches
 from dpax.profiling import StepProfiler
 from dpax.trainer import TooManyBadSteps, Trainer, default_loss
 from dpax.writers import MultiWriter
@@ -101,7 +101,8 @@ def build(config: TrainConfig) -> Job:
     trainer = Trainer(model, loss_fn, tx, devices=config.devices, backend=config.backend,
                       predict_fn=predict_fn, schedule=schedule, grad_accum=config.grad_accum,
                       precision=config.precision, allreduce_dtype=config.allreduce_dtype,
-                      max_bad_steps=config.max_bad_steps)
+                      max_bad_steps=config.max_bad_steps,
+                      steps_per_call=config.steps_per_call)
     return Job(config, ds, plan, total, trainer)
 
 
@@ -167,8 +168,8 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     trainer, ds, total = job.trainer, job.ds, job.total
     size = trainer.padded(config.batch_size)
     # Batches of steps 0..total-1; a resumed run restores the iterator's position.
-    data_iter = iter(train_batches(ds.x_train, ds.y_train, job.plan,
-                                   trainer.backend.local_rows(size), 0, total))
+    data_iter = TrainedPosition(iter(train_batches(ds.x_train, ds.y_train, job.plan,
+                                                   trainer.backend.local_rows(size), 0, total)))
     ckpt = None
     if config.checkpoint_dir is not None:
         ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint_every, config.keep)
@@ -176,8 +177,9 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     if config.resume is not None:
         start, data_restored = _resume(config, ckpt, trainer, data_iter)
         if not data_restored:  # saved by another process count: rebuild the position
-            data_iter = iter(train_batches(ds.x_train, ds.y_train, job.plan,
-                                           trainer.backend.local_rows(size), start, total))
+            data_iter = TrainedPosition(iter(train_batches(
+                ds.x_train, ds.y_train, job.plan, trainer.backend.local_rows(size), start,
+                total)))
 
     writer_process = is_writer()  # only process 0 prints progress and writes --out
     if not writer_process:
@@ -214,8 +216,12 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             print(config.to_yaml().rstrip(), file=log, flush=True)
     # After the header line: a bar drawn before it would be broken by it.
     writer = _writers(config, total, start, log, writer_process)
+    trained_to = [start]
+
     with _Preemption() as preemption:
         def on_step(step: int) -> None:
+            data_iter.trained(step - trained_to[0])
+            trained_to[0] = step
             if preemption.signum is not None:
                 if ckpt is not None:
                     ckpt.save(step, trainer.state_dict(), data_iter, meta)

@@ -166,6 +166,16 @@ def make_train_step(
     return train_step
 
 
+def make_multi_step(train_step: Callable) -> Callable:
+    """K steps in one call: a scan of `train_step` over batches stacked along a
+    leading axis. For dispatch-bound models: one launch instead of K."""
+
+    def multi_step(state: TrainState, batches: dict):
+        return jax.lax.scan(train_step, state, batches)
+
+    return multi_step
+
+
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
     """The per-device eval step: `(state, shard) -> summed loss, count, metrics`."""
 

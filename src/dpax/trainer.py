@@ -32,6 +32,7 @@ from dpax.step import (
     StepOptions,
     init_state,
     make_eval_step,
+    make_multi_step,
     make_predict_step,
     make_train_step,
 )
@@ -40,6 +41,20 @@ from dpax.step import (
 # reduce") when too many multi-device steps are queued; two in flight keep the
 # device busy while the host prepares the next batch.
 MAX_IN_FLIGHT = 2
+# Device batches placed ahead of the step that uses them: the transfer of batch
+# i+1 overlaps step i.
+PREFETCH = 2
+
+
+def _prefetch(items: Iterator, depth: int) -> Iterator:
+    """Yield from `items` while keeping `depth` more already produced (placed)."""
+    queue: collections.deque = collections.deque()
+    for item in items:
+        queue.append(item)
+        if len(queue) > depth:
+            yield queue.popleft()
+    while queue:
+        yield queue.popleft()
 
 
 class Trainer:
@@ -60,6 +75,8 @@ class Trainer:
       allreduce_dtype: "fp32" or "bf16" for the gradient all-reduce.
       max_bad_steps: stop with `TooManyBadSteps` after this many skipped
         (non-finite) steps in a row, checked at log boundaries; None: never.
+      steps_per_call: run this many steps in one compiled call (a scan over
+        batches already on the device): fewer launches for small models.
     """
 
     def __init__(
@@ -76,6 +93,7 @@ class Trainer:
         precision: str = "fp32",
         allreduce_dtype: str = "fp32",
         max_bad_steps: int | None = 10,
+        steps_per_call: int = 1,
     ):
         devs = devices if isinstance(devices, (list, tuple)) else select_devices(devices)
         self.backend = make_backend(backend, devs)
@@ -83,13 +101,18 @@ class Trainer:
         self.loss_fn = loss_fn
         self.grad_accum = grad_accum
         self.max_bad_steps = max_bad_steps
+        if not isinstance(steps_per_call, int) or steps_per_call < 1:
+            raise DpaxError(f"steps_per_call must be >= 1, got {steps_per_call!r}")
+        self.steps_per_call = steps_per_call
         options = StepOptions(grad_accum=grad_accum, compute_dtype=_dtype(precision),
                               allreduce_dtype=_dtype(allreduce_dtype))
         self._graphdef, state = init_state(model, optimizer)
         self.state = self.backend.put_state(state)
         self.traces = collections.Counter()  # compilations per step kind
-        self._train = self.backend.train(self._counted("train", make_train_step(
-            self._graphdef, loss_fn, optimizer, schedule, options)))
+        train_step = make_train_step(self._graphdef, loss_fn, optimizer, schedule, options)
+        self._train = self.backend.train(self._counted("train", train_step))
+        self._train_multi = self.backend.train_multi(
+            self._counted("train_multi", make_multi_step(train_step)))
         self._eval = self.backend.reduce(self._counted("eval", make_eval_step(
             self._graphdef, loss_fn)))
         self._predict = None
@@ -161,17 +184,21 @@ class Trainer:
     def _loop(self, sized_batches, start, total, log_every, on_log, on_step,
               steps_per_epoch=None) -> list[dict]:
         rows: list[dict] = []
-        pending: list[dict] = []
+        pending: list[tuple[int, dict]] = []  # (steps in the call, device metrics)
         in_flight: collections.deque = collections.deque()
         last = (time.perf_counter(), start)
         step = start
-        for step, (size, host_batch) in enumerate(sized_batches, start + 1):
-            metrics = self.train_step(host_batch, size)
-            pending.append(metrics)
+        for k, placed in _prefetch(self._placed(sized_batches), PREFETCH):
+            prev, step = step, step + k
+            if k == 1:
+                self.state, metrics = self._train(self.state, placed)
+            else:
+                self.state, metrics = self._train_multi(self.state, placed)
+            pending.append((k, metrics))
             in_flight.append(metrics["count"])
             if len(in_flight) > MAX_IN_FLIGHT:
                 in_flight.popleft().block_until_ready()  # waits, transfers nothing
-            if step % log_every == 0 or step == total:
+            if step // log_every > prev // log_every or step == total:
                 rows.append(self._log(pending, step, last, steps_per_epoch, on_log))
                 pending, last = [], (time.perf_counter(), step)
             if on_step is not None:
@@ -180,8 +207,29 @@ class Trainer:
             rows.append(self._log(pending, step, last, steps_per_epoch, on_log))
         return rows
 
+    def _placed(self, sized_batches):
+        """(steps, device batch) per call: groups of `steps_per_call` batches of
+        one size stacked for the scanned step; anything left runs one by one."""
+        k = self.steps_per_call
+        group: list = []
+        for size, batch in sized_batches:
+            if k == 1:
+                yield 1, self.backend.put_batch(batch, size)
+                continue
+            if group and group[0][0] != size:
+                yield from ((1, self.backend.put_batch(b, s)) for s, b in group)
+                group = []
+            group.append((size, batch))
+            if len(group) == k:
+                yield k, self.backend.put_batches([b for _, b in group], size)
+                group = []
+        yield from ((1, self.backend.put_batch(b, s)) for s, b in group)
+
     def _log(self, pending, step, last, steps_per_epoch, on_log) -> dict:
-        row = summarize(self.backend.host(pending))  # sync point: once per log
+        host = self.backend.host([m for _, m in pending])  # sync point: once per log
+        per_step = [m if k == 1 else {key: v[i] for key, v in m.items()}
+                    for (k, _), m in zip(pending, host) for i in range(k)]
+        row = summarize(per_step)
         self._check_bad_steps(row)
         t_last, s_last = last
         row.update(step=step, steps_per_sec=(step - s_last) / (time.perf_counter() - t_last))
