@@ -86,6 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="load a config (e.g. a run's config.yaml); flags override it")
     add_config_flags(train)
     sub.add_parser("devices", help="print the devices JAX sees")
+    bench = sub.add_parser("bench", help="dpax vs hand-written pmap and jit loops",
+                           description="Benchmark dpax against the seeds' pmap loop and a "
+                                       "1-device jit loop, in one process.")
+    bench.add_argument("--workloads", default="tiny,mlp,cnn,digits",
+                       help="comma-separated: tiny, mlp, cnn, digits (default: all)")
+    bench.add_argument("--devices", default="1,2,4,8", help="device counts (default: 1,2,4,8)")
+    bench.add_argument("--repeats", type=int, default=5, help="timed repeats (default: 5)")
+    bench.add_argument("--steps", type=int, default=None,
+                       help="steps per repeat (default: per workload)")
+    bench.add_argument("--steps-per-call", type=int, default=8,
+                       help="K for the dpax/k=K row (default: 8; 1 leaves it out)")
+    bench.add_argument("--no-sweep", dest="sweep", action="store_false",
+                       help="skip the examples/s vs batch size sweep")
+    bench.add_argument("--out", default="benchmarks/results", metavar="DIR",
+                       help="where results.md, results.json and PNGs go")
     plot = sub.add_parser("plot", help="PNG plots of runs' metrics, overlaid",
                           description="Plot loss, accuracy, LR and steps/s of one or more runs.")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories from --out")
@@ -160,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
             return launch(train_args, args.nprocs, args.devices_per_process, args.port,
                           args.verbose)
+        if args.command == "bench":
+            return _bench(args)
         if args.command == "plot":
             from dpax.plot import plot_runs
 
@@ -186,6 +203,29 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dpax: interrupted", file=sys.stderr)
         return 130
+
+
+def _bench(args) -> int:
+    from dpax.bench import WORKLOADS
+
+    names = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown or not names:
+        raise DpaxError(f"unknown workload(s) {', '.join(unknown) or '(none)'}; choose from "
+                        f"{', '.join(WORKLOADS)}")
+    try:
+        counts = [int(n) for n in args.devices.split(",")]
+    except ValueError:
+        raise DpaxError(f"--devices must be comma-separated counts, got {args.devices!r}") from None
+    if any(n < 1 for n in counts) or args.repeats < 1 or (args.steps or 1) < 1:
+        raise DpaxError("--devices, --repeats and --steps must be >= 1")
+    _start_devices(TrainConfig(devices=max(counts)))
+    from dpax.bench import run_bench
+
+    run_bench(names, counts, args.repeats, args.steps, args.steps_per_call, args.sweep,
+              args.out)
+    print(f"wrote {args.out}/results.md")
+    return 0
 
 
 def _checkpoint_command(args) -> int:
