@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpax.errors import DpaxError
-from dpax.sharding import replicate, unreplicate
+from dpax.sharding import host_leaf, replicate, unreplicate
 from dpax.step import AXIS
 
 BACKENDS = ("shard_map", "pmap")
@@ -98,7 +98,7 @@ class ShardMapBackend:
 
     def host(self, tree: Any) -> Any:
         """Host copy of replicated outputs. A device-to-host transfer: a sync point."""
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+        return jax.tree.map(host_leaf, tree)
 
     def logical(self, state: Any) -> Any:
         """One device-count-independent copy of the state: the replicated global

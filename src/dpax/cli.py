@@ -101,6 +101,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the examples/s vs batch size sweep")
     bench.add_argument("--out", default="benchmarks/results", metavar="DIR",
                        help="where results.md, results.json and PNGs go")
+    check = sub.add_parser(
+        "check", help="does a model train on N devices exactly as on one?",
+        description="Train a few steps on 1 and on N devices with an uneven batch, compare, "
+                    "and name the likely cause of a difference. Exit 0: equivalent, 1: not.")
+    check.add_argument("--model", default="cnn-bn", metavar="NAME",
+                       help="a built-in model (default: cnn-bn)")
+    check.add_argument("--factory", default=None, metavar="MODULE:FN",
+                       help="your model: FN(input_shape, n_out, rngs=nnx.Rngs) -> nnx.Module")
+    check.add_argument("--loss", default=None, metavar="MODULE:FN",
+                       help="your loss: FN(model, batch) -> per-example losses "
+                            "(default: the data's built-in loss)")
+    check.add_argument("--data", default="digits", metavar="NAME",
+                       help="data to train on (default: digits)")
+    check.add_argument("--devices", type=int, default=8, metavar="N",
+                       help="devices to compare with one (default: 8)")
+    check.add_argument("--batch-size", type=int, default=None, metavar="N",
+                       help="global batch (default: 5N+3, so a device holds padding)")
+    check.add_argument("--steps", type=int, default=5, metavar="N", help="SGD steps (default 5)")
+    check.add_argument("--backend", default="shard_map", metavar="NAME",
+                       help="shard_map or pmap (default: shard_map)")
+    check.add_argument("--no-sync-batchnorm", dest="sync_batchnorm", action="store_false",
+                       help="keep per-device BatchNorm statistics (to see the difference)")
     plot = sub.add_parser("plot", help="PNG plots of runs' metrics, overlaid",
                           description="Plot loss, accuracy, LR and steps/s of one or more runs.")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories from --out")
@@ -175,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
             return launch(train_args, args.nprocs, args.devices_per_process, args.port,
                           args.verbose)
+        if args.command == "check":
+            return _check(args)
         if args.command == "bench":
             return _bench(args)
         if args.command == "plot":
@@ -203,6 +227,54 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dpax: interrupted", file=sys.stderr)
         return 130
+
+
+def _load(spec: str, what: str):
+    """`module:attribute` -> the attribute (the current directory is importable)."""
+    import importlib
+
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise DpaxError(f"{what} {spec!r} is not MODULE:NAME, e.g. mymodels:make_model")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        raise DpaxError(f"cannot import {module!r} for {what}: {e}") from None
+    except AttributeError:
+        raise DpaxError(f"module {module!r} has no {name!r} for {what}") from None
+    if not callable(obj):
+        raise DpaxError(f"{what} {spec!r} is not callable")
+    return obj
+
+
+def _check(args) -> int:
+    from dpax import data as data_mod
+    from dpax import models
+
+    if args.devices < 1 or args.steps < 1 or (args.batch_size is not None
+                                               and args.batch_size < 1):
+        raise DpaxError("--devices, --steps and --batch-size must be >= 1")
+    if args.factory is None and args.model not in models.MODELS:
+        raise DpaxError(f"unknown model {args.model!r}; choose one of "
+                        f"{', '.join(models.MODELS)} or give --factory MODULE:FN")
+    factory = _load(args.factory, "--factory") if args.factory else models.MODELS[args.model]
+    user_loss = _load(args.loss, "--loss") if args.loss else None
+    _start_devices(TrainConfig(devices=args.devices))
+    from flax import nnx
+
+    from dpax.check import check_equivalence
+    from dpax.trainer import default_loss
+
+    ds = data_mod.load(args.data)
+    loss_fn = user_loss or default_loss(ds.task)[0]
+    result = check_equivalence(
+        lambda: factory(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)), loss_fn,
+        ds.x_train, ds.y_train, devices=args.devices, batch_size=args.batch_size,
+        steps=args.steps, sync_batchnorm=args.sync_batchnorm, backend=args.backend)
+    print(result.report())
+    return 0 if result.equivalent else 1
 
 
 def _bench(args) -> int:

@@ -32,7 +32,7 @@ def _field(default, help: str, **meta):
 class TrainConfig:
     """One training run. The default is the main job: the digits CNN on 8 devices."""
 
-    model: str = _field("cnn", "model: linear, mlp or cnn")
+    model: str = _field("cnn", "model: linear, mlp, cnn or cnn-bn (BatchNorm + dropout)")
     data: str = _field("digits", "data: regression, digits, random-images, or a path to a .npz")
     devices: int | None = _field(
         None, "devices per process (default: all local accelerators; on CPU, 8 simulated)"
@@ -58,6 +58,9 @@ class TrainConfig:
     max_bad_steps: int = _field(
         10, "stop (exit 3) after this many non-finite steps in a row, checked at log steps"
     )
+    sync_batchnorm: bool = _field(
+        True, "BatchNorm statistics over the global batch (--no-sync-batchnorm: per "
+              "device, not equivalent to one device)")
     steps_per_call: int = _field(
         1, "training steps per compiled call (a scan over batches on the device)")
     seed: int = _field(0, "seed of the init and of the batch order")

@@ -58,16 +58,50 @@ class CNN(nnx.Module):
         return self.dense(x.reshape(x.shape[0], -1))
 
 
-MODELS: dict[str, Callable[..., nnx.Module]] = {"linear": Linear, "mlp": MLP, "cnn": CNN}
+class CNNBN(nnx.Module):
+    """A small residual CNN with BatchNorm and dropout, on NHWC images.
+
+    dpax trains it exactly as one device would: its BatchNorm statistics are
+    global and masked, its dropout masks independent of the device count.
+    """
+
+    def __init__(self, in_shape: tuple[int, ...], n_out: int, *, width: int = 32,
+                 dropout: float = 0.2, rngs: nnx.Rngs):
+        h, w, c = in_shape
+        if h % 4 or w % 4:
+            raise DpaxError(f"cnn-bn needs image sides divisible by 4, got {h}x{w}")
+        self.stem = nnx.Conv(c, width, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+        self.stem_bn = nnx.BatchNorm(width, rngs=rngs)
+        self.res1 = nnx.Conv(width, width, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+        self.res1_bn = nnx.BatchNorm(width, rngs=rngs)
+        self.res2 = nnx.Conv(width, width, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+        self.res2_bn = nnx.BatchNorm(width, rngs=rngs)
+        self.down = nnx.Conv(width, 2 * width, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+        self.down_bn = nnx.BatchNorm(2 * width, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.head = nnx.Linear(2 * width * (h // 4) * (w // 4), n_out, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.stem_bn(self.stem(x)))
+        r = nnx.relu(self.res1_bn(self.res1(x)))
+        x = nnx.relu(x + self.res2_bn(self.res2(r)))  # the residual connection
+        x = nnx.max_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = nnx.relu(self.down_bn(self.down(x)))
+        x = nnx.max_pool(x, window_shape=(2, 2), strides=(2, 2))
+        return self.head(self.dropout(x.reshape(x.shape[0], -1)))
+
+
+MODELS: dict[str, Callable[..., nnx.Module]] = {
+    "linear": Linear, "mlp": MLP, "cnn": CNN, "cnn-bn": CNNBN}
 
 
 def make_model(name: str, in_shape: tuple[int, ...], n_out: int, seed: int) -> nnx.Module:
     """Build a registered model for inputs of `in_shape` (no batch axis)."""
     if name not in MODELS:
         raise DpaxError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    if name == "cnn" and len(in_shape) != 3:
+    if name in ("cnn", "cnn-bn") and len(in_shape) != 3:
         raise DpaxError(
-            f"cnn needs NHWC images, the data has examples of shape {in_shape}; "
+            f"{name} needs NHWC images, the data has examples of shape {in_shape}; "
             "use --model mlp or linear"
         )
     return MODELS[name](tuple(in_shape), n_out, rngs=nnx.Rngs(seed))

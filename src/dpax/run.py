@@ -102,7 +102,8 @@ def build(config: TrainConfig) -> Job:
                       predict_fn=predict_fn, schedule=schedule, grad_accum=config.grad_accum,
                       precision=config.precision, allreduce_dtype=config.allreduce_dtype,
                       max_bad_steps=config.max_bad_steps,
-                      steps_per_call=config.steps_per_call)
+                      steps_per_call=config.steps_per_call, seed=config.seed,
+                      sync_batchnorm=config.sync_batchnorm)
     return Job(config, ds, plan, total, trainer)
 
 

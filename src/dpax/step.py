@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from dpax.layers import BatchContext, batch_context
+
 AXIS = "data"
 
 # loss_fn(model, batch) -> per-example losses, or (losses, {name: per-example values})
@@ -33,6 +35,7 @@ class TrainState:
     rest: nnx.State  # every other model variable (e.g. batch statistics)
     opt_state: optax.OptState
     bad_in_a_row: jax.Array  # consecutive steps skipped for a non-finite loss or gradient
+    rng: jax.Array  # raw key data; step keys are fold_in(rng, step): N-independent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +47,27 @@ class StepOptions:
     compute_dtype: Any = None  # e.g. jnp.bfloat16 for forward/backward; params stay f32
     allreduce_dtype: Any = None  # e.g. jnp.bfloat16 halves the gradient bytes reduced
     skip_nonfinite: bool = True  # a NaN/inf loss or gradient leaves the state unchanged
+    average_state: bool = False  # pmean non-param model state (per-device batch stats)
 
 
-def init_state(model: nnx.Module, tx: optax.GradientTransformation):
+def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 0):
     """Split a model into its static graph and a `TrainState`."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # Two separate zeros: one buffer in two donated fields would be donated twice.
     step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
-    return graphdef, TrainState(step, params, rest, tx.init(params), bad)
+    rng = jax.random.key_data(jax.random.key(seed))
+    return graphdef, TrainState(step, params, rest, tx.init(params), bad, rng)
+
+
+def _with_index(batch: dict) -> dict:
+    """Add each row's position in the global batch (device-major, as placed)."""
+    rows = batch["mask"].shape[0]
+    offset = jax.lax.axis_index(AXIS) * rows
+    return {**batch, "index": offset + jnp.arange(rows, dtype=jnp.int32)}
+
+
+def _context(batch: dict, key) -> BatchContext:
+    return BatchContext(mask=batch["mask"], index=batch["index"], key=key, axis=AXIS)
 
 
 def _losses_and_metrics(loss_fn: LossFn, model, batch) -> tuple[jax.Array, dict]:
@@ -108,11 +124,19 @@ def make_train_step(
         # explicit one below would count every gradient N times.
         local_params = jax.lax.pcast(state.params, AXIS, to="varying")
 
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        batch = _with_index(batch)
+
         def sums_and_grads(rest, micro):
             def local_loss_sum(params):
-                model = nnx.merge(graphdef, _cast_floats(params, options.compute_dtype), rest)
+                # Fresh Variable objects at this trace level: NNX refuses to update
+                # (e.g. BatchNorm's running averages) Variables from an outer trace.
+                fresh = jax.tree.map(lambda a: a, rest)
+                model = nnx.merge(graphdef, _cast_floats(params, options.compute_dtype), fresh)
+                model.train()  # batch statistics and dropout on
                 micro_in = {**micro, "x": _cast_floats(micro["x"], options.compute_dtype)}
-                loss_sum, sums = _sums(loss_fn, model, micro_in)
+                with batch_context(_context(micro_in, step_key)):
+                    loss_sum, sums = _sums(loss_fn, model, micro_in)
                 _, _, new_rest = nnx.split(model, nnx.Param, ...)
                 # Model state keeps its own dtype whatever the compute dtype was.
                 new_rest = jax.tree.map(lambda n, o: n.astype(o.dtype), new_rest, rest)
@@ -140,6 +164,11 @@ def make_train_step(
                 accumulate, (acc, rest), jax.tree.map(lambda v: v[1:], micro))
             loss_sum, sums, grad_sums = acc
 
+        if options.average_state:
+            # Per-device batch statistics: average them so replicas stay identical.
+            rest = jax.tree.map(
+                lambda r: jax.lax.pmean(r, AXIS) if jnp.issubdtype(r.dtype, jnp.floating)
+                else r, rest)
         count = jnp.sum(batch["mask"].astype(jnp.float32))
         grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
         # One all-reduce for everything: sums add up exactly across devices.
@@ -181,7 +210,10 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
 
     def eval_step(state: TrainState, batch: dict):
         model = nnx.merge(graphdef, state.params, state.rest)
-        loss_sum, sums = _sums(loss_fn, model, batch)
+        model.eval()  # running averages, no dropout
+        batch = _with_index(batch)
+        with batch_context(_context(batch, None)):
+            loss_sum, sums = _sums(loss_fn, model, batch)
         count = jnp.sum(batch["mask"].astype(jnp.float32))
         return jax.lax.psum({"loss_sum": loss_sum, "count": count, **sums}, AXIS)
 
@@ -192,6 +224,8 @@ def make_predict_step(graphdef: nnx.GraphDef, predict_fn: Callable):
     """The per-device predict step: one output per example of the shard."""
 
     def predict_step(state: TrainState, batch: dict):
-        return predict_fn(nnx.merge(graphdef, state.params, state.rest), batch)
+        model = nnx.merge(graphdef, state.params, state.rest)
+        model.eval()
+        return predict_fn(model, batch)
 
     return predict_step

@@ -25,8 +25,9 @@ from dpax import losses as losses_mod
 from dpax.backends import make_backend
 from dpax.devices import select_devices
 from dpax.errors import DpaxError
+from dpax.layers import has_per_device_state, synchronize
 from dpax.pipeline import BatchPlan, eval_batches, local_part, train_batches
-from dpax.sharding import padded_size
+from dpax.sharding import is_key, padded_size
 from dpax.step import (
     LossFn,
     StepOptions,
@@ -77,6 +78,11 @@ class Trainer:
         (non-finite) steps in a row, checked at log boundaries; None: never.
       steps_per_call: run this many steps in one compiled call (a scan over
         batches already on the device): fewer launches for small models.
+      seed: the key behind dropout masks (with the step and each example's
+        global index, so masks do not depend on the device count).
+      sync_batchnorm: convert `nnx.BatchNorm` layers to `SyncBatchNorm`
+        (global masked statistics). False keeps per-device statistics (the
+        running averages are then averaged across devices): not equivalent.
     """
 
     def __init__(
@@ -94,6 +100,8 @@ class Trainer:
         allreduce_dtype: str = "fp32",
         max_bad_steps: int | None = 10,
         steps_per_call: int = 1,
+        seed: int = 0,
+        sync_batchnorm: bool = True,
     ):
         devs = devices if isinstance(devices, (list, tuple)) else select_devices(devices)
         self.backend = make_backend(backend, devs)
@@ -104,9 +112,11 @@ class Trainer:
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
             raise DpaxError(f"steps_per_call must be >= 1, got {steps_per_call!r}")
         self.steps_per_call = steps_per_call
+        self.converted = synchronize(model, batchnorm=sync_batchnorm)
         options = StepOptions(grad_accum=grad_accum, compute_dtype=_dtype(precision),
-                              allreduce_dtype=_dtype(allreduce_dtype))
-        self._graphdef, state = init_state(model, optimizer)
+                              allreduce_dtype=_dtype(allreduce_dtype),
+                              average_state=has_per_device_state(model))
+        self._graphdef, state = init_state(model, optimizer, seed)
         self.state = self.backend.put_state(state)
         self.traces = collections.Counter()  # compilations per step kind
         train_step = make_train_step(self._graphdef, loss_fn, optimizer, schedule, options)
@@ -304,7 +314,9 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The state as {path: array}, one logical copy whatever the device count."""
         flat, _ = jax.tree_util.tree_flatten_with_path(self.backend.logical(self.state))
-        return {_key(path): leaf for path, leaf in flat}
+        # Typed PRNG keys are saved as their raw data; load_state_dict re-wraps them.
+        return {_key(path): jax.random.key_data(leaf) if is_key(leaf) else leaf
+                for path, leaf in flat}
 
     def state_template(self) -> dict[str, Any]:
         """Shapes and dtypes of `state_dict()`, placed replicated on this Trainer's
@@ -321,7 +333,9 @@ class Trainer:
         if missing:
             raise DpaxError(f"checkpoint lacks {len(missing)} state entries, e.g. {missing[0]}; "
                             "it was saved for another model or optimizer")
-        leaves = [flat[_key(p)] for p, _ in paths]
+        leaves = [jax.random.wrap_key_data(np.asarray(flat[_key(p)]),
+                                           impl=jax.random.key_impl(t)) if is_key(t)
+                  else flat[_key(p)] for p, t in paths]
         self.state = self.backend.put_state(jax.tree.unflatten(treedef, leaves))
 
     # -- results ---------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""`dpax check` / `check_equivalence`: does a model train on N devices exactly
+as on one? If not, name the likely cause.
+
+Runs a few SGD steps of a fresh model on 1 device and on N devices with an
+uneven global batch (padding on some devices), compares params, losses and
+model state, and, when they differ beyond float rounding, tests the usual
+suspects in turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dpax.layers import SyncBatchNorm
+from dpax.trainer import Trainer
+
+TOLERANCE = 1e-5
+
+CAUSES = {
+    "loss-mean": "the loss averages per device: return one loss per example, dpax does the "
+                 "global mean",
+    "batchnorm": "unsynchronized batch statistics: {layers} normalize with per-device "
+                 "statistics; use nnx.BatchNorm (dpax converts it) or dpax.layers.SyncBatchNorm",
+    "rng": "per-device RNG: the model draws random numbers from its own key on every "
+           "device; use nnx.Dropout (dpax derives each example's key from seed, step and index)",
+    "loss-mixes": "the loss mixes examples across the batch (e.g. a per-device mean or "
+                  "normalization): return each example's own loss",
+    "model-mixes": "an op in the model mixes examples across the batch (a mean, norm or "
+                   "sort over the batch axis) without synchronizing it",
+}
+
+
+@dataclasses.dataclass
+class CheckResult:
+    devices: int
+    batch_size: int
+    steps: int
+    param_diff: float
+    loss_diff: float
+    state_diff: float
+    cause: str | None = None  # a key of CAUSES
+    detail: str = ""
+
+    @property
+    def equivalent(self) -> bool:
+        return self.cause is None
+
+    def report(self) -> str:
+        head = (f"1 vs {self.devices} devices, global batch {self.batch_size}, {self.steps} "
+                f"SGD steps: max |diff| params {self.param_diff:.2e}, loss {self.loss_diff:.2e}, "
+                f"model state {self.state_diff:.2e}")
+        if self.equivalent:
+            return f"{head}\nequivalent (tolerance {TOLERANCE:.0e})"
+        return f"{head}\nNOT equivalent: {self.detail or CAUSES[self.cause]}"
+
+
+def _numeric(x) -> np.ndarray:
+    if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x, np.float64)
+
+
+def _max_diff(a, b) -> float:
+    diffs = [float(np.max(np.abs(_numeric(x) - _numeric(y))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)) if np.size(x)]
+    return max(diffs, default=0.0)
+
+
+def _per_device_batchnorm(model: nnx.Module) -> list[str]:
+    return [".".join(map(str, path)) or type(m).__name__
+            for path, m in nnx.iter_modules(model)
+            if isinstance(m, nnx.BatchNorm) and not isinstance(m, SyncBatchNorm)]
+
+
+def _uses_rng_streams(before: nnx.State, after: nnx.State) -> bool:
+    """True when a training step advanced an RNG stream of the model."""
+    def counts(state):
+        return [np.asarray(v[...]) for v in jax.tree.leaves(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+            if isinstance(v, nnx.RngCount)]
+    return any(not np.array_equal(a, b) for a, b in zip(counts(before), counts(after)))
+
+
+def check_equivalence(
+    make_model: Callable[[], nnx.Module],
+    loss_fn: Callable,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    devices: int = 8,
+    batch_size: int | None = None,
+    steps: int = 5,
+    lr: float = 0.05,
+    sync_batchnorm: bool = True,
+    backend: str = "shard_map",
+) -> CheckResult:
+    """Train `make_model()` for `steps` SGD steps on 1 device and on `devices`,
+    with a global batch that leaves some devices padding; compare and diagnose.
+
+    Args:
+      make_model: builds a fresh, identically initialised model on each call.
+      loss_fn: the loss as given to `Trainer` (one loss per example).
+      x, y: training data.
+    """
+    # Uneven: with N = 8, 43 rows pad to 48, and the last device holds 1 real row.
+    batch_size = batch_size or 5 * devices + 3
+    runs = []
+    for n in (1, devices):
+        model = make_model()
+        t = Trainer(model, loss_fn, optax.sgd(lr), devices=n, backend=backend,
+                    sync_batchnorm=sync_batchnorm, max_bad_steps=None)
+        before = t.backend.host(t.state.rest)
+        try:
+            rows = t.fit(x, y, batch_size=batch_size, steps=steps, log_every=1)
+        except ValueError as e:
+            if "one loss per example" in str(e):
+                return CheckResult(devices, batch_size, steps, np.inf, np.inf, np.inf,
+                                   "loss-mean")
+            raise
+        runs.append((t, [r["loss"] for r in rows], before, model))
+    (t1, loss1, before, model1), (tn, lossn, _, modeln) = runs
+    result = CheckResult(devices, batch_size, steps, _max_diff(t1.params, tn.params),
+                         _max_diff(loss1, lossn),
+                         _max_diff(t1.backend.host(t1.state.rest),
+                                   tn.backend.host(tn.state.rest)))
+    if max(result.param_diff, result.loss_diff, result.state_diff) <= TOLERANCE:
+        return result
+    result.cause, result.detail = _diagnose(modeln, t1, loss_fn, x, y, before)
+    return result
+
+
+def _diagnose(model, trainer, loss_fn, x, y, rest_before) -> tuple[str, str]:
+    unsynced = _per_device_batchnorm(model)
+    if unsynced:
+        return "batchnorm", CAUSES["batchnorm"].format(layers=", ".join(unsynced))
+    if _uses_rng_streams(rest_before, trainer.backend.host(trainer.state.rest)):
+        return "rng", CAUSES["rng"]
+    # With the model's batch-level behaviour off (eval mode), does the loss of
+    # an example depend on which other examples share its batch?
+    host = trainer.model()
+    host.eval()
+    b = min(len(x), 16)
+    batch = {"x": jnp.asarray(x[:b]), "y": jnp.asarray(y[:b]), "mask": jnp.ones(b, bool)}
+    half = {k: v[: b // 2] for k, v in batch.items()}
+    whole = np.asarray(_per_example(loss_fn, host, batch))[: b // 2]
+    part = np.asarray(_per_example(loss_fn, host, half))
+    if whole.shape != part.shape or not np.allclose(whole, part, atol=1e-6):
+        return "loss-mixes", CAUSES["loss-mixes"]
+    return "model-mixes", CAUSES["model-mixes"]
+
+
+def _per_example(loss_fn, model, batch):
+    out = loss_fn(model, batch)
+    return out[0] if isinstance(out, tuple) else out

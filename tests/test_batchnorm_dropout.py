@@ -1,0 +1,170 @@
+"""Models with batch statistics and randomness keep the promise: synchronized
+masked BatchNorm, dropout masks independent of N, and `dpax check`."""
+
+import functools
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dpax
+from dpax import data, losses, models
+from dpax.cli import main
+
+
+@functools.cache
+def digits():
+    return data.digits()
+
+
+def train_cnn_bn(n, sync=True, steps=10, batch_size=61):
+    ds = digits()
+    model = models.make_model("cnn-bn", ds.input_shape, ds.n_out, seed=0)
+    t = dpax.Trainer(model, losses.classification_loss, optax.sgd(0.05), devices=n,
+                     sync_batchnorm=sync)
+    t.fit(ds.x_train, ds.y_train, batch_size=batch_size, steps=steps)
+    host = t.backend.host(t.state)
+    return jax.tree.leaves(host.params), [np.asarray(v) for v in jax.tree.leaves(host.rest)
+                                          if not dpax.sharding.is_key(v)], t
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               for x, y in zip(a, b))
+
+
+def test_cnn_bn_on_8_devices_equals_1_device_and_unsynced_does_not():
+    p1, s1, _ = train_cnn_bn(1)
+    p8, s8, t8 = train_cnn_bn(8)
+    diff_p, diff_s = max_diff(p8, p1), max_diff(s8, s1)
+    print(f"cnn-bn 8 vs 1 device, batch 61: params {diff_p:.2e}, batch stats {diff_s:.2e}")
+    assert diff_p <= 1e-5 and diff_s <= 1e-5
+    assert dpax.replicas_in_sync(t8.state)
+    pu, su, tu = train_cnn_bn(8, sync=False)
+    print(f"--no-sync-batchnorm: params {max_diff(pu, p1):.2e}, batch stats "
+          f"{max_diff(su, s1):.2e}")
+    assert max_diff(pu, p1) > 1e-3 and max_diff(su, s1) > 1e-3
+    assert dpax.replicas_in_sync(tu.state)  # averaged running stats keep replicas equal
+
+
+class DropoutMLP(nnx.Module):
+    def __init__(self, in_shape, n_out, *, rngs):
+        self.hidden = nnx.Linear(int(np.prod(in_shape)), 64, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(64, n_out, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.dropout(nnx.relu(self.hidden(x.reshape(x.shape[0], -1)))))
+
+
+def train_dropout(n, seed=0, backend="shard_map"):
+    ds = digits()
+    t = dpax.Trainer(DropoutMLP(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)),
+                     losses.classification_loss, optax.sgd(0.1), devices=n, seed=seed,
+                     backend=backend)
+    t.fit(ds.x_train, ds.y_train, batch_size=61, steps=10)
+    return jax.tree.leaves(t.params)
+
+
+def test_dropout_masks_do_not_depend_on_the_device_count():
+    ref = train_dropout(1)
+    for n, backend in ((2, "shard_map"), (4, "pmap"), (8, "shard_map")):
+        diff = max_diff(train_dropout(n, backend=backend), ref)
+        print(f"dropout 0.5 MLP, {n} devices ({backend}) vs 1: {diff:.2e}")
+        assert diff <= 1e-5
+    assert max_diff(train_dropout(8, seed=1), ref) > 1e-3  # another seed, other masks
+
+
+def test_cnn_bn_trains_digits_and_resumes_exactly(tmp_path, capsys):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["train", "--model", "cnn-bn", "--checkpoint-dir", f"{a}/ck",
+                 "--checkpoint-every", "90", "--log-every", "45", "--out", a]) == 0
+    acc = float(capsys.readouterr().out.split("eval accuracy ")[1].split()[0])
+    assert acc >= 0.97
+    assert main(["train", "--model", "cnn-bn", "--resume", f"{a}/ck/90", "--log-every", "45",
+                 "--out", b]) == 0
+    pa, pb = np.load(f"{a}/params.npz"), np.load(f"{b}/params.npz")
+    assert all(np.array_equal(pa[k], pb[k]) for k in pa.files)
+    sa = dpax.run.load_checkpoint(f"{a}/ck/180")[0].trainer.state_dict()
+    assert any(k.endswith("_bn.mean.value") for k in sa)  # batch stats are checkpointed
+
+
+USER_MODELS = textwrap.dedent('''
+    import jax, jax.numpy as jnp, optax
+    from flax import nnx
+
+    class MyBatchNorm(nnx.BatchNorm):
+        """A user's own BatchNorm subclass: dpax leaves it alone, per device."""
+
+    class BNNet(nnx.Module):
+        def __init__(self, in_shape, n_out, *, rngs):
+            self.dense = nnx.Linear(64, 32, rngs=rngs)
+            self.bn = MyBatchNorm(32, rngs=rngs)
+            self.out = nnx.Linear(32, n_out, rngs=rngs)
+        def __call__(self, x):
+            return self.out(nnx.relu(self.bn(self.dense(x.reshape(x.shape[0], -1)))))
+
+    class KeyPerDevice(nnx.Module):
+        """Draws its dropout mask from its own key: the same key on every device."""
+        def __init__(self, in_shape, n_out, *, rngs):
+            self.dense = nnx.Linear(64, 32, rngs=rngs)
+            self.out = nnx.Linear(32, n_out, rngs=rngs)
+            self.rngs = rngs.fork()
+        def __call__(self, x):
+            h = nnx.relu(self.dense(x.reshape(x.shape[0], -1)))
+            keep = jax.random.bernoulli(self.rngs.dropout(), 0.5, h.shape)
+            return self.out(jnp.where(keep, h * 2, 0.0))
+
+    def mlp(in_shape, n_out, *, rngs):
+        return nnx.Sequential(lambda x: x.reshape(x.shape[0], -1),
+                              nnx.Linear(64, 32, rngs=rngs), nnx.relu,
+                              nnx.Linear(32, n_out, rngs=rngs))
+
+    def mean_loss(model, batch):
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    def scaled_loss(model, batch):
+        """One value per example, but scaled by the shard's mean: mixes examples."""
+        l = optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+        return l * l.mean()
+''')
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "usermodels.py").write_text(USER_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "usermodels"
+    sys.modules.pop("usermodels", None)
+
+
+@pytest.mark.parametrize("model", sorted(models.MODELS))
+def test_check_passes_for_every_built_in_model(model, capsys):
+    assert main(["check", "--model", model, "--devices", "8"]) == 0
+    assert "equivalent" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,cause", [
+    (["--factory", "usermodels:BNNet"], "unsynchronized batch statistics: bn"),
+    (["--factory", "usermodels:mlp", "--loss", "usermodels:mean_loss"],
+     "the loss averages per device"),
+    (["--factory", "usermodels:mlp", "--loss", "usermodels:scaled_loss"],
+     "the loss mixes examples"),
+    (["--factory", "usermodels:KeyPerDevice"], "per-device RNG"),
+])
+def test_check_fails_and_names_the_cause(user_module, flags, cause, capsys):
+    assert main(["check", "--devices", "8", *flags]) == 1
+    out = capsys.readouterr().out
+    assert "NOT equivalent: " + cause in out, out
+
+
+def test_check_bad_factory_exits_2(capsys):
+    assert main(["check", "--factory", "nosuchmodule:fn"]) == 2
+    assert main(["check", "--factory", "no-colon"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "cannot import" in err[0] and "MODULE:NAME" in err[1]
