@@ -52,6 +52,11 @@ def test_every_readme_command_runs(tmp_path):
             assert r.returncode == 0, f"Makefile lacks {target}: {r.stderr}"
             continue
         assert line.startswith("dpax "), f"README command neither run nor excused: {line}"
+        if "|| echo" in line:  # a command shown failing on purpose: it must fail
+            r = subprocess.run(line.split("||")[0], shell=True, cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=600)
+            assert r.returncode == 1, line
+            continue
         r = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=600)
         assert r.returncode == 0, f"{line}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
@@ -61,6 +66,7 @@ def test_every_readme_command_runs(tmp_path):
     assert (tmp_path / "runs" / "compare-one-vs-eight.png").exists()
 
 
-@pytest.mark.parametrize("command", ["train", "launch", "eval", "predict", "plot", "devices"])
+@pytest.mark.parametrize("command", ["train", "launch", "eval", "predict", "plot", "check",
+                                     "bench", "devices"])
 def test_every_subcommand_is_documented(command):
     assert f"dpax {command}" in README

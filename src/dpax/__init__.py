@@ -1,6 +1,7 @@
 """dpax: data-parallel (SPMD) training on JAX, exactly equal to one device."""
 
 from dpax import data
+from dpax.check import check_equivalence
 from dpax.config import TrainConfig
 from dpax.data import Dataset
 from dpax.devices import MAX_SIMULATED_DEVICES, describe, select_devices, simulate_devices
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MAX_SIMULATED_DEVICES", "BatchPlan", "data", "Dataset", "DpaxError", "TrainConfig", "Trainer",
-    "classification_loss", "describe", "make_model", "make_optimizer", "make_schedule",
+    "check_equivalence", "classification_loss", "describe", "make_model", "make_optimizer", "make_schedule",
     "pad_batch", "regression_loss", "replicas_in_sync", "replicate", "scaled_lr",
     "select_devices", "shard_batch", "simulate_devices", "spmd", "train", "unreplicate",
     "unshard",
