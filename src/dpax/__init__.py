@@ -25,10 +25,9 @@ from dpax.trainer import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
-    "MAX_SIMULATED_DEVICES", "BatchPlan", "data", "Dataset", "DpaxError", "TrainConfig",
-    "Trainer",
-    "check_equivalence", "classification_loss", "describe", "make_model", "make_optimizer", "make_schedule",
-    "pad_batch", "regression_loss", "replicas_in_sync", "replicate", "scaled_lr",
-    "select_devices", "shard_batch", "simulate_devices", "spmd", "train", "unreplicate",
-    "unshard",
+    "MAX_SIMULATED_DEVICES", "BatchPlan", "Dataset", "DpaxError", "TrainConfig", "Trainer",
+    "check_equivalence", "classification_loss", "data", "describe", "make_model",
+    "make_optimizer", "make_schedule", "pad_batch", "regression_loss", "replicas_in_sync",
+    "replicate", "scaled_lr", "select_devices", "shard_batch", "simulate_devices", "spmd",
+    "train", "unreplicate", "unshard",
 ]
