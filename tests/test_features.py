@@ -236,3 +236,31 @@ def test_eight_steps_per_call_equal_one_per_call(backend):
     # Logs land on call boundaries; their means cover exactly the steps since the last.
     assert [r["step"] for r in rows8] == [8, 16, 20]
     assert sum(r["examples"] for r in rows8) == sum(r["examples"] for r in rows1) == 20 * 61
+
+
+# -- ZeRO-1 ------------------------------------------------------------------------------
+def opt_bytes_on_first_device(t):
+    first = t.backend.devices[0]
+    return sum(s.data.nbytes for x in jax.tree.leaves(t.state.opt_state)
+               for s in x.addressable_shards if s.device == first)
+
+
+@pytest.mark.parametrize("name,tx", [("momentum", optax.sgd(0.05, momentum=0.9)),
+                                     ("adam", optax.adam(3e-3))])
+def test_sharded_optimizer_state_equals_replicated(name, tx):
+    rep, zero = trainer(8, tx=tx), trainer(8, tx=tx, shard_optimizer_state=True)
+    curve_rep = [r["loss"] for r in fit(rep, 61)]
+    curve_zero = [r["loss"] for r in fit(zero, 61)]
+    diff = max_diff(leaves(zero), leaves(rep))
+    rel = max(abs(a - b) / a for a, b in zip(curve_rep, curve_zero))
+    ratio = opt_bytes_on_first_device(zero) / (opt_bytes_on_first_device(rep) / 8)
+    print(f"ZeRO-1 {name}: params {diff:.2e}, loss curve rel {rel:.2e}, "
+          f"optimizer bytes/device = {ratio:.3f} x replicated/8")
+    assert diff <= 1e-5 and rel <= 1e-5
+    assert 0.9 <= ratio <= 1.1
+    # Its checkpoint is device-count independent: resume on 3 devices.
+    other = trainer(3, tx=tx, shard_optimizer_state=True)
+    other.load_state_dict(zero.state_dict())
+    rep.fit(digits().x_train, digits().y_train, batch_size=61, steps=STEPS + 3)
+    other.fit(digits().x_train, digits().y_train, batch_size=61, steps=STEPS + 3)
+    assert max_diff(leaves(other), leaves(rep)) <= 1e-5

@@ -35,8 +35,13 @@ class ShardMapBackend:
         self._replicated = NamedSharding(self.mesh, P())
         self._rows = NamedSharding(self.mesh, P(AXIS))
 
-    def put_state(self, state: Any) -> Any:
-        return jax.device_put(state, self._replicated)
+    def put_state(self, state: Any, specs: Any = None) -> Any:
+        """Replicated, or laid out by `specs` (a PartitionSpec tree prefix)."""
+        if specs is None:
+            return jax.device_put(state, self._replicated)
+        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
+                                 is_leaf=lambda x: isinstance(x, P))
+        return jax.device_put(state, shardings)
 
     def local_rows(self, size: int) -> tuple[int, int]:
         """The rows [lo, hi) of a padded global batch of `size` that this
@@ -77,14 +82,23 @@ class ShardMapBackend:
 
         return {k: put(*(b[k] for b in batches)) for k in batches[0]}
 
-    def _wrap(self, fn: Callable, out_specs, donate: bool, batch_spec=None) -> Callable:
+    def _wrap(self, fn: Callable, out_specs, donate: bool, batch_spec=None,
+              state_spec=None) -> Callable:
         batch_spec = P(AXIS) if batch_spec is None else batch_spec
-        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(P(), batch_spec),
-                               out_specs=out_specs)
+        # A sharded state (ZeRO-1) rebuilds the params with all_gather, whose result
+        # JAX 0.10 cannot type as replicated; the check is off for that step only,
+        # as it is in pmap. The step's own pcast/psum are explicit either way.
+        check = state_spec is None
+        state_spec = P() if state_spec is None else state_spec
+        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(state_spec, batch_spec),
+                               out_specs=out_specs, check_vma=check)
         return jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
-    def train(self, fn: Callable) -> Callable:
-        return self._wrap(fn, (P(), P()), donate=True)
+    def train(self, fn: Callable, state_spec=None) -> Callable:
+        """`fn(state, shard) -> (state, metrics)`; `state_spec` lays out a state
+        that is not fully replicated (ZeRO-1's optimizer slices)."""
+        spec = P() if state_spec is None else state_spec
+        return self._wrap(fn, (spec, P()), donate=True, state_spec=spec)
 
     def train_multi(self, fn: Callable) -> Callable:
         """`fn(state, batches)` with batches stacked along a leading step axis."""
@@ -132,7 +146,7 @@ class PmapBackend:
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
         self._stacked = NamedSharding(self.mesh, P(AXIS))
 
-    def put_state(self, state: Any) -> Any:
+    def put_state(self, state: Any, specs: Any = None) -> Any:
         return jax.device_put(replicate(state, self.n), self._stacked)
 
     def local_rows(self, size: int) -> tuple[int, int]:

@@ -17,7 +17,7 @@ HOW_FIELDS = frozenset({
     "devices", "backend", "log_every", "eval_every", "out", "checkpoint_dir",
     "checkpoint_every", "keep", "resume", "coordinator", "num_processes", "process_id",
     "timeout", "max_bad_steps", "grad_accum", "tensorboard", "profile_steps", "quiet",
-    "verbose", "steps_per_call",
+    "verbose", "steps_per_call", "shard_optimizer_state",
 })
 
 # The main job's length when neither --epochs nor --steps is given.
@@ -61,6 +61,8 @@ class TrainConfig:
     sync_batchnorm: bool = _field(
         True, "BatchNorm statistics over the global batch (--no-sync-batchnorm: per "
               "device, not equivalent to one device)")
+    shard_optimizer_state: bool = _field(
+        False, "ZeRO-1: each device keeps 1/N of the optimizer state (shard_map backend)")
     steps_per_call: int = _field(
         1, "training steps per compiled call (a scan over batches on the device)")
     seed: int = _field(0, "seed of the init and of the batch order")
@@ -195,6 +197,11 @@ class TrainConfig:
                 raise DpaxError("--profile-steps needs --out DIR for the trace")
         if self.tensorboard and self.out is None:
             raise DpaxError("--tensorboard needs --out DIR for the event files")
+        if self.shard_optimizer_state and (self.backend != "shard_map"
+                                           or self.steps_per_call != 1
+                                           or self.clip_norm is not None):
+            raise DpaxError("--shard-optimizer-state needs --backend shard_map, "
+                            "--steps-per-call 1 and no --clip-norm (a slice has no global norm)")
         if self.quiet and self.verbose:
             raise DpaxError("give --quiet or --verbose, not both")
         if self.eval_every < 0:

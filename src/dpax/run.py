@@ -103,7 +103,8 @@ def build(config: TrainConfig) -> Job:
                       precision=config.precision, allreduce_dtype=config.allreduce_dtype,
                       max_bad_steps=config.max_bad_steps,
                       steps_per_call=config.steps_per_call, seed=config.seed,
-                      sync_batchnorm=config.sync_batchnorm)
+                      sync_batchnorm=config.sync_batchnorm,
+                      shard_optimizer_state=config.shard_optimizer_state)
     return Job(config, ds, plan, total, trainer)
 
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.flatten_util import ravel_pytree
 
 from dpax.layers import BatchContext, batch_context
 
@@ -48,6 +49,7 @@ class StepOptions:
     allreduce_dtype: Any = None  # e.g. jnp.bfloat16 halves the gradient bytes reduced
     skip_nonfinite: bool = True  # a NaN/inf loss or gradient leaves the state unchanged
     average_state: bool = False  # pmean non-param model state (per-device batch stats)
+    shard_optimizer: bool = False  # ZeRO-1: each device keeps 1/N of the optimizer state
 
 
 def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 0):
@@ -104,6 +106,7 @@ def _cast_floats(tree, dtype):
 
 
 def _all_finite(*trees) -> jax.Array:
+    """True when every element is finite (a reduced value: the same everywhere)."""
     leaves = [jnp.all(jnp.isfinite(a)) for t in trees for a in jax.tree.leaves(t)]
     return jnp.all(jnp.stack(leaves))
 
@@ -171,14 +174,22 @@ def make_train_step(
                 else r, rest)
         count = jnp.sum(batch["mask"].astype(jnp.float32))
         grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
-        # One all-reduce for everything: sums add up exactly across devices.
-        loss_sum, count, grad_sums, sums = jax.lax.psum((loss_sum, count, grad_sums, sums), AXIS)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / count, grad_sums)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        if options.shard_optimizer:
+            loss_sum, count, sums = jax.lax.psum((loss_sum, count, sums), AXIS)
+            params, opt_state, grad_norm, grads_finite = _sharded_update(
+                tx, state, grad_sums, count)
+        else:
+            # One all-reduce for everything: sums add up exactly across devices.
+            loss_sum, count, grad_sums, sums = jax.lax.psum(
+                (loss_sum, count, grad_sums, sums), AXIS)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32) / count, grad_sums)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            grad_norm, grads_finite = optax.tree.norm(grads), _all_finite(grads)
         new = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state,
                             bad_in_a_row=jnp.zeros_like(state.bad_in_a_row))
-        finite = _all_finite(loss_sum, grads)  # reduced values: the same on every replica
+        # Reduced values: the same on every replica.
+        finite = grads_finite & _all_finite(loss_sum)
         if options.skip_nonfinite:
             keep = state.replace(step=state.step + 1, bad_in_a_row=state.bad_in_a_row + 1)
             new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, keep)
@@ -187,12 +198,44 @@ def make_train_step(
                                {"loss_sum": loss_sum, "count": count, **sums})
         metrics["skipped_total"] = 1.0 - finite.astype(jnp.float32)
         metrics["bad_in_a_row"] = new.bad_in_a_row
-        metrics["grad_norm"] = optax.tree.norm(grads)
+        metrics["grad_norm"] = grad_norm
         if schedule is not None:
             metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
         return new, metrics
 
     return train_step
+
+
+def _sharded_update(tx, state: TrainState, grad_sums, count):
+    """ZeRO-1: reduce-scatter the gradient sums, update this device's slice of
+    the flattened params with its slice of the optimizer state, all-gather.
+
+    Exact for elementwise optimizers (SGD, momentum, Adam): each element sees
+    the same gradient and state as in the replicated update.
+    """
+    flat_p, unravel = ravel_pytree(state.params)
+    flat_g, _ = ravel_pytree(grad_sums)
+    n = jax.lax.axis_size(AXIS)
+    size = flat_p.size
+    shard = -(-size // n)
+    pad = shard * n - size
+    g = jax.lax.psum_scatter(jnp.pad(flat_g, (0, pad)), AXIS, scatter_dimension=0, tiled=True)
+    g = g.astype(jnp.float32) / count
+    start = jax.lax.axis_index(AXIS) * shard
+    p = jax.lax.dynamic_slice(jnp.pad(flat_p, (0, pad)), (start,), (shard,))
+    updates, opt_state = tx.update(g, state.opt_state, p)
+    flat_new = jax.lax.all_gather(optax.apply_updates(p, updates), AXIS, tiled=True)
+    grad_norm = jnp.sqrt(jax.lax.psum(jnp.sum(jnp.square(g)), AXIS))
+    bad = jax.lax.psum(jnp.sum(~jnp.isfinite(g)), AXIS)
+    return unravel(flat_new[:size]), opt_state, grad_norm, bad == 0
+
+
+def sharded_opt_init(tx: optax.GradientTransformation, params, n: int):
+    """Optimizer state for the flattened params padded to a multiple of n: as a
+    global array it splits into n slices, one per device."""
+    flat, _ = ravel_pytree(params)
+    shard = -(-flat.size // n)
+    return tx.init(jnp.zeros(shard * n, flat.dtype))
 
 
 def make_multi_step(train_step: Callable) -> Callable:

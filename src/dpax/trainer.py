@@ -20,6 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec as P
 
 from dpax import losses as losses_mod
 from dpax.backends import make_backend
@@ -29,6 +30,7 @@ from dpax.layers import has_per_device_state, synchronize
 from dpax.pipeline import BatchPlan, eval_batches, local_part, train_batches
 from dpax.sharding import is_key, padded_size
 from dpax.step import (
+    AXIS,
     LossFn,
     StepOptions,
     init_state,
@@ -36,6 +38,7 @@ from dpax.step import (
     make_multi_step,
     make_predict_step,
     make_train_step,
+    sharded_opt_init,
 )
 
 # XLA:CPU's cross-device rendezvous aborts ("Termination timeout for all
@@ -83,6 +86,10 @@ class Trainer:
       sync_batchnorm: convert `nnx.BatchNorm` layers to `SyncBatchNorm`
         (global masked statistics). False keeps per-device statistics (the
         running averages are then averaged across devices): not equivalent.
+      shard_optimizer_state: ZeRO-1 (shard_map backend): each device keeps and
+        updates 1/N of the optimizer state after a reduce-scatter of the
+        gradients, then the params are all-gathered. Exact for elementwise
+        optimizers (SGD, momentum, Adam); not for a global-norm clip.
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class Trainer:
         steps_per_call: int = 1,
         seed: int = 0,
         sync_batchnorm: bool = True,
+        shard_optimizer_state: bool = False,
     ):
         devs = devices if isinstance(devices, (list, tuple)) else select_devices(devices)
         self.backend = make_backend(backend, devs)
@@ -115,12 +123,33 @@ class Trainer:
         self.converted = synchronize(model, batchnorm=sync_batchnorm)
         options = StepOptions(grad_accum=grad_accum, compute_dtype=_dtype(precision),
                               allreduce_dtype=_dtype(allreduce_dtype),
-                              average_state=has_per_device_state(model))
+                              average_state=has_per_device_state(model),
+                              shard_optimizer=shard_optimizer_state)
         self._graphdef, state = init_state(model, optimizer, seed)
-        self.state = self.backend.put_state(state)
+        self._state_spec = None  # replicated
+        if shard_optimizer_state:
+            if self.backend.name != "shard_map" or steps_per_call != 1:
+                raise DpaxError("--shard-optimizer-state needs --backend shard_map and "
+                                "--steps-per-call 1")
+            state = state.replace(opt_state=sharded_opt_init(optimizer, state.params,
+                                                             self.n_devices))
+            # Vectors of the optimizer state are split over the devices; scalars
+            # (step counts) stay replicated.
+            self._state_spec = state.replace(
+                step=P(), params=P(), rest=P(), bad_in_a_row=P(), rng=P(),
+                opt_state=jax.tree.map(lambda x: P(AXIS) if np.ndim(x) else P(),
+                                       state.opt_state))
+        # ZeRO-1 optimizer vectors are padded to a multiple of N; checkpoints hold
+        # the unpadded (logical) length so they resume on any device count.
+        n_params = sum(np.size(x) for x in jax.tree.leaves(state.params))
+        self._zero_sizes = ((n_params, -(-n_params // self.n_devices) * self.n_devices)
+                            if shard_optimizer_state else None)
+        self.state = self.backend.put_state(state, self._state_spec)
         self.traces = collections.Counter()  # compilations per step kind
         train_step = make_train_step(self._graphdef, loss_fn, optimizer, schedule, options)
-        self._train = self.backend.train(self._counted("train", train_step))
+        self._train = (self.backend.train(self._counted("train", train_step))
+                       if self._state_spec is None else
+                       self.backend.train(self._counted("train", train_step), self._state_spec))
         self._train_multi = self.backend.train_multi(
             self._counted("train_multi", make_multi_step(train_step)))
         self._eval = self.backend.reduce(self._counted("eval", make_eval_step(
@@ -314,9 +343,15 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """The state as {path: array}, one logical copy whatever the device count."""
         flat, _ = jax.tree_util.tree_flatten_with_path(self.backend.logical(self.state))
-        # Typed PRNG keys are saved as their raw data; load_state_dict re-wraps them.
-        return {_key(path): jax.random.key_data(leaf) if is_key(leaf) else leaf
-                for path, leaf in flat}
+        out = {}
+        for path, leaf in flat:
+            key = _key(path)
+            if is_key(leaf):  # saved as raw data; load_state_dict wraps it again
+                leaf = jax.random.key_data(leaf)
+            elif self._zero_sizes and key.startswith("opt_state") and np.ndim(leaf) == 1:
+                leaf = leaf[: self._zero_sizes[0]]  # drop the padding to a multiple of N
+            out[key] = leaf
+        return out
 
     def state_template(self) -> dict[str, Any]:
         """Shapes and dtypes of `state_dict()`, placed replicated on this Trainer's
@@ -333,10 +368,18 @@ class Trainer:
         if missing:
             raise DpaxError(f"checkpoint lacks {len(missing)} state entries, e.g. {missing[0]}; "
                             "it was saved for another model or optimizer")
-        leaves = [jax.random.wrap_key_data(np.asarray(flat[_key(p)]),
-                                           impl=jax.random.key_impl(t)) if is_key(t)
-                  else flat[_key(p)] for p, t in paths]
-        self.state = self.backend.put_state(jax.tree.unflatten(treedef, leaves))
+        def leaf(path, like):
+            value = flat[_key(path)]
+            if is_key(like):
+                return jax.random.wrap_key_data(np.asarray(value), impl=jax.random.key_impl(like))
+            if self._zero_sizes and _key(path).startswith("opt_state") and np.ndim(like) == 1:
+                n, padded = self._zero_sizes
+                return np.pad(np.asarray(value), (0, padded - n))
+            return value
+
+        leaves = [leaf(p, t) for p, t in paths]
+        self.state = self.backend.put_state(jax.tree.unflatten(treedef, leaves),
+                                            self._state_spec)
 
     # -- results ---------------------------------------------------------------------
     @property
