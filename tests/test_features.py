@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import dpax
+import reference
 from dpax import data, losses, models
 
 STEPS = 10
@@ -47,22 +48,7 @@ def max_diff(a, b):
 
 
 def plain_jit_params(tx, batches):
-    """The textbook single-device loop on the mean loss of each unpadded batch."""
-    graphdef, params = nnx.split(mlp())
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, opt_state, x, y):
-        def loss(p):
-            logits = nnx.merge(graphdef, p)(x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-        updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    for x, y in batches:
-        params, opt_state = step(params, opt_state, x, y)
-    return jax.tree.leaves(params)
+    return reference.plain_jit_params(mlp(), tx, batches)
 
 
 def plan_batches(batch_size, steps=STEPS):

@@ -175,7 +175,9 @@ class PmapBackend:
             fn, axis_name=AXIS, devices=self.devices, donate_argnums=(0,) if donate else ()
         )
 
-    def train(self, fn: Callable) -> Callable:
+    def train(self, fn: Callable, state_spec=None) -> Callable:
+        if state_spec is not None:
+            raise DpaxError("a sharded optimizer state needs --backend shard_map")
         return self._wrap(fn, donate=True)
 
     def train_multi(self, fn: Callable) -> Callable:

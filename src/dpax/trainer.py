@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpax import losses as losses_mod
@@ -147,9 +147,7 @@ class Trainer:
         self.state = self.backend.put_state(state, self._state_spec)
         self.traces = collections.Counter()  # compilations per step kind
         train_step = make_train_step(self._graphdef, loss_fn, optimizer, schedule, options)
-        self._train = (self.backend.train(self._counted("train", train_step))
-                       if self._state_spec is None else
-                       self.backend.train(self._counted("train", train_step), self._state_spec))
+        self._train = self.backend.train(self._counted("train", train_step), self._state_spec)
         self._train_multi = self.backend.train_multi(
             self._counted("train_multi", make_multi_step(train_step)))
         self._eval = self.backend.reduce(self._counted("eval", make_eval_step(
@@ -356,7 +354,7 @@ class Trainer:
     def state_template(self) -> dict[str, Any]:
         """Shapes and dtypes of `state_dict()`, placed replicated on this Trainer's
         devices: the restore target that re-shards a checkpoint onto any mesh."""
-        sharding = NamedSharding(self.backend.mesh, PartitionSpec())
+        sharding = NamedSharding(self.backend.mesh, P())
         return {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=sharding)
                 for k, v in self.state_dict().items()}
 
