@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test lint docs clean
+.PHONY: setup train test lint docs bench clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test: lint
 # The README's flag table is generated from TrainConfig; a test checks it is current.
 docs: $(STAMP)
 	$(BIN)/python scripts/update_readme_flags.py
+
+# About 12 minutes here; rewrites benchmarks/results/.
+bench: $(STAMP)
+	$(BIN)/dpax bench --repeats 3 --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

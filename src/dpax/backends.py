@@ -157,18 +157,17 @@ class PmapBackend:
         return 0, size
 
     def put_batch(self, batch: dict, size: int | None = None) -> dict:
-        stacked = {k: v.reshape((self.n, -1) + v.shape[1:]) for k, v in batch.items()}
-        return jax.device_put(stacked, self._stacked)
+        # Host arrays with a leading device axis: pmap splits them on its own
+        # transfer path, cheaper than a device_put first (as for shard_map).
+        return {k: v.reshape((self.n, -1) + v.shape[1:]) for k, v in batch.items()}
 
     def put_batches(self, batches: list[dict], size: int) -> dict:
         """K host batches -> (n, K, size / n, ...) per key: device axis first."""
         def put(*vs):
             x = np.stack(vs)  # (K, size, ...)
-            x = x.reshape((len(vs), self.n, -1) + x.shape[2:]).swapaxes(0, 1)
-            return x
+            return x.reshape((len(vs), self.n, -1) + x.shape[2:]).swapaxes(0, 1)
 
-        return jax.device_put({k: put(*(b[k] for b in batches)) for k in batches[0]},
-                              self._stacked)
+        return {k: put(*(b[k] for b in batches)) for k in batches[0]}
 
     def _wrap(self, fn: Callable, donate: bool) -> Callable:
         return jax.pmap(
