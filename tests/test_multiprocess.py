@@ -124,3 +124,18 @@ def test_pmap_with_several_processes_names_the_fix():
     with pytest.raises(dpax.DpaxError, match="--backend shard_map"):
         dpax.TrainConfig(backend="pmap", num_processes=2, process_id=0,
                          coordinator="localhost:1").validate()
+
+
+def test_launched_batchnorm_and_dropout_model_equals_one_process(tmp_path, capsys):
+    """SyncBatchNorm statistics and dropout keys span processes too."""
+    flags = ["--model", "cnn-bn", "--steps", "5", "--batch-size", "50", "--optimizer", "sgd",
+             "--lr", "0.05", "--log-every", "5"]
+    r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *flags,
+               "--out", str(tmp_path / "launched"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert main(["train", *flags, "--devices", "4", "--out", str(tmp_path / "four")]) == 0
+    capsys.readouterr()
+    a, b = (dict(np.load(tmp_path / d / "params.npz")) for d in ("launched", "four"))
+    diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+    print(f"cnn-bn launched 2x2 vs 1x4: max |diff| {diff:.2e}")
+    assert diff <= 1e-5

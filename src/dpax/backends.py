@@ -17,10 +17,19 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpax.errors import DpaxError
-from dpax.sharding import host_leaf, replicate, unreplicate
+from dpax.sharding import host_leaf, is_key, replicate, unreplicate
 from dpax.step import AXIS
 
 BACKENDS = ("shard_map", "pmap")
+
+
+def _global(x: Any, sharding: NamedSharding) -> jax.Array:
+    """A global array from a value every process holds in full."""
+    if is_key(x):  # typed PRNG keys: place the raw data, wrap it on the devices
+        data = _global(np.asarray(jax.random.key_data(x)), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
 class ShardMapBackend:
@@ -37,9 +46,16 @@ class ShardMapBackend:
 
     def put_state(self, state: Any, specs: Any = None) -> Any:
         """Replicated, or laid out by `specs` (a PartitionSpec tree prefix)."""
+        shardings = self._replicated if specs is None else self._shardings(specs)
+        if jax.process_count() == 1:
+            return jax.device_put(state, shardings)
+        # Several processes: device_put cannot reach other hosts' devices; every
+        # process builds its own shards from the same host value.
         if specs is None:
-            return jax.device_put(state, self._replicated)
-        return jax.device_put(state, self._shardings(specs))
+            return jax.tree.map(lambda x: _global(x, self._replicated), state)
+        # `shardings` is a prefix of `state`: one sharding per subtree.
+        return jax.tree.map(lambda sh, sub: jax.tree.map(lambda x: _global(x, sh), sub),
+                            shardings, state, is_leaf=lambda x: isinstance(x, NamedSharding))
 
     def local_rows(self, size: int) -> tuple[int, int]:
         """The rows [lo, hi) of a padded global batch of `size` that this
@@ -108,11 +124,11 @@ class ShardMapBackend:
         """`fn(state, batches)` with batches stacked along a leading step axis."""
         return self._wrap(fn, (P(), P()), donate=True, batch_spec=P(None, AXIS))
 
-    def reduce(self, fn: Callable) -> Callable:
-        return self._wrap(fn, P(), donate=False)
+    def reduce(self, fn: Callable, state_spec=None) -> Callable:
+        return self._wrap(fn, P(), donate=False, state_spec=state_spec)
 
-    def per_example(self, fn: Callable) -> Callable:
-        return self._wrap(fn, P(AXIS), donate=False)
+    def per_example(self, fn: Callable, state_spec=None) -> Callable:
+        return self._wrap(fn, P(AXIS), donate=False, state_spec=state_spec)
 
     def host(self, tree: Any) -> Any:
         """Host copy of replicated outputs. A device-to-host transfer: a sync point."""
@@ -182,10 +198,10 @@ class PmapBackend:
     def train_multi(self, fn: Callable) -> Callable:
         return self._wrap(fn, donate=True)
 
-    def reduce(self, fn: Callable) -> Callable:
+    def reduce(self, fn: Callable, state_spec=None) -> Callable:
         return self._wrap(fn, donate=False)
 
-    def per_example(self, fn: Callable) -> Callable:
+    def per_example(self, fn: Callable, state_spec=None) -> Callable:
         return self._wrap(fn, donate=False)
 
     def host(self, tree: Any) -> Any:

@@ -151,11 +151,11 @@ class Trainer:
         self._train_multi = self.backend.train_multi(
             self._counted("train_multi", make_multi_step(train_step)))
         self._eval = self.backend.reduce(self._counted("eval", make_eval_step(
-            self._graphdef, loss_fn)))
+            self._graphdef, loss_fn)), self._state_spec)
         self._predict = None
         if predict_fn is not None:
             self._predict = self.backend.per_example(self._counted("predict", make_predict_step(
-                self._graphdef, predict_fn)))
+                self._graphdef, predict_fn)), self._state_spec)
 
     def _counted(self, kind: str, fn: Callable) -> Callable:
         def traced(*args):
