@@ -39,15 +39,12 @@ class Checkpointer:
             max_to_keep=keep, enable_async_checkpointing=True, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
-    def maybe_save(self, step: int, state: dict, data: Any, meta: dict) -> bool:
-        """Save when a multiple of `every` was reached since the last call (with
+    def due(self, step: int) -> bool:
+        """Whether a multiple of `every` was reached since the last call (with
         several steps per call the state exists only at call boundaries)."""
         last = step - 1 if self._last is None else self._last
         self._last = step
-        if self.every and step // self.every > last // self.every:
-            self.save(step, state, data, meta)
-            return True
-        return False
+        return bool(self.every) and step // self.every > last // self.every
 
     def save(self, step: int, state: dict, data: Any, meta: dict) -> None:
         """Start an async save. Returns once the state is copied off the devices,

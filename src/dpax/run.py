@@ -232,8 +232,9 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
                                 f"{step}" + (f"; checkpoint saved in {ckpt.directory}, continue "
                                              "with --resume" if ckpt else
                                              "; no --checkpoint-dir, so it cannot be resumed"))
-            if ckpt is not None:
-                ckpt.maybe_save(step, trainer.state_dict(), data_iter, meta)
+            # state_dict() only when saving: with pmap it copies the state to the host.
+            if ckpt is not None and ckpt.due(step):
+                ckpt.save(step, trainer.state_dict(), data_iter, meta)
             if profiler is not None:
                 profiler.after(step, trainer.state)
                 profiler.before(step + 1)
