@@ -45,8 +45,10 @@ from dpax.step import (
 # reduce") when too many multi-device steps are queued; two in flight keep the
 # device busy while the host prepares the next batch.
 MAX_IN_FLIGHT = 2
-# Device batches placed ahead of the step that uses them: the transfer of batch
-# i+1 overlaps step i.
+# Batches made ready this many calls ahead of the step that uses them: stacked
+# for steps-per-call, and with several processes already placed on the devices,
+# so that work for batch i+1 overlaps step i. (One process hands host arrays to
+# the step, whose own transfer is cheaper than placing them first.)
 PREFETCH = 2
 
 
