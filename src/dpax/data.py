@@ -79,30 +79,32 @@ def random_images(n: int = 2048, side: int = 32, channels: int = 3, classes: int
     return _split("random-images", x, y, "classification", classes)
 
 
+def _read_npz(path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The named arrays of an .npz, or a DpaxError that says how to fix the file."""
+    how = "np.savez(path, " + ", ".join(f"{n}=..." for n in names) + ")"
+    if not os.path.isfile(path):
+        raise DpaxError(f"data file {path!r} does not exist; pass an existing .npz")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = sorted(set(names) - set(f.files))
+            if missing:
+                raise DpaxError(f"{path} lacks array(s) {', '.join(missing)}; save it with {how}")
+            return {n: f[n] for n in names}
+    except DpaxError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise DpaxError(f"{path} is not a readable .npz ({type(e).__name__}); "
+                        f"write it with {how}") from None
+
+
 def from_npz(path: str) -> Dataset:
     """A user's `.npz` with arrays `x` (examples first) and `y` (labels or targets).
 
     Integer `y` means classification with classes 0..max(y); float `y` regression.
     """
-    if not os.path.isfile(path):
-        raise DpaxError(f"data file {path!r} does not exist; pass an existing .npz")
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            missing = {"x", "y"} - set(f.files)
-            if missing:
-                raise DpaxError(
-                    f"{path} lacks array(s) {', '.join(sorted(missing))}; save it with "
-                    "np.savez(path, x=inputs, y=targets)"
-                )
-            x, y = f["x"], f["y"]
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        if isinstance(e, DpaxError):
-            raise
-        raise DpaxError(
-            f"{path} is not a readable .npz ({type(e).__name__}); "
-            "write it with np.savez(path, x=..., y=...)"
-        ) from None
-    if len(x) == 0 or x.ndim == 0:
+    arrays = _read_npz(path, ("x", "y"))
+    x, y = arrays["x"], arrays["y"]
+    if x.ndim == 0 or len(x) == 0:
         raise DpaxError(f"{path} holds no examples; x needs at least one row")
     if y.ndim != 1 or len(y) != len(x):
         raise DpaxError(
@@ -127,18 +129,7 @@ def from_npz(path: str) -> Dataset:
 
 def read_inputs(path: str) -> np.ndarray:
     """Array `x` of a user's .npz (for prediction; `y` may be absent)."""
-    if not os.path.isfile(path):
-        raise DpaxError(f"data file {path!r} does not exist; pass an existing .npz")
-    try:
-        with np.load(path, allow_pickle=False) as f:
-            if "x" not in f.files:
-                raise DpaxError(f"{path} lacks array x; save it with np.savez(path, x=inputs)")
-            x = f["x"]
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        if isinstance(e, DpaxError):
-            raise
-        raise DpaxError(f"{path} is not a readable .npz ({type(e).__name__}); "
-                        "write it with np.savez(path, x=...)") from None
+    x = _read_npz(path, ("x",))["x"]
     if x.ndim == 0 or len(x) == 0 or not np.issubdtype(x.dtype, np.number):
         raise DpaxError(f"{path}: x must be a non-empty numeric array, examples first")
     return x.astype(np.float32)
