@@ -1,20 +1,25 @@
 """Seed training tricks, compiled into the one step, keeping the promise:
 gradient accumulation, bf16, clipping, the non-finite guard, dynamic batches."""
 
+import collections
 import functools
 import re
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import dpax
 import reference
 from dpax import data, losses, models
+from dpax.collectives import PACK_MAX, psum_packed
+from dpax.step import AXIS
 
 STEPS = 10
 
@@ -76,7 +81,7 @@ def hlo_all_reduces(t, batch_size):
     size = t.padded(batch_size)
     ds = digits()
     batch = dpax.pad_batch({"x": ds.x_train[:batch_size], "y": ds.y_train[:batch_size]}, size)
-    text = t._train.lower(t.state, t.backend.put_batch(batch, size)).compile().as_text()
+    text = t.lower_train_step(batch, size).compile().as_text()
     ops = [ln for ln in text.splitlines() if re.search(r"\ball-reduce(-start)?\(", ln)]
     width = {"f32": 4, "bf16": 2, "s32": 4, "f64": 8}
     total = 0
@@ -94,23 +99,58 @@ def test_grad_accum_does_not_multiply_the_all_reduces():
     assert one[0] >= 1 and (one[0], one[1]) == (four[0], four[1])
 
 
+def test_psum_packed_sums_like_psum_in_one_buffer_per_dtype():
+    """The step's all-reduce: small leaves packed per dtype, large ones as they are."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), (AXIS,))
+    rng = np.random.default_rng(0)
+    tree = {"a": rng.normal(size=(4, 3, 5)).astype(np.float32),
+            "b": rng.normal(size=(4,)).astype(np.float32),
+            "c": rng.integers(-9, 9, (4, 7)).astype(np.int32),
+            "h": rng.normal(size=(4, 2)).astype(jnp.bfloat16),
+            "big": rng.normal(size=(4, PACK_MAX + 1)).astype(np.float32)}
+
+    def reduce(fn):
+        mapped = jax.shard_map(lambda t: fn(jax.tree.map(lambda x: x[0], t), AXIS), mesh=mesh,
+                               in_specs=P(AXIS), out_specs=P())
+        return jax.jit(mapped)(tree), jax.jit(mapped).lower(tree).as_text()
+
+    for i in range(5):
+        tree[f"small{i}"] = rng.normal(size=(4, i + 1)).astype(np.float32)
+    packed, text = reduce(psum_packed)
+    plain, plain_text = reduce(jax.lax.psum)
+    for k in tree:
+        assert packed[k].dtype == plain[k].dtype and packed[k].shape == plain[k].shape
+        np.testing.assert_array_equal(np.asarray(packed[k], np.float32),
+                                      np.asarray(plain[k], np.float32))
+    def all_reduces(text):  # JAX emits one per buffer; XLA may combine them later
+        return len(re.findall(r'"stablehlo.all_reduce"', text))
+
+    assert all_reduces(plain_text) == len(tree) == 10
+    assert all_reduces(text) == 4  # packed f32, s32 and bf16, and the big leaf
+
+
 # -- bf16 --------------------------------------------------------------------------------
-def lowered_all_reduce_types(t, batch_size):
-    """Operand types of every all-reduce in the step as dpax emits it (StableHLO)."""
+def lowered_all_reduce_elements(t, batch_size):
+    """{dtype: elements} all-reduced by the step as dpax emits it (StableHLO)."""
     size = t.padded(batch_size)
     ds = digits()
     batch = dpax.pad_batch({"x": ds.x_train[:batch_size], "y": ds.y_train[:batch_size]}, size)
-    text = t._train.lower(t.state, t.backend.put_batch(batch, size)).as_text()
-    return re.findall(r'"stablehlo.all_reduce"\(.*?\}\) : \((.*?)\) ->', text, re.S)
+    text = t.lower_train_step(batch, size).as_text()
+    elements = collections.Counter()
+    for types in re.findall(r'"stablehlo.all_reduce"\(.*?\}\) : \((.*?)\) ->', text, re.S):
+        for dims, dtype in re.findall(r"tensor<((?:\d+x)*)(\w+)>", types):
+            elements[dtype] += int(np.prod([int(d) for d in dims.split("x") if d]))
+    return elements
 
 
 def test_bf16_all_reduce_shows_in_the_hlo():
-    fp32 = lowered_all_reduce_types(trainer(4), 64)
-    bf16 = lowered_all_reduce_types(trainer(4, allreduce_dtype="bf16"), 64)
-    assert fp32 and not any("bf16" in t for t in fp32)
-    grads = [t for t in bf16 if "bf16" in t]
-    print(f"all-reduces with --allreduce-dtype bf16: {len(grads)} bf16 of {len(bf16)}")
-    assert len(grads) == 6  # the MLP's 3 kernels and 3 biases; loss and count stay f32
+    n_params = sum(np.size(p) for p in jax.tree.leaves(nnx.state(mlp(), nnx.Param)))
+    fp32 = lowered_all_reduce_elements(trainer(4), 64)
+    bf16 = lowered_all_reduce_elements(trainer(4, allreduce_dtype="bf16"), 64)
+    print(f"elements all-reduced: fp32 run {dict(fp32)}, bf16 run {dict(bf16)}")
+    assert set(fp32) == {"f32"} and fp32["f32"] > n_params
+    # Every gradient goes as bf16; the loss, count and metric sums stay f32.
+    assert bf16["bf16"] == n_params and bf16["f32"] == fp32["f32"] - n_params
 
 
 def test_bf16_trains_digits_with_fp32_params_close_to_fp32():
@@ -206,7 +246,7 @@ def test_grad_accum_cuts_peak_activation_memory():
                          grad_accum=k)
         size = t.padded(512)
         batch = dpax.pad_batch({"x": ds.x_train[:512], "y": ds.y_train[:512]}, size)
-        compiled = t._train.lower(t.state, t.backend.put_batch(batch, size)).compile()
+        compiled = t.lower_train_step(batch, size).compile()
         temp[k] = compiled.memory_analysis().temp_size_in_bytes
     print(f"step temp memory: K=1 {temp[1] / 2**20:.1f} MiB, K=4 {temp[4] / 2**20:.1f} MiB")
     assert temp[4] < 0.4 * temp[1]

@@ -101,8 +101,10 @@ class ShardMapBackend:
         batch_spec = P(AXIS) if batch_spec is None else batch_spec
         # A sharded state (ZeRO-1) rebuilds the params with all_gather, whose result
         # JAX 0.10 cannot type as replicated; the check is off for that step only,
-        # as it is in pmap. The step's own pcast/psum are explicit either way.
-        check = state_spec is None
+        # as it is in pmap. The step's own pcast/psum are explicit either way. On
+        # one device it is off too, so that the step's all-reduces can be left out
+        # (`psum_packed`): XLA keeps a one-device all-reduce as a kernel launch.
+        check = state_spec is None and self.n > 1
         state_spec = P() if state_spec is None else state_spec
         mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(state_spec, batch_spec),
                                out_specs=out_specs, check_vma=check)

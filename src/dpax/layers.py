@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dpax.collectives import psum_packed
+
 
 @dataclasses.dataclass
 class BatchContext:
@@ -67,7 +69,7 @@ class SyncBatchNorm(nnx.BatchNorm):
         sums = (jnp.sum(xf * rows, axes), jnp.sum(jnp.square(xf) * rows, axes),
                 jnp.sum(rows) * per_row)
         if ctx.axis is not None:
-            sums = jax.lax.psum(sums, ctx.axis)
+            sums = psum_packed(sums, ctx.axis)
         s1, s2, count = sums
         count = jnp.maximum(count, 1.0)
         mean = s1 / count

@@ -19,6 +19,7 @@ import optax
 from flax import nnx, struct
 from jax.flatten_util import ravel_pytree
 
+from dpax.collectives import pmean_packed, psum_packed
 from dpax.layers import BatchContext, batch_context
 
 AXIS = "data"
@@ -87,6 +88,7 @@ def _masked_sum(values: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _sums(loss_fn, model, batch):
+    """(loss sum, example count, {metric_sum}) over the real rows of a shard."""
     losses, metrics = _losses_and_metrics(loss_fn, model, batch)
     mask = batch["mask"]
     if losses.shape != mask.shape:  # a per-device mean would break exactness
@@ -94,8 +96,17 @@ def _sums(loss_fn, model, batch):
             f"loss_fn must return one loss per example, shape {mask.shape}, got "
             f"{losses.shape}; return losses before taking the mean"
         )
-    sums = {f"{k}_sum": _masked_sum(v, mask) for k, v in metrics.items()}
-    return _masked_sum(losses, mask), sums
+    # The loss, a column of ones (the count) and every per-example scalar metric
+    # in ONE masked reduction: on a small model each separate reduction is a
+    # kernel launch that costs as much as its math.
+    scalar = [k for k, v in metrics.items() if jnp.shape(v) == mask.shape]
+    rows = jnp.stack([losses.astype(jnp.float32), jnp.ones(mask.shape, jnp.float32)]
+                     + [metrics[k].astype(jnp.float32) for k in scalar], axis=1)
+    totals = _masked_sum(rows, mask)
+    sums = {f"{k}_sum": totals[2 + i] for i, k in enumerate(scalar)}
+    sums.update({f"{k}_sum": _masked_sum(v, mask) for k, v in metrics.items()
+                 if k not in scalar})
+    return totals[0], totals[1], sums
 
 
 def _cast_floats(tree, dtype):
@@ -105,10 +116,12 @@ def _cast_floats(tree, dtype):
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-def _all_finite(*trees) -> jax.Array:
-    """True when every element is finite (a reduced value: the same everywhere)."""
-    leaves = [jnp.all(jnp.isfinite(a)) for t in trees for a in jax.tree.leaves(t)]
-    return jnp.all(jnp.stack(leaves))
+def _sum_of_squares(tree) -> jax.Array:
+    """Sum of every squared element in f32: non-finite if any element is (or if
+    the norm overflows f32, a gradient no step should apply either). One
+    reduction over the concatenated leaves, which XLA fuses without copying."""
+    flat = [jnp.ravel(g).astype(jnp.float32) for g in jax.tree.leaves(tree)]
+    return jnp.sum(jnp.square(jnp.concatenate(flat)))
 
 
 def make_train_step(
@@ -139,18 +152,18 @@ def make_train_step(
                 model.train()  # batch statistics and dropout on
                 micro_in = {**micro, "x": _cast_floats(micro["x"], options.compute_dtype)}
                 with batch_context(_context(micro_in, step_key)):
-                    loss_sum, sums = _sums(loss_fn, model, micro_in)
+                    loss_sum, count, sums = _sums(loss_fn, model, micro_in)
                 _, _, new_rest = nnx.split(model, nnx.Param, ...)
                 # Model state keeps its own dtype whatever the compute dtype was.
                 new_rest = jax.tree.map(lambda n, o: n.astype(o.dtype), new_rest, rest)
-                return loss_sum, (sums, new_rest)
+                return loss_sum, (count, sums, new_rest)
 
-            (loss_sum, (sums, rest)), grads = jax.value_and_grad(
+            (loss_sum, (count, sums, rest)), grads = jax.value_and_grad(
                 local_loss_sum, has_aux=True)(local_params)
-            return (loss_sum, sums, grads), rest
+            return (loss_sum, count, sums, grads), rest
 
         if k == 1:
-            (loss_sum, sums, grad_sums), rest = sums_and_grads(state.rest, batch)
+            (loss_sum, count, sums, grad_sums), rest = sums_and_grads(state.rest, batch)
         else:
             # K micro-batches of this shard, summed in a scan: activations of one
             # micro-batch live at a time, and the all-reduce below still runs once.
@@ -165,34 +178,46 @@ def make_train_step(
 
             (acc, rest), _ = jax.lax.scan(
                 accumulate, (acc, rest), jax.tree.map(lambda v: v[1:], micro))
-            loss_sum, sums, grad_sums = acc
+            loss_sum, count, sums, grad_sums = acc
 
         if options.average_state:
             # Per-device batch statistics: average them so replicas stay identical.
-            rest = jax.tree.map(
-                lambda r: jax.lax.pmean(r, AXIS) if jnp.issubdtype(r.dtype, jnp.floating)
-                else r, rest)
-        count = jnp.sum(batch["mask"].astype(jnp.float32))
+            leaves, treedef = jax.tree.flatten(rest)
+            floats = [i for i, r in enumerate(leaves) if jnp.issubdtype(r.dtype, jnp.floating)]
+            for i, mean in zip(floats, pmean_packed([leaves[i] for i in floats], AXIS)):
+                leaves[i] = mean
+            rest = jax.tree.unflatten(treedef, leaves)
         grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
         if options.shard_optimizer:
-            loss_sum, count, sums = jax.lax.psum((loss_sum, count, sums), AXIS)
+            loss_sum, count, sums = psum_packed((loss_sum, count, sums), AXIS)
             params, opt_state, grad_norm, grads_finite = _sharded_update(
                 tx, state, grad_sums, count)
         else:
-            # One all-reduce for everything: sums add up exactly across devices.
-            loss_sum, count, grad_sums, sums = jax.lax.psum(
+            # One all-reduce for everything (sums add up exactly across devices),
+            # packed into as few buffers as possible.
+            loss_sum, count, grad_sums, sums = psum_packed(
                 (loss_sum, count, grad_sums, sums), AXIS)
+            # One pass over the summed gradients gives the norm and the finiteness
+            # test (a NaN or inf anywhere makes the sum of squares non-finite); the
+            # division then fuses into the update instead of being stored and read
+            # twice more.
+            sq = _sum_of_squares(grad_sums)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32) / count, grad_sums)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            grad_norm, grads_finite = optax.tree.norm(grads), _all_finite(grads)
-        new = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state,
-                            bad_in_a_row=jnp.zeros_like(state.bad_in_a_row))
+            grad_norm, grads_finite = jnp.sqrt(sq) / count, jnp.isfinite(sq)
         # Reduced values: the same on every replica.
-        finite = grads_finite & _all_finite(loss_sum)
+        finite = grads_finite & jnp.isfinite(loss_sum)
         if options.skip_nonfinite:
-            keep = state.replace(step=state.step + 1, bad_in_a_row=state.bad_in_a_row + 1)
-            new = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, keep)
+            # A non-finite step leaves the state as it was, the counters aside.
+            params, rest, opt_state = jax.tree.map(
+                lambda a, b: jnp.where(finite, a, b), (params, rest, opt_state),
+                (state.params, state.rest, state.opt_state))
+            bad = jnp.where(finite, 0, state.bad_in_a_row + 1)
+        else:
+            bad = jnp.zeros_like(state.bad_in_a_row)
+        new = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state,
+                            bad_in_a_row=bad)
         # A skipped step adds nothing to the logged means; it is counted instead.
         metrics = jax.tree.map(lambda v: jnp.where(finite, v, 0.0),
                                {"loss_sum": loss_sum, "count": count, **sums})
@@ -260,9 +285,8 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
         model.eval()  # running averages, no dropout
         batch = _with_index(batch)
         with batch_context(_context(batch, None)):
-            loss_sum, sums = _sums(loss_fn, model, batch)
-        count = jnp.sum(batch["mask"].astype(jnp.float32))
-        return jax.lax.psum({"loss_sum": loss_sum, "count": count, **sums}, AXIS)
+            loss_sum, count, sums = _sums(loss_fn, model, batch)
+        return psum_packed({"loss_sum": loss_sum, "count": count, **sums}, AXIS)
 
     return eval_step
 
