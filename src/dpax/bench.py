@@ -109,7 +109,7 @@ def _step_memory(t: Trainer, batch_size: int, input_shape) -> float:
     size = t.padded(batch_size)
     host = {"x": np.zeros((size,) + input_shape, np.float32), "y": np.zeros(size, np.int32),
             "mask": np.ones(size, bool)}
-    m = t._train.lower(t.state, t.backend.put_batch(host, size)).compile().memory_analysis()
+    m = t.lower_train_step(host, size).compile().memory_analysis()
     if m is None:
         return float("nan")
     return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes

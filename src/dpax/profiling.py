@@ -25,10 +25,10 @@ class StepProfiler:
             jax.profiler.start_trace(self.logdir, create_perfetto_trace=True)
             self.active = True
 
-    def after(self, step: int, state) -> None:
-        """Call after step `step` was dispatched; `state` is its output."""
+    def after(self, step: int, trainer) -> None:
+        """Call after step `step` was dispatched by `trainer`."""
         if self.active and step >= self.last:
-            jax.block_until_ready(state)  # the trace must hold the step's device work
+            jax.block_until_ready(trainer.state)  # the trace must hold the step's device work
             jax.profiler.stop_trace()
             self.active = False
 

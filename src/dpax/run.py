@@ -236,7 +236,7 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             if ckpt is not None and ckpt.due(step):
                 ckpt.save(step, trainer.state_dict(), data_iter, meta)
             if profiler is not None:
-                profiler.after(step, trainer.state)
+                profiler.after(step, trainer)
                 profiler.before(step + 1)
 
         try:

@@ -33,6 +33,7 @@ from dpax.step import (
     AXIS,
     LossFn,
     StepOptions,
+    TrainState,
     init_state,
     make_eval_step,
     make_multi_step,
@@ -148,18 +149,44 @@ class Trainer:
         self._zero_sizes = ((n_params, -(-n_params // self.n_devices) * self.n_devices)
                             if shard_optimizer_state else None)
         self.state = self.backend.put_state(state, self._state_spec)
+        leaf_specs = None if self._state_spec is None else _leaf_specs(self._state_spec, state)
         self.traces = collections.Counter()  # compilations per step kind
         train_step = self._pack_metrics(
             make_train_step(self._graphdef, loss_fn, optimizer, schedule, options))
-        self._train = self.backend.train(self._counted("train", train_step), self._state_spec)
+        self._train = self.backend.train(self._flat("train", train_step, True), leaf_specs)
         self._train_multi = self.backend.train_multi(
-            self._counted("train_multi", make_multi_step(train_step)))
-        self._eval = self.backend.reduce(self._counted("eval", make_eval_step(
-            self._graphdef, loss_fn)), self._state_spec)
+            self._flat("train_multi", make_multi_step(train_step), True))
+        self._eval = self.backend.reduce(self._flat("eval", make_eval_step(
+            self._graphdef, loss_fn)), leaf_specs)
         self._predict = None
         if predict_fn is not None:
-            self._predict = self.backend.per_example(self._counted("predict", make_predict_step(
-                self._graphdef, predict_fn)), self._state_spec)
+            self._predict = self.backend.per_example(self._flat("predict", make_predict_step(
+                self._graphdef, predict_fn)), leaf_specs)
+
+    # The state lives as a flat list of arrays, and the compiled steps take and
+    # return that list: a TrainState holds nnx Variables, which JAX flattens in
+    # Python on every call (~10 us a step on a dispatch-bound model).
+    @property
+    def state(self) -> TrainState:
+        """The training state (every field replicated, or laid out by ZeRO-1)."""
+        return jax.tree.unflatten(self._state_def, self._leaves)
+
+    @state.setter
+    def state(self, state: TrainState) -> None:
+        self._leaves, self._state_def = jax.tree.flatten(state)
+
+    def _flat(self, kind: str, fn: Callable, returns_state: bool = False) -> Callable:
+        """`fn(state, batch)` as a function of the state's leaves (returning new
+        leaves if it returns a state); counts its traces."""
+        def flat(leaves, batch):
+            self.traces[kind] += 1  # runs once per trace, i.e. per compilation
+            out = fn(jax.tree.unflatten(self._state_def, leaves), batch)
+            if returns_state:
+                state, metrics = out
+                return jax.tree.leaves(state), metrics
+            return out
+
+        return flat
 
     def _pack_metrics(self, train_step: Callable) -> Callable:
         """Return the scalar metrics as ONE array: every output of a compiled call
@@ -180,13 +207,6 @@ class Trainer:
         out.update(zip(self._metric_keys, out.pop(SCALARS)))
         return out
 
-    def _counted(self, kind: str, fn: Callable) -> Callable:
-        def traced(*args):
-            self.traces[kind] += 1  # runs once per trace, i.e. per compilation
-            return fn(*args)
-
-        return traced
-
     # -- one step --------------------------------------------------------------------
     def padded(self, batch_size: int) -> int:
         """Rows a global batch is padded to: a multiple of devices x micro-batches."""
@@ -195,8 +215,13 @@ class Trainer:
     def train_step(self, host_batch: dict, size: int | None = None) -> dict:
         """One step on this process's rows of a padded, masked global batch of
         `size` rows (default: all of them); returns device-side metric sums."""
-        self.state, metrics = self._train(self.state, self.backend.put_batch(host_batch, size))
+        self._leaves, metrics = self._train(self._leaves, self.backend.put_batch(host_batch, size))
         return self._unpack(metrics)
+
+    def lower_train_step(self, host_batch: dict, size: int | None = None) -> jax.stages.Lowered:
+        """The training step lowered for this batch layout: its `.as_text()` is
+        the StableHLO dpax emits, `.compile()` gives XLA's HLO and memory use."""
+        return self._train.lower(self._leaves, self.backend.put_batch(host_batch, size))
 
     # -- loops -----------------------------------------------------------------------
     def fit(
@@ -251,9 +276,9 @@ class Trainer:
         for k, placed in _prefetch(self._placed(sized_batches), PREFETCH):
             prev, step = step, step + k
             if k == 1:
-                self.state, metrics = self._train(self.state, placed)
+                self._leaves, metrics = self._train(self._leaves, placed)
             else:
-                self.state, metrics = self._train_multi(self.state, placed)
+                self._leaves, metrics = self._train_multi(self._leaves, placed)
             pending.append((k, metrics))
             in_flight.append(metrics[SCALARS])
             if len(in_flight) > MAX_IN_FLIGHT:
@@ -287,9 +312,12 @@ class Trainer:
 
     def _log(self, pending, step, last, steps_per_epoch, on_log) -> dict:
         host = self.backend.host([m for _, m in pending])  # sync point: once per log
-        per_step = [self._unpack(m if k == 1 else {key: v[i] for key, v in m.items()})
-                    for (k, _), m in zip(pending, host) for i in range(k)]
-        row = summarize(per_step)
+        # Every metric as one (steps, ...) column: summing columns costs a few
+        # numpy calls per log, not Python work per step and metric.
+        columns = {key: np.concatenate([_per_step(h[key], k) for (k, _), h in zip(pending, host)])
+                   for key in host[-1]}
+        columns.update(zip(self._metric_keys, columns.pop(SCALARS).T))
+        row = _means(_totals(columns))
         self._check_bad_steps(row)
         t_last, s_last = last
         row.update(step=step, steps_per_sec=(step - s_last) / (time.perf_counter() - t_last))
@@ -343,7 +371,7 @@ class Trainer:
         """Mean loss and metrics over every example of (x, y), each counted once."""
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
-        sums = [self._eval(self.state, self.backend.put_batch(b, size))
+        sums = [self._eval(self._leaves, self.backend.put_batch(b, size))
                 for b in eval_batches(x, y, batch_size, rows)]
         return summarize(self.backend.host(sums))  # sync point
 
@@ -353,7 +381,7 @@ class Trainer:
             raise DpaxError("this Trainer was built without predict_fn")
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
-        outs = [self._predict(self.state, self.backend.put_batch(b, size))
+        outs = [self._predict(self._leaves, self.backend.put_batch(b, size))
                 for b in eval_batches(x, np.zeros(len(x), np.int32), batch_size, rows)]
         flat = [self.backend.host_examples(o) for o in outs]  # sync point
         # Batch i holds examples i*batch_size.. in order, then padding: cut it off.
@@ -414,6 +442,14 @@ class Trainer:
         return nnx.merge(self._graphdef, host.params, host.rest)
 
 
+def _leaf_specs(specs: Any, state: TrainState) -> list:
+    """One PartitionSpec per leaf of `state` from a tree prefix of specs."""
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    full = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub), specs, state,
+                        is_leaf=is_spec)
+    return jax.tree.leaves(full, is_leaf=is_spec)
+
+
 def _key(path) -> str:
     return jax.tree_util.keystr(path, simple=True, separator=".")
 
@@ -432,21 +468,36 @@ def resolve_steps(steps: int | None, epochs: int | None, steps_per_epoch: int) -
 
 
 def summarize(sums: Iterable[dict] | dict) -> dict:
-    """Means over steps from host metric sums: `x_sum / count`; last value otherwise."""
     """Means over steps from host metric sums: `x_sum / count`; `x_total` is
     summed over the steps; anything else is the last step's value."""
     sums = [sums] if isinstance(sums, dict) else list(sums)
-    count = sum(float(s["count"]) for s in sums)
+    return _means(_totals({k: np.stack([np.asarray(s[k]) for s in sums]) for k in sums[-1]}))
+
+
+def _per_step(value, k: int) -> np.ndarray:
+    """A call's metric with a leading step axis (a k-step call already has one)."""
+    value = np.asarray(value)
+    return value if k > 1 else value[None]
+
+
+def _totals(columns: dict[str, np.ndarray]) -> dict:
+    """Sums over the steps (axis 0) of counts, `_sum`s and `_total`s; the last
+    step's value of anything else."""
+    return {k: v.sum(0, dtype=np.float64) if k == "count" or k.endswith(("_sum", "_total"))
+            else v[-1] for k, v in columns.items()}
+
+
+def _means(totals: dict) -> dict:
+    count = float(totals["count"])
     out = {"examples": int(count)}
-    for k in sums[-1]:
-        total = sum(np.asarray(s[k], np.float64) for s in sums) if k != "count" else None
+    for k, total in totals.items():
         if k.endswith("_sum"):
             name = "loss" if k == "loss_sum" else k[: -len("_sum")]
             out[name] = _scalar(total / count) if count else float("nan")
         elif k.endswith("_total"):
             out[k[: -len("_total")]] = _scalar(total)
         elif k != "count":
-            out[k] = _scalar(np.asarray(sums[-1][k]))
+            out[k] = _scalar(np.asarray(total))
     return out
 
 
