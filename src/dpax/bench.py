@@ -76,17 +76,38 @@ def synthetic(w: Workload, batch_size: int, n_batches: int = 8):
     return x, rng.integers(0, 10, n).astype(np.int32)
 
 
-def _time_repeats(run: Callable[[int], None], steps: int, repeats: int) -> list[float]:
-    """Steps/s of `repeats` timed runs of `steps` steps (after a warm-up run)."""
-    out = []
+@dataclasses.dataclass
+class Method:
+    """One way to train a workload: `run(k)` trains k steps and waits for them."""
+
+    name: str
+    compile_s: float  # the first call: tracing, compiling, placing the state
+    run: Callable[[int], None]
+    memory: float = float("nan")  # bytes per device the step needs, when known
+
+
+def time_interleaved(methods: list[Method], steps: int, repeats: int) -> dict[str, list[float]]:
+    """Steps/s of `repeats` timed runs of `steps` steps per method, after one
+    warm-up run each. The methods take turns within each repeat, so a change
+    in the machine's load hits all of them alike (this host is shared)."""
+    for m in methods:
+        m.run(steps)  # warm-up: thread pools, caches
+    rates: dict[str, list[float]] = {m.name: [] for m in methods}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        run(steps)
-        out.append(steps / (time.perf_counter() - t0))
-    return out
+        for m in methods:
+            t0 = time.perf_counter()
+            m.run(steps)
+            rates[m.name].append(steps / (time.perf_counter() - t0))
+    return rates
 
 
-def bench_dpax(w, n, backend, batch_size, steps, repeats, steps_per_call=1):
+def _first_call(name: str, run: Callable[[int], None], k: int = 1) -> Method:
+    t0 = time.perf_counter()
+    run(k)
+    return Method(name, time.perf_counter() - t0, run)
+
+
+def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None) -> Method:
     x, y = synthetic(w, batch_size)
     t = Trainer(w.make(), losses.classification_loss, optax.sgd(LR), devices=n,
                 backend=backend, steps_per_call=steps_per_call)
@@ -96,12 +117,9 @@ def bench_dpax(w, n, backend, batch_size, steps, repeats, steps_per_call=1):
         done[0] += k
         t.fit(x, y, batch_size=batch_size, steps=done[0], log_every=10**9)
 
-    t0 = time.perf_counter()
-    run(max(steps_per_call, 1))
-    compile_s = time.perf_counter() - t0
-    run(steps)  # warm-up: thread pools, caches
-    return (compile_s, _time_repeats(run, steps, repeats),
-            _step_memory(t, batch_size, w.input_shape))
+    method = _first_call(name or f"dpax/{backend}", run, steps_per_call)
+    method.memory = _step_memory(t, batch_size, w.input_shape)  # after: it compiles too
+    return method
 
 
 def _step_memory(t: Trainer, batch_size: int, input_shape) -> float:
@@ -121,7 +139,7 @@ def _mean_loss(graphdef, params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def bench_pmap_loop(w, n, batch_size, steps, repeats):
+def bench_pmap_loop(w, n, batch_size) -> Method:
     """The seeds' loop: replicate params, reshape each batch to (n, b/n, ...),
     pmap a step that pmeans the gradients, read the loss only at the end."""
     x, y = synthetic(w, batch_size)
@@ -152,14 +170,10 @@ def bench_pmap_loop(w, n, batch_size, steps, repeats):
                 loss.block_until_ready()
         float(loss[0])  # the seed's log line: one sync at the end
 
-    t0 = time.perf_counter()
-    run(1)
-    compile_s = time.perf_counter() - t0
-    run(steps)
-    return compile_s, _time_repeats(run, steps, repeats)
+    return _first_call("pmap loop", run)
 
 
-def bench_jit(w, batch_size, steps, repeats):
+def bench_jit(w, batch_size) -> Method:
     x, y = synthetic(w, batch_size)
     graphdef, params = nnx.split(w.make())
     tx = optax.sgd(LR)
@@ -181,11 +195,7 @@ def bench_jit(w, batch_size, steps, repeats):
                                             y[j * batch_size:(j + 1) * batch_size])
         jax.block_until_ready(state)
 
-    t0 = time.perf_counter()
-    run(1)
-    compile_s = time.perf_counter() - t0
-    run(steps)
-    return compile_s, _time_repeats(run, steps, repeats)
+    return _first_call("jit 1 device", run)
 
 
 def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
@@ -210,25 +220,23 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
     for name in workloads:
         w = WORKLOADS[name]
         s = steps or _auto_steps(w)
-        jit_c, jit_r = bench_jit(w, w.batch_size, s, repeats)
+        jit = bench_jit(w, w.batch_size)
         for n in device_counts:
             if w.batch_size % n:
                 continue
-            loop_c, loop_r = bench_pmap_loop(w, n, w.batch_size, s, repeats)
-            results = [("pmap loop", loop_c, loop_r, float("nan")),
-                       ("jit 1 device", jit_c, jit_r, float("nan"))]
-            for backend in ("shard_map", "pmap"):
-                results.append((f"dpax/{backend}",) + bench_dpax(w, n, backend, w.batch_size,
-                                                                 s, repeats))
+            methods = [bench_pmap_loop(w, n, w.batch_size), jit]
+            methods += [bench_dpax(w, n, backend, w.batch_size)
+                        for backend in ("shard_map", "pmap")]
             if steps_per_call > 1:
-                results.append((f"dpax/k={steps_per_call}",) + bench_dpax(
-                    w, n, "shard_map", w.batch_size, s, repeats, steps_per_call))
-            loop_med = statistics.median(loop_r)
-            for method, compile_s, rates, mem in results:
-                med = statistics.median(rates)
-                row = {"workload": name, "devices": n, "method": method,
-                       "compile_s": compile_s, "steps_per_sec": med, "min": min(rates),
-                       "vs_pmap_loop": med / loop_med, "memory_mib": mem / 2**20,
+                methods.append(bench_dpax(w, n, "shard_map", w.batch_size, steps_per_call,
+                                          f"dpax/k={steps_per_call}"))
+            rates = time_interleaved(methods, s, repeats)
+            loop_med = statistics.median(rates["pmap loop"])
+            for m in methods:
+                med = statistics.median(rates[m.name])
+                row = {"workload": name, "devices": n, "method": m.name,
+                       "compile_s": m.compile_s, "steps_per_sec": med, "min": min(rates[m.name]),
+                       "vs_pmap_loop": med / loop_med, "memory_mib": m.memory / 2**20,
                        "batch_size": w.batch_size}
                 if w.flops_per_example:
                     row["flops_frac"] = w.flops_per_example * w.batch_size * med / peak
@@ -249,11 +257,11 @@ def _batch_sweep(repeats, steps, n=8):
         w = WORKLOADS[name]
         s = max(5, (steps or _auto_steps(w)) // 2)
         for b in (64, 128, 256, 512, 1024):
-            _, loop_r = bench_pmap_loop(w, n, b, s, repeats)
-            _, dpax_r, _ = bench_dpax(w, n, "shard_map", b, s, repeats)
-            for method, rates in (("pmap loop", loop_r), ("dpax/shard_map", dpax_r)):
+            rates = time_interleaved([bench_pmap_loop(w, n, b),
+                                      bench_dpax(w, n, "shard_map", b)], s, repeats)
+            for method, r in rates.items():
                 rows.append({"workload": name, "batch_size": b, "method": method,
-                             "examples_per_sec": b * statistics.median(rates)})
+                             "examples_per_sec": b * statistics.median(r)})
     return rows
 
 
