@@ -36,8 +36,9 @@ def pad_batch(batch: Batch, size: int) -> Batch:
     out = {}
     for k, v in batch.items():
         v = np.asarray(v)
-        pad = np.zeros((size - b,) + v.shape[1:], v.dtype)
-        out[k] = np.concatenate([v, pad]) if size > b else v
+        if size > b:
+            v = np.concatenate([v, np.zeros((size - b,) + v.shape[1:], v.dtype)])
+        out[k] = v
     old = batch.get(MASK)
     mask = np.zeros(size, bool)
     mask[:b] = True if old is None else np.asarray(old, bool)

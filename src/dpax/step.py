@@ -119,9 +119,9 @@ def _cast_floats(tree, dtype):
 def _sum_of_squares(tree) -> jax.Array:
     """Sum of every squared element in f32: non-finite if any element is (or if
     the norm overflows f32, a gradient no step should apply either). One
-    reduction over the concatenated leaves, which XLA fuses without copying."""
-    flat = [jnp.ravel(g).astype(jnp.float32) for g in jax.tree.leaves(tree)]
-    return jnp.sum(jnp.square(jnp.concatenate(flat)))
+    reduction per leaf: reducing a concatenation of the leaves copied them first
+    and made the mlp's step 2.4x slower."""
+    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree))
 
 
 def make_train_step(
