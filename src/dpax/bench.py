@@ -248,7 +248,10 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
 
 
 def _auto_steps(w: Workload) -> int:
-    return {"tiny": 200, "digits": 60, "mlp": 30, "cnn": 20}[w.name]
+    """Steps per timed repeat: long enough (~0.1-2 s) that scheduling noise on a
+    shared host averages out, and a multiple of 8 so --steps-per-call 8 runs
+    whole calls only."""
+    return {"tiny": 1024, "digits": 128, "mlp": 48, "cnn": 24}[w.name]
 
 
 def _batch_sweep(repeats, steps, n=8):

@@ -44,7 +44,8 @@ from dpax.step import (
 
 # XLA:CPU's cross-device rendezvous aborts ("Termination timeout for all
 # reduce") when too many multi-device steps are queued; two in flight keep the
-# device busy while the host prepares the next batch.
+# device busy while the host prepares the next batch. (One device needs no cap:
+# the metrics fetched at each log step bound how far the host runs ahead.)
 MAX_IN_FLIGHT = 2
 # Batches made ready this many calls ahead of the step that uses them: stacked
 # for steps-per-call, and with several processes already placed on the devices,
@@ -271,6 +272,7 @@ class Trainer:
         rows: list[dict] = []
         pending: list[tuple[int, dict]] = []  # (steps in the call, device metrics)
         in_flight: collections.deque = collections.deque()
+        throttle = self.n_devices > 1  # one device has no rendezvous to overrun
         last = (time.perf_counter(), start)
         step = start
         for k, placed in _prefetch(self._placed(sized_batches), PREFETCH):
@@ -280,9 +282,10 @@ class Trainer:
             else:
                 self._leaves, metrics = self._train_multi(self._leaves, placed)
             pending.append((k, metrics))
-            in_flight.append(metrics[SCALARS])
-            if len(in_flight) > MAX_IN_FLIGHT:
-                in_flight.popleft().block_until_ready()  # waits, transfers nothing
+            if throttle:
+                in_flight.append(metrics[SCALARS])
+                if len(in_flight) > MAX_IN_FLIGHT:
+                    in_flight.popleft().block_until_ready()  # waits, transfers nothing
             if step // log_every > prev // log_every or step == total:
                 rows.append(self._log(pending, step, last, steps_per_epoch, on_log))
                 pending, last = [], (time.perf_counter(), step)
