@@ -9,6 +9,8 @@ boundaries.
 from __future__ import annotations
 
 import collections
+import contextlib
+import gc
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -53,6 +55,22 @@ MAX_IN_FLIGHT = 2
 # the step, whose own transfer is cheaper than placing them first.)
 PREFETCH = 2
 SCALARS = "_scalars"  # the packed scalar metrics of a training step
+
+
+@contextlib.contextmanager
+def _gc_frozen():
+    """Keep the objects that exist before the loop (JAX's caches, the model, the
+    data) out of Python's cyclic collector while it runs: a full collection
+    walks all of them and paused the tiny MLP's loop for ~100 ms at a time
+    (steps/s over 1024-step runs: median 14.9k, min 4.3k; frozen 17.1k, 12.8k).
+    Cycles made during the loop are still collected."""
+    frozen_before = gc.get_freeze_count()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not frozen_before:  # someone else's freeze is theirs to undo
+            gc.unfreeze()
 
 
 def _prefetch(items: Iterator, depth: int) -> Iterator:
@@ -269,6 +287,12 @@ class Trainer:
 
     def _loop(self, sized_batches, start, total, log_every, on_log, on_step,
               steps_per_epoch=None) -> list[dict]:
+        with _gc_frozen():
+            return self._loop_steps(sized_batches, start, total, log_every, on_log, on_step,
+                                    steps_per_epoch)
+
+    def _loop_steps(self, sized_batches, start, total, log_every, on_log, on_step,
+                    steps_per_epoch) -> list[dict]:
         rows: list[dict] = []
         pending: list[tuple[int, dict]] = []  # (steps in the call, device metrics)
         in_flight: collections.deque = collections.deque()
