@@ -2,10 +2,10 @@
 
 `jax.lax.psum` of a pytree lowers to one all-reduce with one operand per leaf,
 and XLA:CPU's in-process collectives meet at a rendezvous once per operand: on 8
-simulated devices sharing 2 cores each rendezvous costs ~0.1 ms of thread
-switching, more than the small model's math. Packing the leaves into one flat
-buffer per dtype makes it one rendezvous (a GPU all-reduce of one buffer is not
-slower either: NCCL prefers few large messages).
+simulated devices sharing 2 cores each rendezvous cost ~0.2 ms of thread
+switching, more than the tiny MLP's math (its step: 654 -> ~1,700 steps/s once
+packed). Packing the small leaves into one flat buffer per dtype makes it one
+rendezvous; GPU compilers combine small all-reduces in the same spirit.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def psum_packed(tree: Any, axis: str) -> Any:
             groups.setdefault(jnp.result_type(leaf), []).append(i)
     # The barrier keeps XLA from fusing the producers (dots) into the
     # concatenation, where they would lose their matmul kernels.
-    small = dict(zip([i for idx in groups.values() for i in idx], jax.lax.optimization_barrier(
-        [leaves[i] for idx in groups.values() for i in idx])))
+    order = [i for idx in groups.values() for i in idx]
+    small = dict(zip(order, jax.lax.optimization_barrier([leaves[i] for i in order])))
     packed = {dt: jnp.concatenate([jnp.ravel(small[i]) for i in idx])
               for dt, idx in groups.items()}
     summed, summed_large = jax.lax.psum((packed, [leaves[i] for i in large]), axis)
