@@ -290,3 +290,25 @@ def test_sharded_optimizer_state_equals_replicated(name, tx):
     rep.fit(digits().x_train, digits().y_train, batch_size=61, steps=STEPS + 3)
     other.fit(digits().x_train, digits().y_train, batch_size=61, steps=STEPS + 3)
     assert max_diff(leaves(other), leaves(rep)) <= 1e-5
+
+
+# -- the training loop and Python's GC ---------------------------------------------------
+def test_fit_leaves_the_gc_as_it_found_it():
+    """The loop keeps pre-existing objects out of the cyclic collector and undoes
+    that afterwards; a freeze the caller made stays."""
+    import gc
+
+    t = trainer(1)
+    gc.unfreeze()
+    during = []
+    ds = digits()
+    t.fit(ds.x_train, ds.y_train, batch_size=32, steps=2,
+          on_step=lambda step: during.append(gc.get_freeze_count()))
+    assert len(during) == 2 and min(during) > 0  # frozen while the loop ran
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    gc.freeze()
+    try:
+        fit(t, 32, steps=4)
+        assert gc.get_freeze_count() > 0  # unfreezing would have emptied it
+    finally:
+        gc.unfreeze()
