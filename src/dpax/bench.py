@@ -281,8 +281,10 @@ def _write(rows, sweep_rows, peak, out_dir):
               "vs pmap loop | step MiB/device | FLOP/s of peak |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    tunables = os.environ.get("GLIBC_TUNABLES") or "none"  # see dpax.hostenv
     text = [f"dpax bench, {time.strftime('%Y-%m-%d')}, {machine}, jax {jax.__version__}, "
-            f"{jax.default_backend()}; matmul peak {peak / 1e9:.1f} GFLOP/s (f32, one device)",
+            f"{jax.default_backend()}; matmul peak {peak / 1e9:.1f} GFLOP/s (f32, one device); "
+            f"GLIBC_TUNABLES {tunables}",
             "", header] + [_fmt_row(r) for r in rows]
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(text) + "\n")

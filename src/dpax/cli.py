@@ -182,8 +182,16 @@ def _start_devices(config: TrainConfig | None = None) -> None:
                timeout=config.timeout)
 
 
+# Commands whose speed depends on XLA:CPU's step temporaries (see dpax.hostenv).
+_COMPUTE = ("train", "bench", "launch", "check")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.command in _COMPUTE:  # the real command line, not a caller's list
+        from dpax.hostenv import restart_with_hugepages
+
+        restart_with_hugepages()
     try:
         if args.command == "devices":
             _start_devices()

@@ -1,0 +1,59 @@
+"""The `dpax` command restarts itself once with glibc's huge-page tunable, and
+only where that changes something."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dpax import hostenv
+from dpax.hostenv import HUGETLB, OPT_OUT, hugepages_env, wants_hugepages
+
+
+@pytest.mark.parametrize("environ, thp, glibc, expected", [
+    ({}, "madvise", (2, 36), True),
+    ({"GLIBC_TUNABLES": HUGETLB}, "madvise", (2, 36), False),  # already restarted
+    ({"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGETLB}"}, "madvise", (2, 36), False),
+    ({OPT_OUT: "1"}, "madvise", (2, 36), False),
+    ({}, "always", (2, 36), False),  # the kernel gives huge pages unasked
+    ({}, "never", (2, 36), False),  # ... or never
+    ({}, None, (2, 36), False),  # no THP at all
+    ({}, "madvise", (2, 34), False),  # glibc before the tunable
+    ({}, "madvise", None, False),  # not glibc (musl, macOS)
+])
+def test_wants_hugepages_only_where_it_changes_something(environ, thp, glibc, expected):
+    on_linux = sys.platform.startswith("linux")
+    assert wants_hugepages(environ, thp, glibc) == (expected and on_linux)
+
+
+def test_hugepages_env_keeps_the_users_tunables():
+    env = hugepages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/h"})
+    assert env == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGETLB}", "HOME": "/h"}
+    assert hugepages_env({})["GLIBC_TUNABLES"] == HUGETLB
+
+
+def test_restart_replaces_the_process_with_the_tunable_set():
+    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT)}
+    if not wants_hugepages(clean):
+        pytest.skip("this machine gains nothing from the tunable, so dpax never restarts")
+    code = ("import os; from dpax.hostenv import restart_with_hugepages as r; r(); "
+            "print(os.getpid(), os.environ.get('GLIBC_TUNABLES'))")
+    done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True,
+                          text=True, timeout=120, check=True)
+    # One line: the first process printed nothing before exec replaced it, and
+    # the restarted one, seeing the tunable, did not restart again.
+    (line,) = done.stdout.splitlines()
+    assert line.split()[1] == HUGETLB
+    opted_out = subprocess.run([sys.executable, "-c", code], env={**clean, OPT_OUT: "1"},
+                               capture_output=True, text=True, timeout=120, check=True)
+    assert opted_out.stdout.split()[1] == "None"
+
+
+def test_library_callers_of_main_are_never_restarted(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hostenv, "restart_with_hugepages", lambda: calls.append(1))
+    from dpax.cli import main
+
+    assert main(["bench", "--workloads", "resnet"]) == 2  # a bad name: fails fast
+    assert calls == []
