@@ -27,9 +27,9 @@ test: lint
 docs: $(STAMP)
 	$(BIN)/python scripts/update_readme_flags.py
 
-# About 25 minutes here; rewrites benchmarks/results/.
+# About 30 minutes here; rewrites benchmarks/results/.
 bench: $(STAMP)
-	$(BIN)/dpax bench --repeats 5 --out benchmarks/results
+	$(BIN)/dpax bench --repeats 7 --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
