@@ -264,6 +264,22 @@ def test_eight_steps_per_call_equal_one_per_call(backend):
     assert sum(r["examples"] for r in rows8) == sum(r["examples"] for r in rows1) == 20 * 61
 
 
+# -- metric sums -------------------------------------------------------------------------
+def test_a_log_over_several_device_sums_equals_the_per_step_logs(monkeypatch):
+    """The step adds its metrics into sums on the device; the host takes them
+    over every STEPS_PER_SUM steps (here 3) and combines them at the log."""
+    monkeypatch.setattr(dpax.trainer, "STEPS_PER_SUM", 3)
+    per_step = fit(trainer(4), 61, log_every=1)
+    (row,) = fit(trainer(4), 61, log_every=STEPS)
+    examples = np.array([r["examples"] for r in per_step])
+    assert row["examples"] == examples.sum() == STEPS * 61
+    for key in ("loss", "accuracy"):
+        mean = np.dot([r[key] for r in per_step], examples) / examples.sum()
+        assert abs(row[key] - mean) <= 1e-6 * abs(mean), key
+    assert row["grad_norm"] == per_step[-1]["grad_norm"]  # not a sum: the last step's
+    assert row["skipped"] == 0
+
+
 # -- ZeRO-1 ------------------------------------------------------------------------------
 def opt_bytes_on_first_device(t):
     first = t.backend.devices[0]

@@ -97,7 +97,10 @@ class ShardMapBackend:
         return {k: put(*(b[k] for b in batches)) for k in batches[0]}
 
     def _wrap(self, fn: Callable, out_specs, donate: bool, batch_spec=None,
-              state_spec=None) -> Callable:
+              state_spec=None, carries_metrics: bool = False) -> Callable:
+        """`fn(state, [metrics,] batch)`: the optional middle argument is the
+        replicated running metric sums of a training step (not donated: the
+        host waits on earlier ones to bound the steps in flight)."""
         batch_spec = P(AXIS) if batch_spec is None else batch_spec
         # A sharded state (ZeRO-1) rebuilds the params with all_gather, whose result
         # JAX 0.10 cannot type as replicated; the check is off for that step only,
@@ -106,9 +109,11 @@ class ShardMapBackend:
         # (`psum_packed`): XLA keeps a one-device all-reduce as a kernel launch.
         check = state_spec is None and self.n > 1
         state_spec = P() if state_spec is None else state_spec
-        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(state_spec, batch_spec),
+        metrics = (P(),) if carries_metrics else ()
+        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(state_spec, *metrics, batch_spec),
                                out_specs=out_specs, check_vma=check)
-        in_shardings = (self._shardings(state_spec), NamedSharding(self.mesh, batch_spec))
+        in_shardings = (self._shardings(state_spec), *(self._replicated for _ in metrics),
+                        NamedSharding(self.mesh, batch_spec))
         return jax.jit(mapped, in_shardings=in_shardings,
                        donate_argnums=(0,) if donate else ())
 
@@ -117,14 +122,16 @@ class ShardMapBackend:
                             is_leaf=lambda x: isinstance(x, P))
 
     def train(self, fn: Callable, state_spec=None) -> Callable:
-        """`fn(state, shard) -> (state, metrics)`; `state_spec` lays out a state
-        that is not fully replicated (ZeRO-1's optimizer slices)."""
+        """`fn(state, metric sums, shard) -> (state, metric sums)`; `state_spec`
+        lays out a state that is not fully replicated (ZeRO-1's optimizer slices)."""
         out_state = P() if state_spec is None else state_spec
-        return self._wrap(fn, (out_state, P()), donate=True, state_spec=state_spec)
+        return self._wrap(fn, (out_state, P()), donate=True, state_spec=state_spec,
+                          carries_metrics=True)
 
     def train_multi(self, fn: Callable) -> Callable:
-        """`fn(state, batches)` with batches stacked along a leading step axis."""
-        return self._wrap(fn, (P(), P()), donate=True, batch_spec=P(None, AXIS))
+        """`fn(state, metric sums, batches)`, batches stacked along a leading step axis."""
+        return self._wrap(fn, (P(), P()), donate=True, batch_spec=P(None, AXIS),
+                          carries_metrics=True)
 
     def reduce(self, fn: Callable, state_spec=None) -> Callable:
         return self._wrap(fn, P(), donate=False, state_spec=state_spec)
