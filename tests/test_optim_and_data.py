@@ -1,10 +1,11 @@
-"""Optimizers, schedules and datasets behind the CLI names."""
+"""Optimizers, schedules and datasets behind the CLI names; the input pipeline."""
 
 import numpy as np
 import pytest
 
 import dpax
 from dpax import data, optim
+from dpax.pipeline import TrainedPosition, local_part, train_batches
 
 
 def test_schedule_lives_in_the_optimizer_state_and_never_recompiles():
@@ -66,3 +67,31 @@ def test_user_npz_classification_and_regression(tmp_path):
     cfg = dpax.TrainConfig(model="mlp", data=str(tmp_path / "r.npz"), devices=4,
                            optimizer="sgd", lr=0.05, batch_size=7, steps=3, log_every=3)
     assert np.isfinite(dpax.train(cfg, log=None).eval["loss"])
+
+
+# -- the input pipeline ------------------------------------------------------------------
+@pytest.mark.parametrize("batch_size,rows", [(61, (0, 64)), (61, (16, 32)), (64, (0, 64))])
+def test_chunked_batches_equal_per_step_batches_and_resume_mid_chunk(batch_size, rows):
+    """Small batches are built several steps at a time; each step's batch is
+    still `local_part` of that step's examples (61: epochs end padded), and a
+    position saved inside a chunk resumes at exactly the next step."""
+    x = np.random.default_rng(0).random((300, 5), np.float32)
+    y = np.arange(300)
+    plan = dpax.BatchPlan(300, batch_size, seed=3)
+    want = [local_part(x, y, plan.indices(s), rows) for s in range(7, 50)]
+
+    def same(got, expected):
+        assert len(got) == len(expected)
+        for g, w in zip(got, expected):
+            assert g.keys() == w.keys()
+            for k in w:
+                np.testing.assert_array_equal(g[k], w[k])
+
+    same(list(train_batches(x, y, plan, rows, 7, 50)), want)
+    read = TrainedPosition(iter(train_batches(x, y, plan, rows, 7, 50)))
+    for _ in range(13):  # read ahead of training, as the Trainer does
+        next(read)
+    read.trained(11)
+    resumed = TrainedPosition(iter(train_batches(x, y, plan, rows, 7, 50)))
+    resumed.set_state(read.get_state())
+    same(list(resumed), want[11:])
