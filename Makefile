@@ -27,7 +27,7 @@ test: lint
 docs: $(STAMP)
 	$(BIN)/python scripts/update_readme_flags.py
 
-# About 30 minutes here; rewrites benchmarks/results/.
+# About 15 minutes here; rewrites benchmarks/results/.
 bench: $(STAMP)
 	$(BIN)/dpax bench --repeats 7 --out benchmarks/results
 
