@@ -95,3 +95,16 @@ def test_chunked_batches_equal_per_step_batches_and_resume_mid_chunk(batch_size,
     resumed = TrainedPosition(iter(train_batches(x, y, plan, rows, 7, 50)))
     resumed.set_state(read.get_state())
     same(list(resumed), want[11:])
+
+
+def test_a_position_in_another_format_is_left_for_the_caller_to_rebuild():
+    """An older dpax saved Grain's per-step state; restoring it must not move the
+    iterator (run.py then rebuilds the position from the checkpoint's step)."""
+    x, y = np.zeros((40, 2), np.float32), np.arange(40)
+    plan = dpax.BatchPlan(40, 8, seed=0)
+    it = TrainedPosition(iter(train_batches(x, y, plan, (0, 8), 0, 10)))
+    it.set_state(b'{"next_index": 3}')
+    assert not it.restored
+    np.testing.assert_array_equal(next(it)["y"], y[plan.indices(0)])
+    it.set_state(it.get_state())
+    assert it.restored

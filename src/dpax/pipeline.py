@@ -104,6 +104,10 @@ def local_parts(x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, 
     return [{"x": xs[i], "y": ys[i], "mask": mask} for i in range(len(mine))]
 
 
+class UnknownPosition(ValueError):
+    """A saved data position in another format (an older dpax's)."""
+
+
 class StepBatches:
     """One batch per step from a Grain iterator of chunks (lists of batches).
 
@@ -131,6 +135,8 @@ class StepBatches:
         return {"chunks": self._chunk_state, "offset": self._offset}
 
     def set_state(self, state: dict) -> None:
+        if set(state) != {"chunks", "offset"}:
+            raise UnknownPosition(f"not a StepBatches position: {sorted(state)}")
         self._chunks.set_state(state["chunks"])
         self._chunk_state, self._chunk = state["chunks"], []
         if state["offset"]:
@@ -158,6 +164,7 @@ class TrainedPosition:
         self._it = iterator
         self._read: collections.deque[dict] = collections.deque()  # after each read
         self._trained = self._it.get_state()
+        self.restored = False  # whether set_state put it at a saved position
 
     def __iter__(self):
         return self
@@ -177,8 +184,15 @@ class TrainedPosition:
         return json.dumps(self._trained).encode()
 
     def set_state(self, state: bytes) -> None:
-        self._it.set_state(json.loads(state))
+        """Go to a saved position. One in a format this dpax does not write is
+        skipped (`restored` stays False): batches depend on the step alone, so
+        the caller rebuilds the position from the checkpoint's step."""
+        try:
+            self._it.set_state(json.loads(state))
+        except UnknownPosition:
+            return
         self._trained, self._read = json.loads(state), collections.deque()
+        self.restored = True
 
     def start_prefetch(self) -> None:
         if hasattr(self._it, "start_prefetch"):

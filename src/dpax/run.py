@@ -178,7 +178,8 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     start = 0
     if config.resume is not None:
         start, data_restored = _resume(config, ckpt, trainer, data_iter)
-        if not data_restored:  # saved by another process count: rebuild the position
+        # Saved by another process count, or by an older dpax: rebuild the position.
+        if not (data_restored and data_iter.restored):
             data_iter = TrainedPosition(iter(train_batches(
                 ds.x_train, ds.y_train, job.plan, trainer.backend.local_rows(size), start,
                 total)))
