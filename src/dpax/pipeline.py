@@ -75,7 +75,7 @@ def train_batches(
     batch i+1 is already made while the device runs step i. A Grain worker
     thread cost ~47 us a batch in handoffs, more than the tiny MLP's whole step.
     Grain's own bookkeeping costs ~7 us an element, so small batches come in
-    chunks of several steps (tiny MLP, one device: 13 -> ~2 us a batch).
+    chunks of several steps (tiny MLP: 12.3 -> 4.6 us a batch).
     """
     row_bytes = x[:1].nbytes + y[:1].nbytes
     per_chunk = int(np.clip(CHUNK_BYTES // max(row_bytes * (rows[1] - rows[0]), 1),
@@ -96,7 +96,7 @@ def local_parts(x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, 
     lo, hi = rows
     mine = [plan.indices(s)[lo:hi] for s in steps]
     if any(len(m) != hi - lo for m in mine):
-        return [pad_batch({"x": x[m], "y": y[m]}, hi - lo) for m in mine]
+        return [local_part(x, y, plan.indices(s), rows) for s in steps]
     idx = np.concatenate(mine)
     xs = x[idx].reshape((len(mine), hi - lo) + x.shape[1:])
     ys = y[idx].reshape((len(mine), hi - lo) + y.shape[1:])
@@ -187,11 +187,12 @@ class TrainedPosition:
         """Go to a saved position. One in a format this dpax does not write is
         skipped (`restored` stays False): batches depend on the step alone, so
         the caller rebuilds the position from the checkpoint's step."""
+        saved = json.loads(state)
         try:
-            self._it.set_state(json.loads(state))
+            self._it.set_state(saved)
         except UnknownPosition:
             return
-        self._trained, self._read = json.loads(state), collections.deque()
+        self._trained, self._read = saved, collections.deque()
         self.restored = True
 
     def start_prefetch(self) -> None:
