@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpax.compile_options import ChosenJit
 from dpax.errors import DpaxError
 from dpax.sharding import host_leaf, is_key, replicate, unreplicate
 from dpax.step import AXIS
@@ -37,9 +38,10 @@ class ShardMapBackend:
 
     name = "shard_map"
 
-    def __init__(self, devices: Sequence[jax.Device]):
+    def __init__(self, devices: Sequence[jax.Device], compile_options: dict | None = None):
         self.devices = list(devices)
         self.n = len(self.devices)
+        self.compile_options = compile_options  # None: chosen per step (`compile_options`)
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
         self._replicated = NamedSharding(self.mesh, P())
         self._rows = NamedSharding(self.mesh, P(AXIS))
@@ -114,8 +116,11 @@ class ShardMapBackend:
                                out_specs=out_specs, check_vma=check)
         in_shardings = (self._shardings(state_spec), *(self._replicated for _ in metrics),
                         NamedSharding(self.mesh, batch_spec))
-        return jax.jit(mapped, in_shardings=in_shardings,
-                       donate_argnums=(0,) if donate else ())
+        return ChosenJit(
+            lambda options: jax.jit(mapped, in_shardings=in_shardings,
+                                    donate_argnums=(0,) if donate else (),
+                                    compiler_options=options),
+            self.devices[0].platform, self.compile_options)
 
     def _shardings(self, specs: Any) -> Any:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
@@ -163,11 +168,13 @@ class PmapBackend:
 
     name = "pmap"
 
-    def __init__(self, devices: Sequence[jax.Device]):
+    def __init__(self, devices: Sequence[jax.Device], compile_options: dict | None = None):
         if jax.process_count() > 1:
             raise DpaxError(
                 "the pmap backend is single-process only in dpax; use --backend shard_map"
             )
+        if compile_options:  # jax.pmap takes none
+            raise DpaxError("compile options need the shard_map backend")
         self.devices = list(devices)
         self.n = len(self.devices)
         # pmap on current JAX is jit + shard_map over exactly this mesh, so
@@ -226,9 +233,9 @@ class PmapBackend:
         return jax.tree.map(lambda x: np.asarray(x).reshape((-1,) + x.shape[2:]), tree)
 
 
-def make_backend(name: str, devices: Sequence[jax.Device]):
+def make_backend(name: str, devices: Sequence[jax.Device], compile_options: dict | None = None):
     if name == "shard_map":
-        return ShardMapBackend(devices)
+        return ShardMapBackend(devices, compile_options)
     if name == "pmap":
-        return PmapBackend(devices)
+        return PmapBackend(devices, compile_options)
     raise DpaxError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -117,6 +117,9 @@ class Trainer:
         updates 1/N of the optimizer state after a reduce-scatter of the
         gradients, then the params are all-gathered. Exact for elementwise
         optimizers (SGD, momentum, Adam); not for a global-norm clip.
+      compile_options: XLA options for every compiled step (shard_map backend),
+        e.g. `{}` for XLA's defaults; None: dpax's per-step choice
+        (`dpax.compile_options`: XLA:CPU's older emitters for steps that pool).
     """
 
     def __init__(
@@ -137,9 +140,10 @@ class Trainer:
         seed: int = 0,
         sync_batchnorm: bool = True,
         shard_optimizer_state: bool = False,
+        compile_options: dict[str, Any] | None = None,
     ):
         devs = devices if isinstance(devices, (list, tuple)) else select_devices(devices)
-        self.backend = make_backend(backend, devs)
+        self.backend = make_backend(backend, devs, compile_options)
         self.n_devices = self.backend.n
         self.loss_fn = loss_fn
         self.grad_accum = grad_accum

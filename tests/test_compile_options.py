@@ -1,0 +1,64 @@
+"""dpax's per-step XLA options: chosen from what the step computes, and they
+change no number (the reference is the same Trainer compiled with XLA's defaults)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dpax
+from dpax import compile_options, data, losses, models
+
+
+def test_a_step_that_pools_gets_the_old_emitters_on_cpu_only():
+    x = jnp.ones((4, 8, 8, 3))
+
+    def pooled_grad(x):  # the pooling sits inside a scan, as in --steps-per-call
+        def body(c, xi):
+            return c + jax.grad(lambda v: nnx.max_pool(v, (2, 2), (2, 2)).sum())(xi).sum(), None
+        return jax.lax.scan(body, 0.0, x[None])[0]
+
+    pooled = jax.make_jaxpr(pooled_grad)(x)
+    assert "select_and_scatter_add" in compile_options.primitives(pooled)
+    assert compile_options.for_step(pooled, "cpu") == compile_options.OLD_FUSION_EMITTERS
+    assert compile_options.for_step(pooled, "gpu") == {}
+    dense = jax.make_jaxpr(jax.grad(lambda w: jnp.tanh(x.reshape(4, -1) @ w).sum()))(
+        jnp.ones((192, 2)))
+    assert compile_options.for_step(dense, "cpu") == {}
+
+
+def _trainer(model, **kw):
+    return dpax.Trainer(model, losses.classification_loss, optax.sgd(0.1), devices=8, **kw)
+
+
+def test_the_chosen_options_change_no_number():
+    ds = data.digits()
+    chosen = _trainer(models.CNN(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)))
+    default = _trainer(models.CNN(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)),
+                       compile_options={})
+    rows = {}
+    for name, t in (("chosen", chosen), ("default", default)):
+        rows[name] = t.fit(ds.x_train, ds.y_train, batch_size=61, steps=3, log_every=1)
+        rows[name].append(t.evaluate(ds.x_eval, ds.y_eval, batch_size=100))
+    assert chosen._train.options == compile_options.OLD_FUSION_EMITTERS
+    assert chosen._eval.options == compile_options.OLD_FUSION_EMITTERS
+    assert default._train.options == {}
+    for a, b in zip(jax.tree.leaves(chosen.params), jax.tree.leaves(default.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    for a, b in zip(rows["chosen"], rows["default"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+def test_a_model_without_pooling_keeps_xla_defaults():
+    t = _trainer(models.MLP((16,), 10, hidden=8, rngs=nnx.Rngs(0)))
+    x = np.random.default_rng(0).normal(size=(32, 16)).astype(np.float32)
+    t.fit(x, np.zeros(32, np.int32), batch_size=16, steps=1)
+    assert t._train.options == {}
+
+
+def test_the_pmap_backend_refuses_compile_options():
+    with pytest.raises(dpax.DpaxError, match="shard_map"):
+        _trainer(models.MLP((16,), 10, hidden=8, rngs=nnx.Rngs(0)), backend="pmap",
+                 compile_options={"xla_cpu_use_fusion_emitters": False})
