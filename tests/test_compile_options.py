@@ -45,6 +45,7 @@ def test_the_chosen_options_change_no_number():
     assert chosen._train.options == compile_options.OLD_FUSION_EMITTERS
     assert chosen._eval.options == compile_options.OLD_FUSION_EMITTERS
     assert default._train.options == {}
+    assert chosen.traces["train"] == 1  # the choosing trace is the only one
     for a, b in zip(jax.tree.leaves(chosen.params), jax.tree.leaves(default.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
     for a, b in zip(rows["chosen"], rows["default"]):

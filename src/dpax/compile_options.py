@@ -47,9 +47,10 @@ class ChosenJit:
     """A jitted step whose compile options are chosen at its first call, from
     its trace; later calls go straight to the chosen `jax.jit`.
 
-    `build(options)` returns the `jax.jit` for a dict of options (None: fixed
-    `options`, not chosen). The choosing trace is jit's own: the chosen jit
-    reuses it, so nothing is traced twice.
+    `build(options)` returns the `jax.jit` for a dict of options. Given
+    `options`, those are used as they are; None: chosen by `for_step`. The
+    choosing trace lands in jit's trace cache, which the chosen jit shares, so
+    nothing is traced twice.
     """
 
     def __init__(self, build: Callable[[dict], Any], platform: str,
