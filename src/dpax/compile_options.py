@@ -67,12 +67,15 @@ class ChosenJit:
             self._jit = default if not self.options else self._build(self.options)
         return self._jit
 
-    def __call__(self, *args):
-        if self._jit is None and _traced(args):
-            # Inside another trace (`jax.eval_shape`): a nested jit takes no
-            # options, and nothing is compiled there to choose them for.
-            return self._build({})(*args)
-        return self._chosen(args)(*args)
+    def __call__(self, *args):  # the training loop's hot path: one check once chosen
+        jit = self._jit
+        if jit is None:
+            if _traced(args):
+                # Inside another trace (`jax.eval_shape`): a nested jit takes no
+                # options, and nothing is compiled there to choose them for.
+                return self._build({})(*args)
+            jit = self._chosen(args)
+        return jit(*args)
 
     def lower(self, *args):
         return self._chosen(args).lower(*args)
