@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpax.collectives import psum_packed
+from dpax.collectives import synced_sum
 
 
 @dataclasses.dataclass
@@ -68,16 +68,14 @@ class SyncBatchNorm(nnx.BatchNorm):
         per_row = x.size // (x.shape[0] * x.shape[feature])  # positions per row, e.g. H*W
         sums = (jnp.sum(xf * rows, axes), jnp.sum(jnp.square(xf) * rows, axes),
                 jnp.sum(rows) * per_row)
-        if ctx.axis is not None:
-            sums = psum_packed(sums, ctx.axis)
-        s1, s2, count = sums
-        count = jnp.maximum(count, 1.0)
-        mean = s1 / count
-        var = jnp.maximum(0.0, s2 / count - jnp.square(mean))
-        self.mean[...] = jax.lax.stop_gradient(
-            self.momentum * self.mean[...] + (1 - self.momentum) * mean)
-        self.var[...] = jax.lax.stop_gradient(
-            self.momentum * self.var[...] + (1 - self.momentum) * var)
+        # The running averages take the sums typed as replicated (they are state
+        # the step returns); the normalization the per-device ones (it is
+        # differentiated). Both come from one all-reduce.
+        replicated, per_device = (sums, sums) if ctx.axis is None else synced_sum(sums, ctx.axis)
+        mean, var = _moments(*per_device)
+        running_mean, running_var = jax.lax.stop_gradient(_moments(*replicated))
+        self.mean[...] = self.momentum * self.mean[...] + (1 - self.momentum) * running_mean
+        self.var[...] = self.momentum * self.var[...] + (1 - self.momentum) * running_var
         shape = [1] * x.ndim
         shape[feature] = x.shape[feature]
         y = (xf - mean.reshape(shape)) * jax.lax.rsqrt(var.reshape(shape) + self.epsilon)
@@ -86,6 +84,13 @@ class SyncBatchNorm(nnx.BatchNorm):
         if self.bias is not None:
             y = y + self.bias[...].reshape(shape)
         return y.astype(self.dtype or x.dtype)
+
+
+def _moments(s1, s2, count):
+    """Mean and (biased) variance from sums over `count` values."""
+    count = jnp.maximum(count, 1.0)
+    mean = s1 / count
+    return mean, jnp.maximum(0.0, s2 / count - jnp.square(mean))
 
 
 class ExampleDropout(nnx.Dropout):

@@ -19,7 +19,7 @@ import optax
 from flax import nnx, struct
 from jax.flatten_util import ravel_pytree
 
-from dpax.collectives import pmean_packed, psum_packed
+from dpax.collectives import pmean_packed, psum_packed, reduce_scatter
 from dpax.layers import BatchContext, batch_context
 
 AXIS = "data"
@@ -244,15 +244,14 @@ def _sharded_update(tx, state: TrainState, grad_sums, count):
     size = flat_p.size
     shard = -(-size // n)
     pad = shard * n - size
-    g = jax.lax.psum_scatter(jnp.pad(flat_g, (0, pad)), AXIS, scatter_dimension=0, tiled=True)
+    g = reduce_scatter(jnp.pad(flat_g, (0, pad)), AXIS)
     g = g.astype(jnp.float32) / count
     start = jax.lax.axis_index(AXIS) * shard
     p = jax.lax.dynamic_slice(jnp.pad(flat_p, (0, pad)), (start,), (shard,))
     updates, opt_state = tx.update(g, state.opt_state, p)
     flat_new = jax.lax.all_gather(optax.apply_updates(p, updates), AXIS, tiled=True)
-    grad_norm = jnp.sqrt(jax.lax.psum(jnp.sum(jnp.square(g)), AXIS))
-    bad = jax.lax.psum(jnp.sum(~jnp.isfinite(g)), AXIS)
-    return unravel(flat_new[:size]), opt_state, grad_norm, bad == 0
+    sq, bad = psum_packed((jnp.sum(jnp.square(g)), jnp.sum(~jnp.isfinite(g))), AXIS)
+    return unravel(flat_new[:size]), opt_state, jnp.sqrt(sq), bad == 0
 
 
 def sharded_opt_init(tx: optax.GradientTransformation, params, n: int):
