@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(BIN)/dpax train --out runs/digits-cnn
+	$(BIN)/dpax train --out runs/digits-cnn --overwrite
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples scripts

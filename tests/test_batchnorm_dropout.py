@@ -89,7 +89,7 @@ def test_cnn_bn_trains_digits_and_resumes_exactly(tmp_path, capsys):
                  "--out", b]) == 0
     pa, pb = np.load(f"{a}/params.npz"), np.load(f"{b}/params.npz")
     assert all(np.array_equal(pa[k], pb[k]) for k in pa.files)
-    sa = dpax.run.load_checkpoint(f"{a}/ck/180")[0].trainer.state_dict()
+    sa = dpax.run.load_checkpoint(f"{a}/ck/180").trainer.state_dict()
     assert any(k.endswith("_bn.mean.value") for k in sa)  # batch stats are checkpointed
 
 

@@ -109,7 +109,7 @@ def test_damaged_newest_checkpoint_falls_back_and_all_damaged_exit_2(tmp_path, c
     flags = [*RUN, "--devices", "2", "--steps", "30"]
     ck = str(tmp_path / "ck")
     assert main(["train", *flags, "--checkpoint-dir", ck, "--checkpoint-every", "10"]) == 0
-    ref = dpax.run.load_checkpoint(ck)[0].trainer.params
+    ref = dpax.run.load_checkpoint(ck).trainer.params
     garble(os.path.join(ck, "30"))
     capsys.readouterr()
     out = str(tmp_path / "resumed")

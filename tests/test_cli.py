@@ -11,6 +11,7 @@ import pytest
 
 import dpax
 from dpax.cli import main
+from dpax.errors import as_flags
 
 
 @pytest.fixture
@@ -35,7 +36,27 @@ def bad_inputs(tmp_path):
     corrupt.write_bytes(b"PK\x03\x04 not really a zip")
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(bytes(range(256)))
+    nan_y = np.where(np.arange(10) % 3, 1.0, np.nan)
     return {
+        "seed negative": (["--seed", "-1"], "--seed"),
+        "momentum nan": (["--optimizer", "momentum", "--momentum", "nan"], "--momentum"),
+        "momentum 1": (["--momentum", "1"], "--momentum"),
+        "weight decay negative": (["--weight-decay", "-1"], "--weight-decay"),
+        "warmup negative": (["--warmup-steps", "-5"], "--warmup-steps"),
+        "timeout 0": (["--timeout", "0"], "--timeout"),
+        "timeout negative": (["--timeout", "-1"], "--timeout"),
+        "clip nan": (["--clip-norm", "nan"], "--clip-norm"),
+        "profile past the end": (["--profile-steps", "50:60", "--steps", "10"], "starts after"),
+        "nan in y": (["--model", "mlp", "--data", npz(tmp_path, "nany.npz", x=x, y=nan_y)],
+                     "y contains NaN"),
+        "complex x": (["--model", "mlp", "--data", npz(tmp_path, "cx.npz", x=x + 1j,
+                                                        y=np.zeros(10, int))], "complex"),
+        "checkpoint dir is a file": (["--checkpoint-dir", str(a_file)], "is a file"),
+        "out empty": (["--out", ""], "is empty"),
+        "out not writable": (["--out", str(a_file / "run")], "cannot write"),
+        "binary config": (["--config", str(binary)], "not a text file"),
         "devices 0": (["--devices", "0"], "--devices"),
         "devices negative": (["--devices", "-2"], "--devices"),
         "devices over the cap": (["--devices", "100000"], "cap"),
@@ -77,8 +98,8 @@ def test_every_bad_input_exits_2_with_one_line_and_keeps_the_run_dir(tmp_path, r
     before = {p: (run_dir / p).read_bytes() for p in os.listdir(run_dir)}
     for name, (flags, needle) in bad_inputs(tmp_path).items():
         argv = ["train", *flags]
-        if "--out" not in flags:
-            argv += ["--out", str(run_dir)]
+        if "--out" not in flags:  # --overwrite: even then bad input must keep the run
+            argv += ["--out", str(run_dir), "--overwrite"]
         if "--steps" not in flags:
             argv += ["--steps", "1"]
         code = exit_code(argv)
@@ -87,6 +108,7 @@ def test_every_bad_input_exits_2_with_one_line_and_keeps_the_run_dir(tmp_path, r
         assert len(err.strip().splitlines()) == 1, (name, err)
         assert needle in err and "Traceback" not in err, (name, err)
     assert {p: (run_dir / p).read_bytes() for p in os.listdir(run_dir)} == before
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == ["run"]  # no partial --out
 
 
 def test_steps_or_epochs_where_a_count_is_needed():
@@ -142,3 +164,110 @@ def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
 def test_devices_command_lists_what_jax_sees():
     r = dpax_cmd("devices")
     assert r.returncode == 0 and "8 local" in r.stdout
+
+
+def one_line_error(capsys, argv, code=2):
+    """Run `dpax ARGV`; assert it exits `code` with one stderr line and no traceback."""
+    assert exit_code(argv) == code, argv
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_an_out_that_holds_a_run_is_refused_and_overwrite_replaces_it(tmp_path, capsys):
+    run = tmp_path / "a"
+    flags = ["--model", "mlp", "--steps", "4", "--log-every", "2", "--devices", "2"]
+    assert main(["train", *flags, "--out", str(run), "--quiet"]) == 0
+    (run / "metrics.png").write_bytes(b"a stale plot")
+    before = {p: (run / p).read_bytes() for p in os.listdir(run)}
+    capsys.readouterr()
+    # config.yaml holds `out: a`: reusing it must not overwrite run a.
+    err = one_line_error(capsys, ["train", "--config", str(run / "config.yaml"),
+                                  "--lr", "0.01"])
+    assert "already holds a run" in err and "--overwrite" in err and "--resume" in err
+    assert {p: (run / p).read_bytes() for p in os.listdir(run)} == before
+    assert main(["train", "--config", str(run / "config.yaml"), "--lr", "0.01", "--steps",
+                 "2", "--overwrite", "--quiet"]) == 0
+    assert not (run / "metrics.png").exists()  # the old run's plot would be stale
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 2]
+    assert "lr: 0.01" in (run / "config.yaml").read_text()
+
+
+def test_eval_on_data_that_does_not_fit_names_the_difference(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    assert main(["train", "--steps", "3", "--devices", "2", "--checkpoint-dir", ck,
+                 "--quiet"]) == 0
+    images = np.random.default_rng(0).random((20, 8, 8, 1)).astype(np.float32)
+    cases = {
+        "random-images": "shape (32, 32, 3)",
+        "regression": "shape (5,)",
+        npz(tmp_path, "float_y.npz", x=images, y=np.linspace(0, 1, 20)): "regression set",
+        npz(tmp_path, "eleven.npz", x=images, y=np.arange(20) % 11): "labels up to 10",
+    }
+    capsys.readouterr()
+    for data, needle in cases.items():
+        err = one_line_error(capsys, ["eval", "--checkpoint", ck, "--data", data,
+                                      "--devices", "2"])
+        assert needle in err and "damaged" not in err and "--model" not in err, err
+    # Fewer classes than the model has is fine, and the checkpoint was never damaged.
+    three = npz(tmp_path, "three.npz", x=images, y=np.arange(20) % 3)
+    assert main(["eval", "--checkpoint", ck, "--data", three, "--devices", "2"]) == 0
+    assert main(["eval", "--checkpoint", ck, "--devices", "2"]) == 0
+    assert "examples 359" in capsys.readouterr().out
+
+
+def test_outputs_are_checked_before_the_work(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    assert main(["train", "--steps", "2", "--devices", "2", "--checkpoint-dir", ck,
+                 "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    x = npz(tmp_path, "x.npz", x=np.zeros((3, 8, 8, 1), np.float32))
+    capsys.readouterr()
+    for argv, needle in [
+        (["predict", "--checkpoint", ck, "--data", x, "--out", str(tmp_path / "no" / "p.npz")],
+         "does not exist"),
+        (["predict", "--checkpoint", ck, "--data", x, "--out", str(tmp_path / "p.npy")],
+         "ending in .npz"),
+        (["plot", str(tmp_path / "run"), "--out", str(tmp_path / "no" / "m.png")],
+         "does not exist"),
+        (["plot", str(tmp_path / "run"), "--out", str(tmp_path / "m.xyz")], ".png"),
+        (["eval", "--checkpoint", x], "is a file"),
+    ]:
+        assert needle in one_line_error(capsys, argv)
+
+
+def test_messages_name_the_command_and_its_flags(capsys):
+    assert "(see 'dpax -h')" in one_line_error(capsys, [])
+    assert "(see 'dpax train -h')" in one_line_error(capsys, ["train", "--stepz", "3"])
+    err = one_line_error(capsys, ["launch", "--nprocs", "2", "--port", "99999", "--", "--steps",
+                                  "1"])
+    assert "--port must be in 1..65535" in err and "rank" not in err
+    # The Python API names arguments; the CLI shows the same message with flags.
+    with pytest.raises(dpax.DpaxError, match="`devices=8` or fewer") as e:
+        dpax.select_devices(9)
+    assert as_flags(str(e.value)).endswith("use --devices 8 or fewer")
+    assert as_flags("`sync_batchnorm=False`, `out`, `backend=shard_map`") == \
+        "--no-sync-batchnorm, --out, --backend shard_map"
+    with pytest.raises(dpax.DpaxError, match="`predict_fn=dpax.classification_predict`"):
+        ds = dpax.data.regression()
+        dpax.Trainer(dpax.make_model("linear", ds.input_shape, 1, 0), dpax.regression_loss,
+                     dpax.make_optimizer("sgd", lambda s: 0.1), devices=1).predict(ds.x_eval)
+
+
+def test_check_factory_with_the_wrong_signature_is_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "badfactory.py").write_text("def make(shape, n):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = one_line_error(capsys, ["check", "--factory", "badfactory:make", "--devices", "2"])
+    assert "cannot be called as FN(input_shape, n_out, rngs=nnx.Rngs)" in err
+
+
+def test_warnings_are_one_line_and_the_run_goes_on(tmp_path, capsys):
+    x = np.random.default_rng(0).random((40, 6)).astype(np.float32)
+    sparse = npz(tmp_path, "sparse.npz", x=x, y=np.where(np.arange(40) % 2, 100000, 0))
+    for argv, needle in [(["--warmup-steps", "100", "--steps", "10"], "never reaches"),
+                         (["--data", sparse, "--model", "mlp", "--steps", "2"],
+                          "2 distinct labels but its largest is 100000")]:
+        assert main(["train", *argv, "--devices", "2", "--quiet"]) == 0
+        err = capsys.readouterr().err
+        assert err.startswith("dpax: warning: ") and needle in err
+        assert len(err.strip().splitlines()) == 1, err

@@ -122,7 +122,7 @@ def test_launch_refuses_flags_it_sets_itself():
 
 
 def test_pmap_with_several_processes_names_the_fix():
-    with pytest.raises(dpax.DpaxError, match="--backend shard_map"):
+    with pytest.raises(dpax.DpaxError, match="`backend=shard_map`"):
         dpax.TrainConfig(backend="pmap", num_processes=2, process_id=0,
                          coordinator="localhost:1").validate()
 

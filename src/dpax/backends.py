@@ -171,10 +171,10 @@ class PmapBackend:
     def __init__(self, devices: Sequence[jax.Device], compile_options: dict | None = None):
         if jax.process_count() > 1:
             raise DpaxError(
-                "the pmap backend is single-process only in dpax; use --backend shard_map"
+                "the pmap backend is single-process only in dpax; use `backend=shard_map`"
             )
         if compile_options:  # jax.pmap takes none
-            raise DpaxError("compile options need the shard_map backend")
+            raise DpaxError("`compile_options` need `backend=shard_map`")
         self.devices = list(devices)
         self.n = len(self.devices)
         # pmap on current JAX is jit + shard_map over exactly this mesh, so
@@ -208,7 +208,7 @@ class PmapBackend:
 
     def train(self, fn: Callable, state_spec=None) -> Callable:
         if state_spec is not None:
-            raise DpaxError("a sharded optimizer state needs --backend shard_map")
+            raise DpaxError("a sharded optimizer state needs `backend=shard_map`")
         return self._wrap(fn, donate=True)
 
     def train_multi(self, fn: Callable) -> Callable:

@@ -28,6 +28,9 @@ CAUSES = {
                  "global mean",
     "batchnorm": "unsynchronized batch statistics: {layers} normalize with per-device "
                  "statistics; use nnx.BatchNorm (dpax converts it) or dpax.layers.SyncBatchNorm",
+    "batchnorm-off": "unsynchronized batch statistics: {layers} normalize with per-device "
+                     "statistics because synchronization is off (`sync_batchnorm=False`); "
+                     "drop that (`sync_batchnorm=True` is the default) for one device's numbers",
     "rng": "per-device RNG: the model draws random numbers from its own key on every "
            "device; use nnx.Dropout (dpax derives each example's key from seed, step and index)",
     "loss-mixes": "the loss mixes examples across the batch (e.g. a per-device mean or "
@@ -42,9 +45,9 @@ class CheckResult:
     devices: int
     batch_size: int
     steps: int
-    param_diff: float
-    loss_diff: float
-    state_diff: float
+    param_diff: float | None  # None: not compared (the run on N devices could not train)
+    loss_diff: float | None
+    state_diff: float | None
     cause: str | None = None  # a key of CAUSES
     detail: str = ""
 
@@ -53,9 +56,13 @@ class CheckResult:
         return self.cause is None
 
     def report(self) -> str:
-        head = (f"1 vs {self.devices} devices, global batch {self.batch_size}, {self.steps} "
-                f"SGD steps: max |diff| params {self.param_diff:.2e}, loss {self.loss_diff:.2e}, "
-                f"model state {self.state_diff:.2e}")
+        head = (f"1 vs {self.devices} devices, global batch {self.batch_size}, "
+                f"{self.steps} SGD steps")
+        if self.param_diff is None:
+            head += ": not compared"
+        else:
+            head += (f": max |diff| params {self.param_diff:.2e}, loss {self.loss_diff:.2e}, "
+                     f"model state {self.state_diff:.2e}")
         if self.equivalent:
             return f"{head}\nequivalent (tolerance {TOLERANCE:.0e})"
         return f"{head}\nNOT equivalent: {self.detail or CAUSES[self.cause]}"
@@ -121,8 +128,7 @@ def check_equivalence(
             rows = t.fit(x, y, batch_size=batch_size, steps=steps, log_every=1)
         except ValueError as e:
             if "one loss per example" in str(e):
-                return CheckResult(devices, batch_size, steps, np.inf, np.inf, np.inf,
-                                   "loss-mean")
+                return CheckResult(devices, batch_size, steps, None, None, None, "loss-mean")
             raise
         runs.append((t, [r["loss"] for r in rows], before, model))
     (t1, loss1, before, model1), (tn, lossn, _, modeln) = runs
@@ -132,28 +138,38 @@ def check_equivalence(
                                    tn.backend.host(tn.state.rest)))
     if max(result.param_diff, result.loss_diff, result.state_diff) <= TOLERANCE:
         return result
-    result.cause, result.detail = _diagnose(modeln, t1, loss_fn, x, y, before)
+    result.cause, result.detail = _diagnose(modeln, t1, loss_fn, x, y, before, sync_batchnorm)
     return result
 
 
-def _diagnose(model, trainer, loss_fn, x, y, rest_before) -> tuple[str, str]:
+def _diagnose(model, trainer, loss_fn, x, y, rest_before, sync_batchnorm) -> tuple[str, str]:
     unsynced = _per_device_batchnorm(model)
     if unsynced:
-        return "batchnorm", CAUSES["batchnorm"].format(layers=", ".join(unsynced))
+        cause = "batchnorm" if sync_batchnorm else "batchnorm-off"
+        return cause, CAUSES[cause].format(layers=", ".join(unsynced))
     if _uses_rng_streams(rest_before, trainer.backend.host(trainer.state.rest)):
         return "rng", CAUSES["rng"]
-    # With the model's batch-level behaviour off (eval mode), does the loss of
-    # an example depend on which other examples share its batch?
+    # With the model's batch-level behaviour off (eval mode), does an example's
+    # output, then its loss, depend on which other examples share its batch?
     host = trainer.model()
     host.eval()
     b = min(len(x), 16)
     batch = {"x": jnp.asarray(x[:b]), "y": jnp.asarray(y[:b]), "mask": jnp.ones(b, bool)}
     half = {k: v[: b // 2] for k, v in batch.items()}
+    try:
+        outputs = np.asarray(host(batch["x"]))[: b // 2], np.asarray(host(half["x"]))
+    except TypeError:  # a model not called as model(x): only the loss can tell
+        outputs = None
+    if outputs is not None and not _same(*outputs):
+        return "model-mixes", CAUSES["model-mixes"]
     whole = np.asarray(_per_example(loss_fn, host, batch))[: b // 2]
-    part = np.asarray(_per_example(loss_fn, host, half))
-    if whole.shape != part.shape or not np.allclose(whole, part, atol=1e-6):
+    if not _same(whole, np.asarray(_per_example(loss_fn, host, half))):
         return "loss-mixes", CAUSES["loss-mixes"]
     return "model-mixes", CAUSES["model-mixes"]
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.allclose(a, b, atol=1e-6)
 
 
 def _per_example(loss_fn, model, batch):

@@ -10,15 +10,17 @@ renames it when complete, so a half-written save is never taken for a good one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 
-from dpax.errors import DpaxError
+from dpax.errors import DpaxError, RunFailed
 
 
 class Checkpointer:
@@ -35,8 +37,12 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.every = every
         self._last: int | None = None
+        # Step directories are made before save() returns, so a directory that
+        # cannot be made fails there, at once; made in the background, the
+        # failure left Orbax's other threads waiting minutes for its signal.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=True, create=True)
+            max_to_keep=keep, enable_async_checkpointing=True, create=True,
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def due(self, step: int) -> bool:
@@ -54,15 +60,23 @@ class Checkpointer:
         args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if data is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data)
-        self.manager.save(step, args=ocp.args.Composite(**args))
-
-    def wait(self) -> None:
-        """Block until every started save is on disk."""
-        self.manager.wait_until_finished()
+        with self._failing_as(f"saving step {step}"):
+            self.manager.save(step, args=ocp.args.Composite(**args))
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait until every started save is on disk (a background write that
+        failed raises here), then release the manager."""
+        with self._failing_as("finishing the last save"):
+            self.manager.wait_until_finished()
         self.manager.close()
+
+    @contextlib.contextmanager
+    def _failing_as(self, what: str):
+        try:
+            yield
+        except Exception as e:  # Orbax and the filesystem raise many types
+            raise RunFailed(f"checkpoint failed ({what} in {self.directory}: "
+                            f"{type(e).__name__}: {_first_line(e)})") from None
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -77,44 +91,88 @@ class Checkpointer:
         return self.manager.restore(step, args=ocp.args.Composite(
             meta=ocp.args.JsonRestore())).meta
 
-    def restore(self, template: dict, data: Any, step: int | None = None,
-                warn=None) -> tuple[int, dict, dict]:
+    def restore(self, template: dict, data: Any, step: int | None = None, warn=None,
+                check: Callable[[dict], None] | None = None) -> tuple[int, dict, dict]:
         """Restore `step`, or the newest readable step, falling back past
         unreadable ones with a one-line warning each.
+
+        Args:
+          template: the state's {path: ShapeDtypeStruct}; a checkpoint whose
+            state has other paths or shapes was saved for another model or data,
+            which is a `DpaxError`, not damage.
+          check: called with the checkpoint's meta before its state is read; it
+            raises to refuse (e.g. a resume that changes what is trained).
 
         Returns:
           (step, state dict, meta).
         """
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
         if not candidates:
-            raise DpaxError(f"no checkpoint in {self.directory}; train without --resume first")
+            raise DpaxError(f"no checkpoint in {self.directory}; train without `resume` first")
         for s in candidates:
-            args = {"state": ocp.args.StandardRestore(template),
-                    "meta": ocp.args.JsonRestore()}
+            try:
+                meta = self.read_meta(s)
+                saved = self._saved_shapes(s)
+            except Exception as e:  # Orbax raises many types for damaged files
+                self._unreadable(s, e, warn)
+                continue
+            if check is not None:
+                check(meta)
+            mismatch = _mismatch(saved, template)
+            if mismatch:
+                raise DpaxError(f"checkpoint step {s} in {self.directory} holds {mismatch}: "
+                                "it was saved for another model or data")
+            args = {"state": ocp.args.StandardRestore(template)}
             # The data position is saved per process; with another process count
             # the caller rebuilds it from the step (batches depend on the step only).
             if data is not None and self._saved_processes(s) == jax.process_count():
                 args["data"] = grain.checkpoint.CheckpointRestore(data)
             try:
                 restored = self.manager.restore(s, args=ocp.args.Composite(**args))
-            except Exception as e:  # Orbax raises many types for damaged files
-                reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
-                print(f"dpax: warning: checkpoint step {s} in {self.directory} is unreadable "
-                      f"({type(e).__name__}: {reason}); trying an older one",
-                      file=warn or sys.stderr, flush=True)
+            except Exception as e:
+                self._unreadable(s, e, warn)
                 continue
-            meta = dict(restored.meta, data_restored="data" in args)
-            return s, dict(restored.state), meta
+            return s, dict(restored.state), dict(meta, data_restored="data" in args)
         raise DpaxError(f"no readable checkpoint in {self.directory} (tried steps "
-                        f"{', '.join(map(str, candidates))}); they are damaged")
+                        f"{', '.join(map(str, candidates))}); their files are damaged")
+
+    def _unreadable(self, step: int, e: Exception, warn) -> None:
+        print(f"dpax: warning: checkpoint step {step} in {self.directory} is unreadable "
+              f"({type(e).__name__}: {_first_line(e)[:120]}); trying an older one",
+              file=warn or sys.stderr, flush=True)
+
+    def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+        """{path: shape} of a step's saved state, from its metadata alone."""
+        path = self.manager.directory / str(step) / "state"
+        saved = ocp.StandardCheckpointHandler().metadata(path)
+        return {k: tuple(v.shape) for k, v in saved.items()}
+
+
+def _mismatch(saved: dict[str, tuple], template: dict) -> str | None:
+    """What differs between a saved state's shapes and the template's, or None."""
+    missing = sorted(set(template) - set(saved))
+    if missing:
+        return f"no {missing[0]} (this run's model has it)"
+    for key, like in template.items():
+        if tuple(saved[key]) != tuple(like.shape):
+            return f"{key} of shape {tuple(saved[key])}, this run's model has {tuple(like.shape)}"
+    return None
 
 
 def locate(path: str) -> tuple[str, int | None]:
     """A checkpoint directory, or one of its step directories -> (directory, step)."""
     path = os.path.abspath(path.rstrip("/"))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DpaxError(f"checkpoint path {path} is a file; give a checkpoint directory "
+                        "or one of its step directories")
     if not os.path.isdir(path):
         raise DpaxError(f"checkpoint path {path} does not exist")
     base = os.path.basename(path)
     if base.isdigit() and os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA")):
         return os.path.dirname(path), int(base)
     return path, None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:160] if text else ""

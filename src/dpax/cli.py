@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import sys
 import types
 import typing
+import warnings
 
 from dpax.config import TrainConfig
-from dpax.errors import DpaxError
+from dpax.errors import DpaxError, DpaxWarning, RunFailed, as_flags
 from dpax.run import Preempted
 from dpax.trainer import TooManyBadSteps
 
+EXIT_FAILED = 1  # the run started and could not go on; what was kept is said
 EXIT_USAGE = 2  # bad input: nothing ran
 EXIT_BAD_STEPS = 3  # too many non-finite steps in a row; last good params saved
 EXIT_PREEMPTED = 4  # SIGTERM/SIGINT: stopped at a step boundary, checkpoint saved
@@ -25,7 +28,7 @@ EXIT_PREEMPTED = 4  # SIGTERM/SIGINT: stopped at a step boundary, checkpoint sav
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         # argparse prints the whole usage block; one line that names the fix is kinder.
-        self.exit(EXIT_USAGE, f"dpax: error: {message} (see 'dpax {self.prog.split()[-1]} -h')\n")
+        self.exit(EXIT_USAGE, f"dpax: error: {message} (see '{self.prog} -h')\n")
 
 
 def _base_type(tp):
@@ -160,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show every rank's output, not only rank 0's")
     launch.add_argument("train_args", nargs=argparse.REMAINDER,
                         help="-- then the flags of dpax train")
+    parser.commands = sub.choices  # name -> subparser, for errors that name the command
     return parser
 
 
@@ -186,8 +190,29 @@ def _start_devices(config: TrainConfig | None = None) -> None:
 _COMPUTE = ("train", "bench", "launch", "check")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """dpax's warnings as one `dpax: warning:` line; others as Python shows them."""
+    if issubclass(category, DpaxWarning):
+        print(f"dpax: warning: {as_flags(str(message))}", file=file or sys.stderr, flush=True)
+    else:
+        _python_showwarning(message, category, filename, lineno, file, line)
+
+
+_python_showwarning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    with warnings.catch_warnings():  # restored for a caller that runs main() in-process
+        warnings.simplefilter("always", DpaxWarning)
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand, whose -h lists what it takes
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if argv is None and args.command in _COMPUTE:  # the real command line, not a caller's list
         from dpax.hostenv import restart_with_hugepages
 
@@ -224,13 +249,16 @@ def main(argv: list[str] | None = None) -> int:
         train(config)
         return 0
     except DpaxError as e:
-        print(f"dpax: error: {e}", file=sys.stderr)
+        print(f"dpax: error: {as_flags(str(e))}", file=sys.stderr)
         return EXIT_USAGE
+    except RunFailed as e:
+        print(f"dpax: error: {as_flags(str(e))}", file=sys.stderr)
+        return EXIT_FAILED
     except Preempted as e:
-        print(f"dpax: {e}", file=sys.stderr)
+        print(f"dpax: {as_flags(str(e))}", file=sys.stderr)
         return EXIT_PREEMPTED
     except TooManyBadSteps as e:
-        print(f"dpax: stopped: {e}", file=sys.stderr)
+        print(f"dpax: stopped: {as_flags(str(e))}", file=sys.stderr)
         return EXIT_BAD_STEPS
     except KeyboardInterrupt:
         print("dpax: interrupted", file=sys.stderr)
@@ -277,11 +305,18 @@ def _check(args) -> int:
 
     ds = data_mod.load(args.data)
     loss_fn = user_loss or default_loss(ds.task)[0]
+    try:
+        inspect.signature(factory).bind(ds.input_shape, ds.n_out, rngs=None)
+    except TypeError as e:
+        raise DpaxError(f"--factory {args.factory} cannot be called as "
+                        f"FN(input_shape, n_out, rngs=nnx.Rngs): {e}") from None
+    except ValueError:  # no signature to inspect (a builtin): let the call say
+        pass
     result = check_equivalence(
         lambda: factory(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)), loss_fn,
         ds.x_train, ds.y_train, devices=args.devices, batch_size=args.batch_size,
         steps=args.steps, sync_batchnorm=args.sync_batchnorm, backend=args.backend)
-    print(result.report())
+    print(as_flags(result.report()))
     return 0 if result.equivalent else 1
 
 

@@ -58,12 +58,13 @@ class ChosenJit:
         self._build = build
         self._platform = platform
         self.options = options
-        self._jit = None if options is None else build(options)
+        self._jit = None  # built at the first call outside a trace
 
     def _chosen(self, args) -> Any:
         if self._jit is None:
             default = self._build({})
-            self.options = for_step(default.trace(*args).jaxpr, self._platform)
+            if self.options is None:
+                self.options = for_step(default.trace(*args).jaxpr, self._platform)
             self._jit = default if not self.options else self._build(self.options)
         return self._jit
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 
 from dpax.distributed import DEFAULT_TIMEOUT_S
 
@@ -17,7 +18,9 @@ HOW_FIELDS = frozenset({
     "devices", "backend", "log_every", "eval_every", "out", "checkpoint_dir",
     "checkpoint_every", "keep", "resume", "coordinator", "num_processes", "process_id",
     "timeout", "max_bad_steps", "grad_accum", "tensorboard", "profile_steps", "quiet",
-    "verbose", "steps_per_call", "shard_optimizer_state",
+    "verbose", "steps_per_call", "shard_optimizer_state", "overwrite",
+    # How long to train, not what: a finished run can be extended.
+    "steps", "epochs",
 })
 
 # The main job's length when neither --epochs nor --steps is given.
@@ -69,6 +72,7 @@ class TrainConfig:
     log_every: int = _field(10, "steps between metric logs (host syncs happen only here)")
     eval_every: int = _field(0, "steps between evaluations (0: only at the end)")
     out: str | None = _field(None, "run directory for metrics.jsonl and params.npz")
+    overwrite: bool = _field(False, "replace the run already in --out (default: refuse)")
     checkpoint_dir: str | None = _field(None, "directory for Orbax checkpoints")
     checkpoint_every: int = _field(0, "steps between checkpoints (0: only at the end)")
     keep: int = _field(3, "checkpoints to keep")
@@ -95,7 +99,7 @@ class TrainConfig:
 
         a, sep, b = (self.profile_steps or "").partition(":")
         if not (sep and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)):
-            raise DpaxError(f"--profile-steps must be A:B with 1 <= A <= B, e.g. 10:20; "
+            raise DpaxError(f"`profile_steps` must be A:B with 1 <= A <= B, e.g. 10:20; "
                             f"got {self.profile_steps!r}")
         return int(a), int(b)
 
@@ -118,6 +122,9 @@ class TrainConfig:
                 loaded = yaml.safe_load(f) or {}
         except OSError as e:
             raise DpaxError(f"cannot read --config {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise DpaxError(f"--config {path} is not a text file; give a YAML file such as a "
+                            "run's config.yaml") from None
         except yaml.YAMLError as e:
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             where = f" at line {line + 1}" if line is not None else ""
@@ -149,65 +156,46 @@ class TrainConfig:
 
         for f in dataclasses.fields(self):
             value, expected = getattr(self, f.name), _TYPES[f.name]
-            ok = value is None if expected is None else (
-                isinstance(value, expected) and not (isinstance(value, bool)
-                                                     and bool not in expected))
+            ok = isinstance(value, expected) and not (isinstance(value, bool)
+                                                      and bool not in expected)
             if not ok and not (value is None and f.default is None):
-                raise DpaxError(f"--{f.name.replace('_', '-')} must be "
+                raise DpaxError(f"`{f.name}` must be "
                                 f"{' or '.join(t.__name__ for t in expected)}, got {value!r}")
 
-        def positive(name, value, allow_none=False):
-            if value is None and allow_none:
-                return
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DpaxError(f"--{name.replace('_', '-')} must be a whole number >= 1, "
-                                f"got {value!r}")
+        def whole(name, low=1):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise DpaxError(f"`{name}` must be a whole number >= {low}, got {value!r}")
 
-        positive("devices", self.devices, allow_none=True)
+        def number(name, low, high=math.inf, low_open=False, high_open=True):
+            value = getattr(self, name)
+            if value is None:
+                return
+            ok = math.isfinite(value) and (value > low if low_open else value >= low) and (
+                value < high if high_open else value <= high)
+            if not ok:
+                where = f"{'>' if low_open else '>='} {low:g}" + (
+                    f" and {'<' if high_open else '<='} {high:g}" if math.isfinite(high) else "")
+                raise DpaxError(f"`{name}` must be a finite number {where}, got {value!r}")
+
+        for name in ("devices", "batch_size", "reference_batch", "log_every", "epochs",
+                     "steps", "grad_accum", "steps_per_call", "max_bad_steps", "keep",
+                     "timeout"):
+            whole(name)
+        for name in ("seed", "warmup_steps", "eval_every", "checkpoint_every"):
+            whole(name, low=0)
+        number("lr", 0, low_open=True)
+        number("clip_norm", 0, low_open=True)
+        number("momentum", 0, 1)
+        number("weight_decay", 0)
         if self.devices is not None and self.devices > MAX_SIMULATED_DEVICES:
-            raise DpaxError(f"--devices {self.devices} is over the cap of "
+            raise DpaxError(f"`devices={self.devices}` is over the cap of "
                             f"{MAX_SIMULATED_DEVICES}; use fewer devices")
-        positive("batch_size", self.batch_size)
-        positive("reference_batch", self.reference_batch)
-        positive("log_every", self.log_every)
-        positive("epochs", self.epochs, allow_none=True)
-        positive("steps", self.steps, allow_none=True)
         if self.epochs is not None and self.steps is not None:
-            raise DpaxError("give exactly one of --steps or --epochs, not both")
-        positive("grad_accum", self.grad_accum)
-        positive("steps_per_call", self.steps_per_call)
-        positive("max_bad_steps", self.max_bad_steps)
-        for name, value in (("precision", self.precision),
-                            ("allreduce_dtype", self.allreduce_dtype)):
-            if value not in ("fp32", "bf16"):
-                raise DpaxError(f"--{name.replace('_', '-')} must be fp32 or bf16, got {value!r}")
-        if self.clip_norm is not None and not (math.isfinite(self.clip_norm)
-                                               and self.clip_norm > 0):
-            raise DpaxError(f"--clip-norm must be a finite number > 0, got {self.clip_norm}")
-        positive("keep", self.keep)
-        if self.checkpoint_every < 0:
-            raise DpaxError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        if self.checkpoint_every and self.checkpoint_dir is None:
-            raise DpaxError("--checkpoint-every needs --checkpoint-dir DIR")
-        if self.resume == "latest" and self.checkpoint_dir is None:
-            raise DpaxError("--resume without a PATH needs --checkpoint-dir DIR")
-        if self.profile_steps is not None:
-            self.profile_range()
-            if self.out is None:
-                raise DpaxError("--profile-steps needs --out DIR for the trace")
-        if self.tensorboard and self.out is None:
-            raise DpaxError("--tensorboard needs --out DIR for the event files")
-        if self.shard_optimizer_state and (self.backend != "shard_map"
-                                           or self.steps_per_call != 1
-                                           or self.clip_norm is not None):
-            raise DpaxError("--shard-optimizer-state needs --backend shard_map, "
-                            "--steps-per-call 1 and no --clip-norm (a slice has no global norm)")
-        if self.quiet and self.verbose:
-            raise DpaxError("give --quiet or --verbose, not both")
-        if self.eval_every < 0:
-            raise DpaxError(f"--eval-every must be >= 0, got {self.eval_every}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise DpaxError(f"--lr must be a finite number > 0, got {self.lr}")
+            raise DpaxError("give exactly one of `steps` or `epochs`, not both")
+        for name in ("precision", "allreduce_dtype"):
+            if getattr(self, name) not in ("fp32", "bf16"):
+                raise DpaxError(f"`{name}` must be fp32 or bf16, got {getattr(self, name)!r}")
         for name, value, choices in (("model", self.model, models.MODELS),
                                      ("optimizer", self.optimizer, optim.OPTIMIZERS),
                                      ("schedule", self.schedule, optim.SCHEDULES),
@@ -217,11 +205,48 @@ class TrainConfig:
         if not self.data.endswith(".npz") and self.data not in data.DATASETS:
             raise DpaxError(f"unknown data {self.data!r}; choose one of "
                             f"{', '.join(data.DATASETS)} or a path to a .npz")
+        for name in ("out", "checkpoint_dir"):
+            path = getattr(self, name)
+            if path is not None and not path.strip():
+                raise DpaxError(f"`{name}` is empty; give a directory path")
+            if path is not None and os.path.exists(path) and not os.path.isdir(path):
+                raise DpaxError(f"`{name}={path}` is a file; give a directory path")
+        if self.checkpoint_every and self.checkpoint_dir is None:
+            raise DpaxError("`checkpoint_every` needs `checkpoint_dir`")
+        if self.resume == "latest" and self.checkpoint_dir is None:
+            raise DpaxError("`resume` without a PATH needs `checkpoint_dir`")
+        if self.profile_steps is not None:
+            self.profile_range()
+            if self.out is None:
+                raise DpaxError("`profile_steps` needs `out` for the trace")
+        if self.tensorboard and self.out is None:
+            raise DpaxError("`tensorboard` needs `out` for the event files")
+        if self.shard_optimizer_state and (self.backend != "shard_map"
+                                           or self.steps_per_call != 1
+                                           or self.clip_norm is not None):
+            raise DpaxError("`shard_optimizer_state` needs `backend=shard_map`, "
+                            "`steps_per_call=1` and no `clip_norm` (a slice has no global norm)")
+        if self.quiet and self.verbose:
+            raise DpaxError("give `quiet` or `verbose`, not both")
         if self.backend == "pmap" and (self.num_processes or 1) > 1:
             raise DpaxError("the pmap backend is single-process only in dpax; "
-                            "use --backend shard_map for several processes")
-        if self.out is not None and os.path.exists(self.out) and not os.path.isdir(self.out):
-            raise DpaxError(f"--out {self.out} is a file; give a directory path")
+                            "use `backend=shard_map` for several processes")
+        if self.overwrite and self.resume is not None:
+            raise DpaxError("give `overwrite` or `resume`, not both: a resumed run "
+                            "continues the files in `out`")
+
+    def check_length(self, total: int) -> None:
+        """Checks that need the run's length in steps (known once the data is):
+        refuse a profile window past the end; warn on a warmup that never ends."""
+        from dpax.errors import DpaxError, DpaxWarning
+
+        if self.profile_steps is not None and self.profile_range()[0] > total:
+            raise DpaxError(f"`profile_steps={self.profile_steps}` starts after the run's "
+                            f"last step {total}; profile steps within 1..{total}")
+        if self.warmup_steps >= total:
+            warnings.warn(f"the warmup ({self.warmup_steps} steps) is not shorter than the "
+                          f"run ({total} steps): the learning rate never reaches {self.lr:g}",
+                          DpaxWarning, stacklevel=2)
 
 
 def _types() -> dict[str, tuple[type, ...]]:

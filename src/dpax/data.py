@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 import zipfile
 
 import numpy as np
 
-from dpax.errors import DpaxError
+from dpax.errors import DpaxError, DpaxWarning
 
 # The data never depends on --seed: runs with different seeds see the same split.
 DATA_SEED = 0
@@ -112,26 +113,39 @@ def from_npz(path: str) -> Dataset:
             "y needs one value per example"
         )
     for k, a in (("x", x), ("y", y)):
+        if np.iscomplexobj(a):
+            raise DpaxError(f"{path}: array {k} is complex ({a.dtype}); dpax trains on real "
+                            "numbers, so save the parts you mean as real arrays")
         if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
             raise DpaxError(f"{path}: array {k} has non-numeric dtype {a.dtype}; use numbers")
+        if not np.all(np.isfinite(a)):
+            raise DpaxError(f"{path}: {k} contains NaN or infinite values; clean the data first")
     x = x.astype(np.float32)
     if x.ndim == 1:
         x = x[:, None]
-    if not np.all(np.isfinite(x)):
-        raise DpaxError(f"{path}: x contains NaN or infinite values; clean the data first")
     if np.issubdtype(y.dtype, np.integer) or y.dtype == bool:
-        y = y.astype(np.int32)
+        y = y.astype(np.int64)
         if y.min() < 0:
             raise DpaxError(f"{path}: class labels must be >= 0, found {y.min()}")
-        return _split(path, x, y, "classification", int(y.max()) + 1)
+        if y.max() >= 2**31:
+            raise DpaxError(f"{path}: class label {y.max()} is too large; relabel to 0..K-1")
+        classes, distinct = int(y.max()) + 1, len(np.unique(y))
+        if classes > max(2 * distinct, distinct + 10):
+            warnings.warn(f"{path}: y has {distinct} distinct labels but its largest is "
+                          f"{classes - 1}, so the model gets {classes} outputs; relabel to "
+                          f"0..{distinct - 1} if that is not meant", DpaxWarning, stacklevel=2)
+        return _split(path, x, y.astype(np.int32), "classification", classes)
     return _split(path, x, y.astype(np.float32), "regression", 1)
 
 
 def read_inputs(path: str) -> np.ndarray:
     """Array `x` of a user's .npz (for prediction; `y` may be absent)."""
     x = _read_npz(path, ("x",))["x"]
-    if x.ndim == 0 or len(x) == 0 or not np.issubdtype(x.dtype, np.number):
-        raise DpaxError(f"{path}: x must be a non-empty numeric array, examples first")
+    if (x.ndim == 0 or len(x) == 0 or not np.issubdtype(x.dtype, np.number)
+            or np.iscomplexobj(x)):
+        raise DpaxError(f"{path}: x must be a non-empty array of real numbers, examples first")
+    if not np.all(np.isfinite(x)):
+        raise DpaxError(f"{path}: x contains NaN or infinite values; clean the data first")
     return x.astype(np.float32)
 
 

@@ -59,17 +59,17 @@ def select_devices(n: int | None = None) -> list[jax.Device]:
         # process brings all of its own (a subset would leave holes in the mesh).
         if n not in (None, len(available)):
             raise DpaxError(f"with several processes each uses all its {len(available)} "
-                            f"local devices; drop --devices or set it to {len(available)}")
+                            f"local devices; leave `devices` out or set `devices={len(available)}`")
         return list(jax.devices())
     if n is None:
         return list(available)
     if not isinstance(n, int) or n < 1:
-        raise DpaxError(f"--devices must be a whole number >= 1, got {n!r}")
+        raise DpaxError(f"`devices` must be a whole number >= 1, got {n!r}")
     if n > len(available):
         kind = available[0].platform
         raise DpaxError(
             f"asked for {n} devices but only {len(available)} {kind} device(s) are "
-            f"available; use --devices {len(available)} or fewer"
+            f"available; use `devices={len(available)}` or fewer"
         )
     return list(available[:n])
 

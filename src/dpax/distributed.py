@@ -23,7 +23,7 @@ DEFAULT_TIMEOUT_S = 30
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise DpaxError(f"--coordinator {address!r} is not HOST:PORT (e.g. 10.0.0.1:1234)")
+        raise DpaxError(f"`coordinator={address}` is not HOST:PORT (e.g. 10.0.0.1:1234)")
     return host.strip("[]"), int(port)
 
 
@@ -31,7 +31,7 @@ def _check_reachable(host: str, port: int, process_id: int, timeout: float) -> N
     try:
         socket.getaddrinfo(host, port)
     except socket.gaierror:
-        msg = f"coordinator host {host!r} does not resolve; check --coordinator"
+        msg = f"coordinator host {host!r} does not resolve; check `coordinator`"
         raise DpaxError(msg) from None
     if process_id == 0:  # process 0 hosts the coordinator: the port must be free here
         with socket.socket() as s:
@@ -40,7 +40,7 @@ def _check_reachable(host: str, port: int, process_id: int, timeout: float) -> N
                 s.bind(("", port))
             except OSError:
                 raise DpaxError(f"coordinator port {port} is in use on this host; "
-                                "pick another with --coordinator HOST:PORT") from None
+                                "pick another with `coordinator=HOST:PORT`") from None
         return
     deadline = time.monotonic() + timeout
     while True:
@@ -51,7 +51,7 @@ def _check_reachable(host: str, port: int, process_id: int, timeout: float) -> N
             if time.monotonic() > deadline:
                 raise DpaxError(
                     f"process {process_id} cannot reach the coordinator at {host}:{port} "
-                    f"within {timeout:.0f}s; check --coordinator and that process 0 is running"
+                    f"within {timeout:.0f}s; check `coordinator` and that process 0 is running"
                 ) from None
             time.sleep(0.5)
 
@@ -82,7 +82,7 @@ def initialize(
     """
     given = [v is not None for v in (coordinator, num_processes, process_id)]
     if any(given) and not all(given):
-        raise DpaxError("give --coordinator, --num-processes and --process-id together")
+        raise DpaxError("give `coordinator`, `num_processes` and `process_id` together")
     if not any(given):
         if _cluster_detected():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -90,11 +90,11 @@ def initialize(
         return
     host, port = parse_address(coordinator)
     if num_processes < 1:
-        raise DpaxError(f"--num-processes must be >= 1, got {num_processes}")
+        raise DpaxError(f"`num_processes` must be >= 1, got {num_processes}")
     if not 0 <= process_id < num_processes:
-        raise DpaxError(f"--process-id must be in [0, {num_processes}), got {process_id}")
+        raise DpaxError(f"`process_id` must be in [0, {num_processes}), got {process_id}")
     if timeout < 1:
-        raise DpaxError(f"--timeout must be >= 1 second, got {timeout}")
+        raise DpaxError(f"`timeout` must be >= 1 second, got {timeout}")
     if num_processes == 1:
         return
     _check_reachable(host, port, process_id, timeout)

@@ -1,9 +1,45 @@
-"""The one exception type for input a user can fix.
+"""The exceptions a user can act on, and how their messages name arguments.
 
-The CLI turns a `DpaxError` into a single stderr line and exit code 2; anything
-else is a bug and keeps its traceback.
+A message names a Python argument in backticks, `name` or `name=value`, so the
+Python API speaks Python; the CLI shows the same message with flags
+(`--name`, `--name value`, `--no-name` for `name=False`). The CLI turns a
+`DpaxError` into one stderr line and exit code 2, a `RunFailed` into one line
+and exit code 1; anything else is a bug and keeps its traceback.
 """
+
+from __future__ import annotations
+
+import re
 
 
 class DpaxError(ValueError):
     """Bad input or environment; the message names the problem and the fix."""
+
+
+class DpaxWarning(UserWarning):
+    """Input that is legal but almost surely not what was meant (the CLI
+    prints it as one `dpax: warning:` line)."""
+
+
+class RunFailed(RuntimeError):
+    """The run started and could not go on (e.g. a checkpoint could not be
+    written); the message says what was kept."""
+
+
+_ARG = re.compile(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`")
+
+
+def as_flags(message: str) -> str:
+    """`message` with its `name` / `name=value` arguments written as flags."""
+    def flag(m: re.Match) -> str:
+        name, value = m.group(1).replace("_", "-"), m.group(2)
+        if value is None:
+            return f"--{name}"
+        if value == "True":
+            return f"--{name}"
+        if value == "False":
+            return f"--no-{name}"
+        return f"--{name} {value.strip(chr(39))}"
+
+    return _ARG.sub(flag, message)
+

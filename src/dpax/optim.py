@@ -27,7 +27,7 @@ def make_schedule(
     """A learning-rate schedule: constant (after optional linear warmup) or
     linear warmup then cosine decay to 0 at `total_steps`."""
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise DpaxError(f"--lr must be a finite number > 0, got {lr!r}")
+        raise DpaxError(f"`lr` must be a finite number > 0, got {lr!r}")
     if schedule not in SCHEDULES:
         raise DpaxError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if schedule == "warmup-cosine":

@@ -6,6 +6,7 @@ import json
 import os
 
 from dpax.errors import DpaxError
+from dpax.outputs import writable_file
 
 PANELS = (("loss", ("loss", "eval_loss")), ("accuracy", ("accuracy", "eval_accuracy")),
           ("learning rate", ("lr",)), ("steps / s", ("steps_per_sec",)))
@@ -41,6 +42,10 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
     import matplotlib.pyplot as plt
 
     runs = {os.path.basename(os.path.abspath(d)): read_metrics(d) for d in run_dirs}
+    out = out or default_output(run_dirs)
+    formats = tuple(f".{ext}" for ext in plt.gcf().canvas.get_supported_filetypes())
+    plt.close()
+    writable_file(out, "out", formats)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for i, (name, rows) in enumerate(runs.items()):
@@ -58,7 +63,6 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
             ax.legend(fontsize=8)
         if title == "loss" and ax.lines:
             ax.set_yscale("log")
-    out = out or default_output(run_dirs)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 import optax
@@ -21,8 +22,15 @@ from dpax.checkpoint import Checkpointer, locate
 from dpax.config import TrainConfig
 from dpax.devices import describe
 from dpax.distributed import is_writer
-from dpax.errors import DpaxError
-from dpax.outputs import save_npz, save_text
+from dpax.errors import DpaxError, DpaxWarning, RunFailed
+from dpax.outputs import (
+    clear_run,
+    holds_run,
+    save_npz,
+    save_text,
+    writable_dir,
+    writable_file,
+)
 from dpax.pipeline import BatchPlan, TrainedPosition, train_batches
 from dpax.profiling import StepProfiler
 from dpax.trainer import TooManyBadSteps, Trainer, default_loss
@@ -80,14 +88,22 @@ class Job:
         """What a checkpoint needs besides the state: the resolved config, and
         the shapes to rebuild the model without the training data."""
         return {"config": dataclasses.asdict(self.config), "task": self.ds.task,
-                "input_shape": list(self.ds.input_shape), "n_out": self.ds.n_out}
+                "input_shape": list(self.ds.input_shape), "n_out": self.ds.n_out,
+                "total": self.total}
 
 
-def build(config: TrainConfig) -> Job:
+def build(config: TrainConfig, ds: data_mod.Dataset | None = None) -> Job:
     """Data, model, optimizer and Trainer for a validated config."""
-    ds = data_mod.load(config.data)
+    ds = data_mod.load(config.data) if ds is None else ds
     plan = BatchPlan(len(ds.x_train), config.batch_size, config.seed)
     total = config.total_steps(plan.steps_per_epoch)
+    trainer = make_trainer(config, ds.task, ds.input_shape, ds.n_out, total)
+    return Job(config, ds, plan, total, trainer)
+
+
+def make_trainer(config: TrainConfig, task: str, input_shape: tuple[int, ...], n_out: int,
+                 total: int) -> Trainer:
+    """The config's model (for examples of `input_shape`), optimizer and Trainer."""
     lr = config.lr
     if config.scale_lr:
         lr = optim.scaled_lr(lr, config.batch_size, config.reference_batch)
@@ -96,25 +112,30 @@ def build(config: TrainConfig) -> Job:
     if config.clip_norm is not None:
         # Clipping sees the reduced gradient, so every replica clips identically.
         tx = optax.chain(optax.clip_by_global_norm(config.clip_norm), tx)
-    loss_fn, predict_fn = default_loss(ds.task)
-    model = models.make_model(config.model, ds.input_shape, ds.n_out, config.seed)
-    trainer = Trainer(model, loss_fn, tx, devices=config.devices, backend=config.backend,
-                      predict_fn=predict_fn, schedule=schedule, grad_accum=config.grad_accum,
-                      precision=config.precision, allreduce_dtype=config.allreduce_dtype,
-                      max_bad_steps=config.max_bad_steps,
-                      steps_per_call=config.steps_per_call, seed=config.seed,
-                      sync_batchnorm=config.sync_batchnorm,
-                      shard_optimizer_state=config.shard_optimizer_state)
-    return Job(config, ds, plan, total, trainer)
+    loss_fn, predict_fn = default_loss(task)
+    model = models.make_model(config.model, input_shape, n_out, config.seed)
+    return Trainer(model, loss_fn, tx, devices=config.devices, backend=config.backend,
+                   predict_fn=predict_fn, schedule=schedule, grad_accum=config.grad_accum,
+                   precision=config.precision, allreduce_dtype=config.allreduce_dtype,
+                   max_bad_steps=config.max_bad_steps,
+                   steps_per_call=config.steps_per_call, seed=config.seed,
+                   sync_batchnorm=config.sync_batchnorm,
+                   shard_optimizer_state=config.shard_optimizer_state)
 
 
 def _check_same_meaning(saved: dict, config: TrainConfig) -> None:
-    old = TrainConfig(**saved).meaning()
+    """Refuse a resume that changes what is trained; say what a longer or
+    shorter run changes of the schedule."""
+    old = TrainConfig(**saved)
     for key, value in config.meaning().items():
-        if old.get(key) != value:
-            flag = "--" + key.replace("_", "-")
-            raise DpaxError(f"cannot resume: {flag} was {old.get(key)!r} in the checkpoint, "
-                            f"now {value!r}; resume with the same {flag} or start a new run")
+        if old.meaning().get(key) != value:
+            raise DpaxError(f"cannot resume: `{key}` was {old.meaning().get(key)!r} in the "
+                            f"checkpoint, now {value!r}; resume with the same `{key}` or start "
+                            "a new run")
+    if (old.steps, old.epochs) != (config.steps, config.epochs) and (
+            config.schedule == "warmup-cosine"):
+        warnings.warn(f"the run's length changed: the {config.schedule} schedule follows "
+                      "the new length from here", DpaxWarning, stacklevel=2)
 
 
 def _keep_metrics_up_to(path: str, step: int) -> None:
@@ -159,6 +180,9 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     """Run one training job: writes `metrics.jsonl` and `params.npz` to
     `config.out` and checkpoints to `config.checkpoint_dir`.
 
+    Everything that can be checked is checked before anything is written: the
+    config, the output directories, the data and the model.
+
     Args:
       log: a text stream for progress lines, None for silence; "stdout" is
         sys.stdout at call time (so a redirected stdout is honoured).
@@ -166,7 +190,16 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     if log == "stdout":
         log = sys.stdout
     config.validate()
-    job = build(config)
+    writer_process = is_writer()  # only process 0 prints progress and writes --out
+    created = _check_outputs(config, writer_process)
+    try:
+        job = build(config)
+        config.check_length(job.total)
+    except DpaxError:
+        for path in created:  # made by the check above, and still empty
+            if not os.listdir(path):
+                os.rmdir(path)
+        raise
     trainer, ds, total = job.trainer, job.ds, job.total
     size = trainer.padded(config.batch_size)
     # Batches of steps 0..total-1; a resumed run restores the iterator's position.
@@ -184,11 +217,11 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
                 ds.x_train, ds.y_train, job.plan, trainer.backend.local_rows(size), start,
                 total)))
 
-    writer_process = is_writer()  # only process 0 prints progress and writes --out
     if not writer_process:
         log = None
     if config.out is not None and writer_process:
-        os.makedirs(config.out, exist_ok=True)
+        if config.overwrite:
+            clear_run(config.out)
         save_text(os.path.join(config.out, "config.yaml"), config.to_yaml())
     meta = job.meta()
     profiler = None
@@ -206,9 +239,13 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             row.update({f"eval_{k}": v for k, v in ev.items() if k != "examples"})
         writer.write(step, row)
 
-    def save_params_now() -> None:
-        if config.out is not None and writer_process:
-            save_npz(os.path.join(config.out, "params.npz"), flat_params(trainer.params))
+    def save_params_now() -> str | None:
+        if config.out is None:
+            return None
+        path = os.path.join(config.out, "params.npz")
+        if writer_process:
+            save_npz(path, flat_params(trainer.params))
+        return path
 
     if log is not None and not config.quiet:
         print(f"dpax: {config.model} on {ds.name}, {trainer.n_devices} device(s) "
@@ -231,8 +268,8 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
                     ckpt.close()
                 raise Preempted(f"stopped by {signal.Signals(preemption.signum).name} at step "
                                 f"{step}" + (f"; checkpoint saved in {ckpt.directory}, continue "
-                                             "with --resume" if ckpt else
-                                             "; no --checkpoint-dir, so it cannot be resumed"))
+                                             "with `resume`" if ckpt else
+                                             "; no `checkpoint_dir`, so it cannot be resumed"))
             # state_dict() only when saving: with pmap it copies the state to the host.
             if ckpt is not None and ckpt.due(step):
                 ckpt.save(step, trainer.state_dict(), data_iter, meta)
@@ -248,6 +285,11 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             writer.close()
             save_params_now()  # the last good params, whatever happens next
             raise
+        except RunFailed as e:
+            writer.close()
+            path = save_params_now()
+            raise RunFailed(f"{e}; the params of step {trained_to[0]} are in {path}" if path
+                            else f"{e}; no `out`, so the params were not saved") from None
         finally:
             if profiler is not None:
                 profiler.close()
@@ -257,17 +299,39 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
         speed = (total - s0) / (time.perf_counter() - t0)
     else:
         speed = history[-1]["steps_per_sec"] if history else 0.0
+    path = save_params_now()  # before the last checkpoint: a failed save must not cost them
     if ckpt is not None:
-        ckpt.save(total, trainer.state_dict(), data_iter, meta)
-        ckpt.close()
+        try:
+            ckpt.save(total, trainer.state_dict(), data_iter, meta)
+            ckpt.close()
+        except RunFailed as e:
+            writer.close()
+            raise RunFailed(f"{e}; the final params are in {path}" if path
+                            else f"{e}; no `out`, so the params were not saved") from None
     ev = trainer.evaluate(ds.x_eval, ds.y_eval)
     writer.write(total, {f"eval_{k}": v for k, v in ev.items()})
     writer.close()
-    save_params_now()
     result = RunResult(trainer, history, ev, total, speed)
     if log is not None:
         print(result.summary(), file=log, flush=True)
     return result
+
+
+def _check_outputs(config: TrainConfig, writer_process: bool) -> list[str]:
+    """Refuse an `out` that holds another run (unless overwriting or resuming)
+    and make sure every output directory can be written; returns the
+    directories this made."""
+    created = []
+    if config.out is not None and writer_process:
+        if holds_run(config.out) and not config.overwrite and config.resume is None:
+            raise DpaxError(f"`out={config.out}` already holds a run; give a new `out`, "
+                            "`overwrite=True` to replace it, or `resume` to continue it")
+        if writable_dir(config.out, "out"):
+            created.append(config.out)
+    if config.checkpoint_dir is not None and writable_dir(config.checkpoint_dir,
+                                                          "checkpoint_dir"):
+        created.append(config.checkpoint_dir)
+    return created
 
 
 def _writers(config: TrainConfig, total: int, start: int, log, writer_process: bool):
@@ -295,55 +359,87 @@ def _resume(config: TrainConfig, ckpt: Checkpointer | None, trainer: Trainer,
     else:
         directory, step = locate(config.resume)
     source = ckpt if ckpt is not None and ckpt.directory == directory else Checkpointer(directory)
-    step, state, meta = source.restore(trainer.state_template(), data_iter, step)
-    _check_same_meaning(meta["config"], config)
+    step, state, meta = source.restore(
+        trainer.state_template(), data_iter, step,
+        check=lambda meta: _check_same_meaning(meta["config"], config))
     trainer.load_state_dict(state)
     return step, meta["data_restored"]
 
 
-def load_checkpoint(path: str, devices: int | None = None, backend: str = "shard_map",
-                    data: str | None = None) -> tuple[Job, dict]:
-    """A Trainer holding a checkpoint's state, on any device count."""
+@dataclasses.dataclass
+class Loaded:
+    """A Trainer holding a checkpoint's state, and what the checkpoint says."""
+
+    trainer: Trainer
+    config: TrainConfig  # the run's config, with this process's devices and backend
+    meta: dict  # task, input_shape, n_out, total
+
+
+def load_checkpoint(path: str, devices: int | None = None,
+                    backend: str = "shard_map") -> Loaded:
+    """A Trainer holding a checkpoint's state, on any device count. The model is
+    built from the checkpoint's own shapes: no data is read."""
     directory, step = locate(path)
     ckpt = Checkpointer(directory)
     steps = ckpt.steps()
     if step is None and not steps:
         raise DpaxError(f"no checkpoint in {directory}")
-    meta = ckpt.read_meta(step if step is not None else steps[-1])
+    newest = step if step is not None else steps[-1]
+    try:
+        meta = ckpt.read_meta(newest)
+    except Exception as e:  # Orbax raises many types for damaged files
+        raise DpaxError(f"checkpoint step {newest} in {directory} is unreadable "
+                        f"({type(e).__name__}); give an older step directory") from None
     saved = dict(meta["config"], devices=devices, backend=backend, resume=None,
                  checkpoint_dir=None, checkpoint_every=0, out=None, coordinator=None,
-                 num_processes=None, process_id=None)
-    if data is not None:
-        saved["data"] = data
+                 num_processes=None, process_id=None, overwrite=False)
     config = TrainConfig(**saved)
     config.validate()
-    job = build(config)
-    _, state, _ = ckpt.restore(job.trainer.state_template(), None, step)
-    job.trainer.load_state_dict(state)
+    trainer = make_trainer(config, meta["task"], tuple(meta["input_shape"]), meta["n_out"],
+                           meta.get("total", 1))
+    _, state, _ = ckpt.restore(trainer.state_template(), None, step)
+    trainer.load_state_dict(state)
     ckpt.close()
-    return job, meta
+    return Loaded(trainer, config, meta)
+
+
+def _check_fits(ds: data_mod.Dataset, meta: dict) -> None:
+    """Refuse data the checkpoint's model cannot evaluate, naming what differs."""
+    shape = tuple(meta["input_shape"])
+    if ds.input_shape != shape:
+        raise DpaxError(f"data {ds.name} has examples of shape {ds.input_shape}; the "
+                        f"checkpoint's model takes {shape}")
+    if ds.task != meta["task"]:
+        raise DpaxError(f"data {ds.name} is a {ds.task} set; the checkpoint's model does "
+                        f"{meta['task']}")
+    if ds.task == "classification" and ds.n_out > meta["n_out"]:
+        raise DpaxError(f"data {ds.name} has labels up to {ds.n_out - 1}; the checkpoint's "
+                        f"model has {meta['n_out']} classes (0..{meta['n_out'] - 1})")
 
 
 def evaluate_checkpoint(path: str, data: str | None = None, devices: int | None = None,
                         backend: str = "shard_map", batch_size: int = 256) -> dict:
     """Eval loss and accuracy of a checkpoint on the eval split of `data`
     (default: the data it was trained on)."""
-    job, _ = load_checkpoint(path, devices, backend, data)
-    return job.trainer.evaluate(job.ds.x_eval, job.ds.y_eval, batch_size)
+    loaded = load_checkpoint(path, devices, backend)
+    ds = data_mod.load(data or loaded.config.data)
+    _check_fits(ds, loaded.meta)
+    return loaded.trainer.evaluate(ds.x_eval, ds.y_eval, batch_size)
 
 
 def predict_checkpoint(path: str, data: str, out: str, devices: int | None = None,
                        backend: str = "shard_map", batch_size: int = 256) -> np.ndarray:
     """Predictions of a checkpoint for every row of `x` in the .npz `data`,
     written to `out` as an .npz with array `predictions`."""
-    if os.path.isdir(out):
-        raise DpaxError(f"--out {out} is a directory; give a file path such as preds.npz")
+    if is_writer():
+        writable_file(out, "out", (".npz",))
     x = data_mod.read_inputs(data)
-    job, meta = load_checkpoint(path, devices, backend)
-    if tuple(x.shape[1:]) != tuple(meta["input_shape"]):
-        raise DpaxError(f"{data}: examples of shape {x.shape[1:]}, the model takes "
-                        f"{tuple(meta['input_shape'])}")
-    preds = job.trainer.predict(x, batch_size)
+    loaded = load_checkpoint(path, devices, backend)
+    shape = tuple(loaded.meta["input_shape"])
+    if tuple(x.shape[1:]) != shape:
+        raise DpaxError(f"{data}: examples of shape {x.shape[1:]}, the checkpoint's model "
+                        f"takes {shape}")
+    preds = loaded.trainer.predict(x, batch_size)
     if is_writer():
         save_npz(out, {"predictions": preds})
     return preds

@@ -149,7 +149,7 @@ class Trainer:
         self.grad_accum = grad_accum
         self.max_bad_steps = max_bad_steps
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
-            raise DpaxError(f"steps_per_call must be >= 1, got {steps_per_call!r}")
+            raise DpaxError(f"`steps_per_call` must be >= 1, got {steps_per_call!r}")
         self.steps_per_call = steps_per_call
         self.converted = synchronize(model, batchnorm=sync_batchnorm)
         options = StepOptions(grad_accum=grad_accum, compute_dtype=_dtype(precision),
@@ -160,8 +160,8 @@ class Trainer:
         self._state_spec = None  # replicated
         if shard_optimizer_state:
             if self.backend.name != "shard_map" or steps_per_call != 1:
-                raise DpaxError("--shard-optimizer-state needs --backend shard_map and "
-                                "--steps-per-call 1")
+                raise DpaxError("`shard_optimizer_state` needs `backend=shard_map` and "
+                                "`steps_per_call=1`")
             state = state.replace(opt_state=sharded_opt_init(optimizer, state.params,
                                                              self.n_devices))
             # Vectors of the optimizer state are split over the devices; scalars
@@ -407,9 +407,9 @@ class Trainer:
         bad = int(row.pop("bad_in_a_row", 0))
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
             raise TooManyBadSteps(
-                f"{bad} steps in a row had a non-finite loss or gradient and were skipped "
+                f"{bad} steps in a row had a non-finite loss, gradient or update and were skipped "
                 f"(limit {self.max_bad_steps}); the params are the last good ones. Lower the "
-                "learning rate, clip gradients (--clip-norm) or check the data for NaNs"
+                "learning rate, clip gradients (`clip_norm`) or check the data for NaNs"
             )
 
     def fit_stream(
@@ -454,7 +454,8 @@ class Trainer:
     def predict(self, x: np.ndarray, batch_size: int = 256) -> np.ndarray:
         """One prediction per row of `x`, in order; padding is cut off."""
         if self._predict is None:
-            raise DpaxError("this Trainer was built without predict_fn")
+            raise DpaxError("this Trainer was built without `predict_fn`; pass one to Trainer, "
+                            "e.g. `predict_fn=dpax.classification_predict`")
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
         outs = [self._predict(self._leaves, self.backend.put_batch(b, size))
@@ -533,13 +534,13 @@ def _key(path) -> str:
 def resolve_steps(steps: int | None, epochs: int | None, steps_per_epoch: int) -> int:
     """Total steps from exactly one of `steps` / `epochs`."""
     if (steps is None) == (epochs is None):
-        raise DpaxError("give exactly one of --steps or --epochs")
+        raise DpaxError("give exactly one of `steps` or `epochs`")
     if steps is not None:
         if steps < 1:
-            raise DpaxError(f"--steps must be >= 1, got {steps}")
+            raise DpaxError(f"`steps` must be >= 1, got {steps}")
         return steps
     if epochs < 1:
-        raise DpaxError(f"--epochs must be >= 1, got {epochs}")
+        raise DpaxError(f"`epochs` must be >= 1, got {epochs}")
     return epochs * steps_per_epoch
 
 

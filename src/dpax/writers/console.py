@@ -6,9 +6,11 @@ adds a device sync.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from typing import IO
 
+FALLBACK_COLUMNS = 100  # bar width where the terminal reports none
 SHOWN = ("loss", "accuracy", "eval_loss", "eval_accuracy", "lr", "grad_norm", "skipped")
 
 
@@ -42,8 +44,12 @@ class ProgressBar:
     def __init__(self, total_steps: int, start: int = 0, stream: IO[str] | None = None):
         from tqdm import tqdm
 
+        # Some containers and CI ptys report a width of 0 columns, which tqdm
+        # takes literally (no bar at all): draw a fixed width there.
+        width = shutil.get_terminal_size(fallback=(0, 0)).columns
         self._bar = tqdm(total=total_steps, initial=start, file=stream or sys.stdout,
-                         unit="step", dynamic_ncols=True, desc="train")
+                         unit="step", desc="train", dynamic_ncols=width > 0,
+                         ncols=None if width > 0 else FALLBACK_COLUMNS)
         self._shown: dict[str, str] = {}
 
     def write(self, step: int, row: dict) -> None:

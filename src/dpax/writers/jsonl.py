@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from dpax.outputs import json_safe
+
 
 class JsonlWriter:
     """Flushed as written, so a crash loses no logged step."""
@@ -12,8 +14,9 @@ class JsonlWriter:
         self._f = open(path, "a" if append else "w")
 
     def write(self, step: int, row: dict) -> None:
-        row = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in row.items()}
-        self._f.write(json.dumps({"step": step, **row}) + "\n")
+        # Strict JSON: a NaN or infinite metric is written as null.
+        row = {k: json_safe(v.tolist() if hasattr(v, "tolist") else v) for k, v in row.items()}
+        self._f.write(json.dumps({"step": step, **row}, allow_nan=False) + "\n")
         self._f.flush()
 
     def close(self) -> None:

@@ -1,0 +1,144 @@
+"""Failure paths: a run that cannot go on says so in one line, fast, and keeps
+what it has; nonsense is refused; what a run writes can be read back."""
+
+import io
+import json
+import math
+import os
+import shutil
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dpax
+from dpax import checkpoint, data, losses, models
+from dpax.cli import main
+from dpax.writers.console import FALLBACK_COLUMNS, ProgressBar
+from dpax.writers.jsonl import JsonlWriter
+
+RUN = ["--model", "mlp", "--optimizer", "sgd", "--lr", "0.1", "--batch-size", "50",
+       "--devices", "2", "--log-every", "5", "--quiet"]
+
+
+def test_a_checkpoint_save_that_fails_is_one_line_fast_and_keeps_the_params(
+        tmp_path, capsys, monkeypatch):
+    ck, out = tmp_path / "ck", tmp_path / "run"
+    due = checkpoint.Checkpointer.due
+
+    def due_then_break(self, step):  # the directory turns into a file at step 10
+        if step == 10:
+            self.manager.wait_until_finished()  # step 5 is on disk
+            shutil.rmtree(ck)
+            ck.write_text("not a directory any more")
+        return due(self, step)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "due", due_then_break)
+    t0 = time.monotonic()
+    code = main(["train", *RUN, "--steps", "30", "--checkpoint-dir", str(ck),
+                 "--checkpoint-every", "5", "--out", str(out)])
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 1 and took < 60, (code, took)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "checkpoint failed (saving step 10" in err and "params of step 10" in err
+    with np.load(out / "params.npz") as p:
+        assert all(np.all(np.isfinite(p[k])) for k in p.files)
+
+
+def test_a_step_whose_new_params_are_not_finite_is_skipped():
+    """Finite loss and gradients, but the optimizer makes NaN params (momentum
+    NaN through the Python API, where no flag validation stands in the way)."""
+    ds = data.digits()
+    model = models.make_model("mlp", ds.input_shape, ds.n_out, seed=0)
+    t = dpax.Trainer(model, losses.classification_loss, optax.sgd(0.1, momentum=math.nan),
+                     devices=2, max_bad_steps=None)
+    before = jax.tree.leaves(t.params)
+    rows = t.fit(ds.x_train, ds.y_train, batch_size=50, steps=3, log_every=3)
+    assert rows[-1]["skipped"] == 3
+    for a, b in zip(before, jax.tree.leaves(t.params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_finished_run_can_be_extended_with_more_steps(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    assert main(["train", *RUN, "--steps", "20", "--checkpoint-dir", ck,
+                 "--out", str(tmp_path / "a")]) == 0
+    assert main(["train", *RUN, "--steps", "30", "--checkpoint-dir", ck, "--resume",
+                 "--out", str(tmp_path / "a")]) == 0
+    assert main(["train", *RUN, "--steps", "30", "--out", str(tmp_path / "ref")]) == 0
+    a, ref = (np.load(tmp_path / d / "params.npz") for d in ("a", "ref"))
+    assert all(np.array_equal(a[k], ref[k]) for k in ref.files)
+    rows = [json.loads(ln) for ln in open(tmp_path / "a" / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "loss" in r] == [5, 10, 15, 20, 25, 30]
+    # What is trained may not change on resume.
+    capsys.readouterr()
+    assert main(["train", *RUN, "--steps", "40", "--lr", "0.2", "--checkpoint-dir", ck,
+                 "--resume"]) == 2
+    assert "cannot resume: --lr was 0.1" in capsys.readouterr().err
+
+
+def test_metrics_jsonl_is_strict_json(tmp_path):
+    path = tmp_path / "m.jsonl"
+    w = JsonlWriter(str(path))
+    w.write(1, {"loss": float("nan"), "grad_norm": float("inf"), "hist": np.array([1.0, np.nan])})
+    w.close()
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"step": 1, "loss": None, "grad_norm": None, "hist": [1.0, None]}
+
+
+def test_a_terminal_of_zero_columns_still_gets_a_bar(monkeypatch):
+    monkeypatch.setattr("shutil.get_terminal_size", lambda fallback=None: os.terminal_size((0, 0)))
+    stream = io.StringIO()
+    bar = ProgressBar(30, 0, stream)
+    for step in (10, 20, 30):
+        bar.write(step, {"loss": 1.0, "epoch": step / 10})
+    bar.close()
+    last = stream.getvalue().split("\r")[-1].strip()
+    assert "30/30" in last and "|" in last and len(last) <= FALLBACK_COLUMNS
+
+
+@pytest.mark.parametrize("bad", ["sum", "mean"])
+def test_check_names_the_model_or_the_loss_that_mixes_examples(bad):
+    """A model that centres its input on the batch mixes examples (the model is
+    to blame); a loss that returns a mean cannot be compared at all."""
+    ds = data.digits()
+
+    class Centered(models.Linear):
+        def __call__(self, x):
+            x = x.reshape(x.shape[0], -1)
+            return self.dense(x - x.mean(0))
+
+    def mean_loss(model, batch):
+        return losses.classification_loss(model, batch)[0].mean()
+
+    result = dpax.check_equivalence(
+        lambda: Centered(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)),
+        losses.classification_loss if bad == "sum" else mean_loss, ds.x_train, ds.y_train,
+        devices=2, steps=2)
+    report = result.report()
+    assert not result.equivalent and "inf" not in report
+    assert result.cause == ("model-mixes" if bad == "sum" else "loss-mean"), report
+
+
+def test_check_with_batchnorm_sync_off_says_to_turn_it_back_on():
+    ds = data.digits()
+
+    class BNLinear(nnx.Module):
+        def __init__(self, rngs):
+            self.bn = nnx.BatchNorm(64, rngs=rngs)
+            self.dense = nnx.Linear(64, ds.n_out, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dense(self.bn(x.reshape(x.shape[0], -1)))
+
+    result = dpax.check_equivalence(lambda: BNLinear(nnx.Rngs(0)), losses.classification_loss,
+                                    ds.x_train, ds.y_train, devices=2, steps=2,
+                                    sync_batchnorm=False)
+    assert result.cause == "batchnorm-off"
+    cli = dpax.errors.as_flags(result.report())
+    assert "synchronization is off (--no-sync-batchnorm)" in cli and "use nnx.BatchNorm" not in cli
