@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -92,9 +93,9 @@ class Job:
                 "total": self.total}
 
 
-def build(config: TrainConfig, ds: data_mod.Dataset | None = None) -> Job:
+def build(config: TrainConfig) -> Job:
     """Data, model, optimizer and Trainer for a validated config."""
-    ds = data_mod.load(config.data) if ds is None else ds
+    ds = data_mod.load(config.data)
     plan = BatchPlan(len(ds.x_train), config.batch_size, config.seed)
     total = config.total_steps(plan.steps_per_epoch)
     trainer = make_trainer(config, ds.task, ds.input_shape, ds.n_out, total)
@@ -127,11 +128,11 @@ def _check_same_meaning(saved: dict, config: TrainConfig) -> None:
     """Refuse a resume that changes what is trained; say what a longer or
     shorter run changes of the schedule."""
     old = TrainConfig(**saved)
+    was = old.meaning()
     for key, value in config.meaning().items():
-        if old.meaning().get(key) != value:
-            raise DpaxError(f"cannot resume: `{key}` was {old.meaning().get(key)!r} in the "
-                            f"checkpoint, now {value!r}; resume with the same `{key}` or start "
-                            "a new run")
+        if was.get(key) != value:
+            raise DpaxError(f"cannot resume: `{key}` was {was.get(key)!r} in the checkpoint, "
+                            f"now {value!r}; resume with the same `{key}` or start a new run")
     if (old.steps, old.epochs) != (config.steps, config.epochs) and (
             config.schedule == "warmup-cosine"):
         warnings.warn(f"the run's length changed: the {config.schedule} schedule follows "
@@ -191,31 +192,25 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
         log = sys.stdout
     config.validate()
     writer_process = is_writer()  # only process 0 prints progress and writes --out
-    created = _check_outputs(config, writer_process)
-    try:
+    with _removed_if_unused(_check_outputs(config, writer_process)):
         job = build(config)
         config.check_length(job.total)
-    except DpaxError:
-        for path in created:  # made by the check above, and still empty
-            if not os.listdir(path):
-                os.rmdir(path)
-        raise
-    trainer, ds, total = job.trainer, job.ds, job.total
-    size = trainer.padded(config.batch_size)
-    # Batches of steps 0..total-1; a resumed run restores the iterator's position.
-    data_iter = TrainedPosition(iter(train_batches(ds.x_train, ds.y_train, job.plan,
-                                                   trainer.backend.local_rows(size), 0, total)))
-    ckpt = None
-    if config.checkpoint_dir is not None:
-        ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint_every, config.keep)
-    start = 0
-    if config.resume is not None:
-        start, data_restored = _resume(config, ckpt, trainer, data_iter)
-        # Saved by another process count, or by an older dpax: rebuild the position.
-        if not (data_restored and data_iter.restored):
-            data_iter = TrainedPosition(iter(train_batches(
-                ds.x_train, ds.y_train, job.plan, trainer.backend.local_rows(size), start,
-                total)))
+        trainer, ds, total = job.trainer, job.ds, job.total
+        size = trainer.padded(config.batch_size)
+        # Batches of steps 0..total-1; a resumed run restores the iterator's position.
+        data_iter = TrainedPosition(iter(train_batches(
+            ds.x_train, ds.y_train, job.plan, trainer.backend.local_rows(size), 0, total)))
+        ckpt = None
+        if config.checkpoint_dir is not None:
+            ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint_every, config.keep)
+        start = 0
+        if config.resume is not None:
+            start, data_restored = _resume(config, ckpt, trainer, data_iter)
+            # Saved by another process count, or by an older dpax: rebuild the position.
+            if not (data_restored and data_iter.restored):
+                data_iter = TrainedPosition(iter(train_batches(
+                    ds.x_train, ds.y_train, job.plan, trainer.backend.local_rows(size), start,
+                    total)))
 
     if not writer_process:
         log = None
@@ -315,6 +310,19 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     if log is not None:
         print(result.summary(), file=log, flush=True)
     return result
+
+
+@contextlib.contextmanager
+def _removed_if_unused(created: list[str]):
+    """Bad input found after the output check leaves no directory behind: the
+    ones the check made are removed while still empty."""
+    try:
+        yield
+    except DpaxError:
+        for path in created:
+            if os.path.isdir(path) and not os.listdir(path):
+                os.rmdir(path)
+        raise
 
 
 def _check_outputs(config: TrainConfig, writer_process: bool) -> list[str]:
