@@ -49,13 +49,28 @@ def test_a_checkpoint_save_that_fails_is_one_line_fast_and_keeps_the_params(
         assert all(np.all(np.isfinite(p[k])) for k in p.files)
 
 
-def test_a_step_whose_new_params_are_not_finite_is_skipped():
-    """Finite loss and gradients, but the optimizer makes NaN params (momentum
-    NaN through the Python API, where no flag validation stands in the way)."""
+def test_a_run_whose_params_are_not_finite_does_not_end_in_success(tmp_path, capsys,
+                                                                  monkeypatch):
+    """Finite gradients, but the optimizer makes NaN params (a NaN momentum, as
+    a custom optimizer could): the next steps are skipped for their NaN loss,
+    too few to stop the run; it must not exit 0, nor write NaN params."""
+    monkeypatch.setattr(dpax.optim, "make_optimizer",
+                        lambda *a, **k: optax.sgd(0.1, momentum=math.nan))
+    out = tmp_path / "run"
+    code = main(["train", *RUN, "--steps", "3", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1 and "the params are not finite after step 3" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (out / "params.npz").exists()
+    assert main(["train", *RUN, "--lr", "1e39", "--steps", "1"]) == 2  # inf in float32
+    assert "--lr must be a finite number > 0" in capsys.readouterr().err
+
+
+def test_a_step_whose_new_params_are_not_finite_is_skipped_with_zero1():
+    """ZeRO-1 checks its updated slice in the psum it already makes."""
     ds = data.digits()
     model = models.make_model("mlp", ds.input_shape, ds.n_out, seed=0)
     t = dpax.Trainer(model, losses.classification_loss, optax.sgd(0.1, momentum=math.nan),
-                     devices=2, max_bad_steps=None)
+                     devices=2, max_bad_steps=None, shard_optimizer_state=True)
     before = jax.tree.leaves(t.params)
     rows = t.fit(ds.x_train, ds.y_train, batch_size=50, steps=3, log_every=3)
     assert rows[-1]["skipped"] == 3

@@ -23,6 +23,8 @@ HOW_FIELDS = frozenset({
     "steps", "epochs",
 })
 
+F32_MAX = 3.4028234663852886e38  # the largest finite float32
+
 # The main job's length when neither --epochs nor --steps is given.
 DEFAULT_EPOCHS = 15
 
@@ -171,7 +173,8 @@ class TrainConfig:
             value = getattr(self, name)
             if value is None:
                 return
-            ok = math.isfinite(value) and (value > low if low_open else value >= low) and (
+            # Finite as the float32 the step computes in (1e39 is a Python float, not one).
+            ok = abs(value) <= F32_MAX and (value > low if low_open else value >= low) and (
                 value < high if high_open else value <= high)
             if not ok:
                 where = f"{'>' if low_open else '>='} {low:g}" + (

@@ -234,12 +234,12 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             row.update({f"eval_{k}": v for k, v in ev.items() if k != "examples"})
         writer.write(step, row)
 
-    def save_params_now() -> str | None:
+    def save_params_now(params: dict | None = None) -> str | None:
         if config.out is None:
             return None
         path = os.path.join(config.out, "params.npz")
         if writer_process:
-            save_npz(path, flat_params(trainer.params))
+            save_npz(path, flat_params(trainer.params) if params is None else params)
         return path
 
     if log is not None and not config.quiet:
@@ -294,7 +294,16 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
         speed = (total - s0) / (time.perf_counter() - t0)
     else:
         speed = history[-1]["steps_per_sec"] if history else 0.0
-    path = save_params_now()  # before the last checkpoint: a failed save must not cost them
+    # A step skips a non-finite gradient; new params can still overflow (or an
+    # optimizer's hyperparameter be NaN through the Python API). Checked once,
+    # on the host copy params.npz needs anyway: such a run does not end in success.
+    final = flat_params(trainer.params)
+    if not all(np.isfinite(v).all() for v in final.values()):
+        writer.close()
+        raise RunFailed(f"the params are not finite after step {total}: an update overflowed "
+                        "or an optimizer hyperparameter is not finite; lower `lr` or clip "
+                        "gradients (`clip_norm`). params.npz was not written")
+    path = save_params_now(final)  # before the last checkpoint: a failed save must not cost them
     if ckpt is not None:
         try:
             ckpt.save(total, trainer.state_dict(), data_iter, meta)

@@ -407,7 +407,7 @@ class Trainer:
         bad = int(row.pop("bad_in_a_row", 0))
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
             raise TooManyBadSteps(
-                f"{bad} steps in a row had a non-finite loss, gradient or update and were skipped "
+                f"{bad} steps in a row had a non-finite loss or gradient and were skipped "
                 f"(limit {self.max_bad_steps}); the params are the last good ones. Lower the "
                 "learning rate, clip gradients (`clip_norm`) or check the data for NaNs"
             )
