@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dpax.backends import DEFAULT_BACKEND
 from dpax.layers import SyncBatchNorm
 from dpax.trainer import Trainer
 
@@ -106,7 +107,7 @@ def check_equivalence(
     steps: int = 5,
     lr: float = 0.05,
     sync_batchnorm: bool = True,
-    backend: str = "shard_map",
+    backend: str = DEFAULT_BACKEND,
 ) -> CheckResult:
     """Train `make_model()` for `steps` SGD steps on 1 device and on `devices`,
     with a global batch that leaves some devices padding; compare and diagnose.
@@ -123,9 +124,9 @@ def check_equivalence(
         model = make_model()
         t = Trainer(model, loss_fn, optax.sgd(lr), devices=n, backend=backend,
                     sync_batchnorm=sync_batchnorm, max_bad_steps=None)
-        before = t.backend.host(t.state.rest)
+        before = t.backend.host(t.state.model_state)
         try:
-            rows = t.fit(x, y, batch_size=batch_size, steps=steps, log_every=1)
+            rows = t.fit(x, y, batch_size=batch_size, until_step=steps, log_every=1)
         except ValueError as e:
             if "one loss per example" in str(e):
                 return CheckResult(devices, batch_size, steps, None, None, None, "loss-mean")
@@ -134,8 +135,8 @@ def check_equivalence(
     (t1, loss1, before, model1), (tn, lossn, _, modeln) = runs
     result = CheckResult(devices, batch_size, steps, _max_diff(t1.params, tn.params),
                          _max_diff(loss1, lossn),
-                         _max_diff(t1.backend.host(t1.state.rest),
-                                   tn.backend.host(tn.state.rest)))
+                         _max_diff(t1.backend.host(t1.state.model_state),
+                                   tn.backend.host(tn.state.model_state)))
     if max(result.param_diff, result.loss_diff, result.state_diff) <= TOLERANCE:
         return result
     result.cause, result.detail = _diagnose(modeln, t1, loss_fn, x, y, before, sync_batchnorm)
@@ -147,7 +148,7 @@ def _diagnose(model, trainer, loss_fn, x, y, rest_before, sync_batchnorm) -> tup
     if unsynced:
         cause = "batchnorm" if sync_batchnorm else "batchnorm-off"
         return cause, CAUSES[cause].format(layers=", ".join(unsynced))
-    if _uses_rng_streams(rest_before, trainer.backend.host(trainer.state.rest)):
+    if _uses_rng_streams(rest_before, trainer.backend.host(trainer.state.model_state)):
         return "rng", CAUSES["rng"]
     # With the model's batch-level behaviour off (eval mode), does an example's
     # output, then its loss, depend on which other examples share its batch?

@@ -24,19 +24,16 @@ from dpax.errors import DpaxError, RunFailed
 
 
 class Checkpointer:
-    """Saves every `every` steps, keeps the newest `keep`; restores the newest
-    readable one.
+    """Saves when asked (`hooks.Checkpoint` asks every N steps), keeps the
+    newest `keep`; restores the newest readable one.
 
     Args:
       directory: where step directories go (created if missing).
-      every: steps between saves; 0 saves only when asked (end of run, preemption).
       keep: how many step directories to keep.
     """
 
-    def __init__(self, directory: str, every: int = 0, keep: int = 3):
+    def __init__(self, directory: str, keep: int = 3):
         self.directory = os.path.abspath(directory)
-        self.every = every
-        self._last: int | None = None
         # Step directories are made before save() returns, so a directory that
         # cannot be made fails there, at once; made in the background, the
         # failure left Orbax's other threads waiting minutes for its signal.
@@ -44,13 +41,6 @@ class Checkpointer:
             max_to_keep=keep, enable_async_checkpointing=True, create=True,
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
-
-    def due(self, step: int) -> bool:
-        """Whether a multiple of `every` was reached since the last call (with
-        several steps per call the state exists only at call boundaries)."""
-        last = step - 1 if self._last is None else self._last
-        self._last = step
-        return bool(self.every) and step // self.every > last // self.every
 
     def save(self, step: int, state: dict, data: Any, meta: dict) -> None:
         """Start an async save. Returns once the state is copied off the devices,

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpax.sharding import padded_size
+
 # Leaves this large go as their own operand: copying them into a packed buffer
 # costs more than their rendezvous saves.
 PACK_MAX = 1 << 16
@@ -56,7 +58,7 @@ def _rank_order_chunks(x: jax.Array, axis: str) -> tuple[jax.Array, int]:
     reduce-scatter does; and the chunk length."""
     n = jax.lax.axis_size(axis)
     size = x.size
-    chunk = -(-size // n)
+    chunk = padded_size(size, n) // n
     flat = jnp.pad(x.reshape(-1), (0, chunk * n - size))
     # Row i: this device's chunk as device i holds it.
     rows = jax.lax.all_to_all(flat.reshape(n, chunk), axis, 0, 0, tiled=True)

@@ -26,6 +26,14 @@ class RunFailed(RuntimeError):
     written); the message says what was kept."""
 
 
+class TooManyBadSteps(RuntimeError):
+    """Too many consecutive non-finite steps; the state holds the last good params."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM/SIGINT arrived; the run stopped at a step boundary after saving."""
+
+
 _ARG = re.compile(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`")
 
 

@@ -32,3 +32,10 @@ def classification_predict(model, batch):
 
 def regression_predict(model, batch):
     return model(batch["x"]).reshape(batch["x"].shape[0])
+
+
+def for_task(task: str):
+    """The built-in (loss_fn, predict_fn) for a dataset's task."""
+    if task == "classification":
+        return classification_loss, classification_predict
+    return regression_loss, regression_predict

@@ -12,12 +12,15 @@ import collections
 import dataclasses
 import functools
 import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grain
 import numpy as np
 
-from dpax.sharding import Batch, pad_batch
+from dpax.errors import DpaxError
+from dpax.sharding import Batch, pad_batch, padded_size
 
+EVAL_BATCH = 256  # global batch of evaluation and prediction, unless given
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
@@ -29,7 +32,21 @@ class BatchPlan:
 
     @property
     def steps_per_epoch(self) -> int:
-        return -(-self.n_examples // self.batch_size)
+        return padded_size(self.n_examples, self.batch_size) // self.batch_size
+
+    def total_steps(self, steps: int | None = None, epochs: int | None = None,
+                    default_epochs: int | None = None, steps_name: str = "steps") -> int:
+        """Steps of a run: `steps`, else `epochs` passes (else `default_epochs`).
+        `steps_name` is what the caller calls `steps`, for its errors."""
+        if steps is not None and epochs is not None:
+            raise DpaxError(f"give exactly one of `{steps_name}` or `epochs`, not both")
+        epochs = epochs if steps is not None or epochs is not None else default_epochs
+        if steps is None and epochs is None:
+            raise DpaxError(f"give exactly one of `{steps_name}` or `epochs`")
+        for name, value in ((steps_name, steps), ("epochs", epochs)):
+            if value is not None and value < 1:
+                raise DpaxError(f"`{name}` must be >= 1, got {value}")
+        return steps if steps is not None else epochs * self.steps_per_epoch
 
     def indices(self, step: int) -> np.ndarray:
         """Example indices of global batch `step`, in order."""
@@ -42,9 +59,10 @@ class BatchPlan:
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """A permutation of range(n) drawn from (seed, epoch) alone.
 
-    Vectorized on purpose: Grain's per-element `MapDataset.shuffle` costs ~13 us an
-    index in Python, 13 ms a step at batch 1024, which starved an H100. Grain
-    still runs the pipeline (the iterator and its checkpointable state).
+    Vectorized on purpose: Grain's per-element `MapDataset.shuffle` works one
+    index at a time in Python, too slow to feed a fast accelerator at large
+    batches. Grain still runs the pipeline (the iterator and its
+    checkpointable state).
     """
     order = np.random.default_rng([seed, epoch]).permutation(n)
     order.flags.writeable = False  # cached and shared: nobody may shuffle it in place
@@ -72,10 +90,10 @@ def train_batches(
     `start..stop-1`, as a checkpointable iterator.
 
     Built on the calling thread: the Trainer dispatches steps asynchronously, so
-    batch i+1 is already made while the device runs step i. A Grain worker
-    thread cost ~47 us a batch in handoffs, more than the tiny MLP's whole step.
-    Grain's own bookkeeping costs ~7 us an element, so small batches come in
-    chunks of several steps (tiny MLP: 12.3 -> 4.6 us a batch).
+    batch i+1 is already made while the device runs step i; a worker thread's
+    handoffs would cost more than a small model's whole step. Grain's own
+    bookkeeping is per element, so small batches come in chunks of several
+    steps (see benchmarks/README.md).
     """
     row_bytes = x[:1].nbytes + y[:1].nbytes
     per_chunk = int(np.clip(CHUNK_BYTES // max(row_bytes * (rows[1] - rows[0]), 1),
@@ -102,10 +120,6 @@ def local_parts(x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, 
     ys = y[idx].reshape((len(mine), hi - lo) + y.shape[1:])
     mask = np.ones(hi - lo, bool)
     return [{"x": xs[i], "y": ys[i], "mask": mask} for i in range(len(mine))]
-
-
-class UnknownPosition(ValueError):
-    """A saved data position in another format (an older dpax's)."""
 
 
 class StepBatches:
@@ -135,13 +149,40 @@ class StepBatches:
         return {"chunks": self._chunk_state, "offset": self._offset}
 
     def set_state(self, state: dict) -> None:
-        if set(state) != {"chunks", "offset"}:
-            raise UnknownPosition(f"not a StepBatches position: {sorted(state)}")
         self._chunks.set_state(state["chunks"])
         self._chunk_state, self._chunk = state["chunks"], []
         if state["offset"]:
             self._chunk = next(self._chunks)
         self._offset = state["offset"]
+
+
+def bucketed(batches: Iterable[dict], unit: int, buckets: Sequence[int] | None,
+             local_rows: Callable[[int], tuple[int, int]]) -> Iterator[tuple[int, Batch]]:
+    """(padded size, this process's part) of host batches of ANY size: each is
+    padded to the smallest bucket that holds it, so a step compiles once per
+    bucket. Buckets are multiples of `unit` (devices x micro-batches); default:
+    `unit` times powers of two."""
+    if buckets is not None:
+        buckets = sorted(buckets)
+        if any(b % unit for b in buckets):
+            raise DpaxError(f"every bucket must be a multiple of {unit} "
+                            f"(devices x `grad_accum`), got {buckets}")
+    for batch in batches:
+        b = len(batch["x"])
+        size = _bucket(b, unit, buckets)
+        yield size, local_part(batch["x"], batch["y"], np.arange(b), local_rows(size))
+
+
+def _bucket(b: int, unit: int, buckets: Sequence[int] | None) -> int:
+    if buckets is None:
+        size = unit
+        while size < b:
+            size *= 2
+        return size
+    for size in buckets:
+        if size >= b:
+            return size
+    raise DpaxError(f"a batch of {b} examples is larger than the largest bucket {buckets[-1]}")
 
 
 def eval_batches(x: np.ndarray, y: np.ndarray, batch_size: int, rows: tuple[int, int]):
@@ -164,7 +205,6 @@ class TrainedPosition:
         self._it = iterator
         self._read: collections.deque[dict] = collections.deque()  # after each read
         self._trained = self._it.get_state()
-        self.restored = False  # whether set_state put it at a saved position
 
     def __iter__(self):
         return self
@@ -184,17 +224,19 @@ class TrainedPosition:
         return json.dumps(self._trained).encode()
 
     def set_state(self, state: bytes) -> None:
-        """Go to a saved position. One in a format this dpax does not write is
-        skipped (`restored` stays False): batches depend on the step alone, so
-        the caller rebuilds the position from the checkpoint's step."""
+        """Go to a saved position."""
         saved = json.loads(state)
-        try:
-            self._it.set_state(saved)
-        except UnknownPosition:
-            return
+        self._it.set_state(saved)
         self._trained, self._read = saved, collections.deque()
-        self.restored = True
 
     def start_prefetch(self) -> None:
-        if hasattr(self._it, "start_prefetch"):
-            self._it.start_prefetch()
+        """Called by Grain's `CheckpointRestore` handler after `set_state`. Batches
+        are built on the training thread (see `train_batches`): nothing to start."""
+
+
+def train_input(x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, int],
+                start: int, stop: int) -> TrainedPosition:
+    """The input pipeline of a training run: this process's rows of the padded,
+    masked global batches of steps `start..stop-1`, checkpointable at the last
+    batch trained on. `Trainer.fit` takes it as `batches`."""
+    return TrainedPosition(iter(train_batches(x, y, plan, rows, start, stop)))

@@ -7,10 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import sys
-import threading
-import time
 import warnings
 
 import numpy as np
@@ -18,12 +15,13 @@ import optax
 from flax import nnx, traverse_util
 
 from dpax import data as data_mod
-from dpax import models, optim
+from dpax import hooks, losses, models, optim
+from dpax.backends import DEFAULT_BACKEND
 from dpax.checkpoint import Checkpointer, locate
-from dpax.config import TrainConfig
+from dpax.config import DEFAULT_EPOCHS, TrainConfig
 from dpax.devices import describe
 from dpax.distributed import is_writer
-from dpax.errors import DpaxError, DpaxWarning, RunFailed
+from dpax.errors import DpaxError, DpaxWarning, Preempted, RunFailed, TooManyBadSteps
 from dpax.outputs import (
     clear_run,
     holds_run,
@@ -32,17 +30,12 @@ from dpax.outputs import (
     writable_dir,
     writable_file,
 )
-from dpax.pipeline import BatchPlan, TrainedPosition, train_batches
-from dpax.profiling import StepProfiler
-from dpax.trainer import TooManyBadSteps, Trainer, default_loss
+from dpax.pipeline import EVAL_BATCH, BatchPlan, train_input
+from dpax.trainer import Trainer
 from dpax.writers import MultiWriter
 from dpax.writers.console import console_writer
 from dpax.writers.csv_file import CsvWriter
 from dpax.writers.jsonl import JsonlWriter
-
-
-class Preempted(RuntimeError):
-    """SIGTERM/SIGINT arrived; the run stopped at a step boundary after saving."""
 
 
 @dataclasses.dataclass
@@ -70,9 +63,9 @@ def summary_line(ev: dict, steps: int | None = None, speed: float | None = None)
 
 
 def flat_params(params: nnx.State) -> dict[str, np.ndarray]:
-    """One host array per parameter path, e.g. `conv1/kernel`."""
-    flat = traverse_util.flatten_dict(nnx.to_pure_dict(params), sep="/")
-    return {k: np.asarray(v) for k, v in flat.items()}
+    """One host array per parameter path, e.g. `conv1/kernel` or `layers/0/bias`."""
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(params))
+    return {"/".join(map(str, k)): np.asarray(v) for k, v in flat.items()}
 
 
 @dataclasses.dataclass
@@ -92,12 +85,17 @@ class Job:
                 "input_shape": list(self.ds.input_shape), "n_out": self.ds.n_out,
                 "total": self.total}
 
+    def input(self, start: int):
+        """This process's training batches of steps `start..total-1`."""
+        rows = self.trainer.backend.local_rows(self.trainer.padded(self.config.batch_size))
+        return train_input(self.ds.x_train, self.ds.y_train, self.plan, rows, start, self.total)
+
 
 def build(config: TrainConfig) -> Job:
     """Data, model, optimizer and Trainer for a validated config."""
     ds = data_mod.load(config.data)
     plan = BatchPlan(len(ds.x_train), config.batch_size, config.seed)
-    total = config.total_steps(plan.steps_per_epoch)
+    total = plan.total_steps(config.steps, config.epochs, DEFAULT_EPOCHS)
     trainer = make_trainer(config, ds.task, ds.input_shape, ds.n_out, total)
     return Job(config, ds, plan, total, trainer)
 
@@ -113,7 +111,7 @@ def make_trainer(config: TrainConfig, task: str, input_shape: tuple[int, ...], n
     if config.clip_norm is not None:
         # Clipping sees the reduced gradient, so every replica clips identically.
         tx = optax.chain(optax.clip_by_global_norm(config.clip_norm), tx)
-    loss_fn, predict_fn = default_loss(task)
+    loss_fn, predict_fn = losses.for_task(task)
     model = models.make_model(config.model, input_shape, n_out, config.seed)
     return Trainer(model, loss_fn, tx, devices=config.devices, backend=config.backend,
                    predict_fn=predict_fn, schedule=schedule, grad_accum=config.grad_accum,
@@ -128,8 +126,8 @@ def _check_same_meaning(saved: dict, config: TrainConfig) -> None:
     """Refuse a resume that changes what is trained; say what a longer or
     shorter run changes of the schedule."""
     old = TrainConfig(**saved)
-    was = old.meaning()
-    for key, value in config.meaning().items():
+    was = old.what_is_trained()
+    for key, value in config.what_is_trained().items():
         if was.get(key) != value:
             raise DpaxError(f"cannot resume: `{key}` was {was.get(key)!r} in the checkpoint, "
                             f"now {value!r}; resume with the same `{key}` or start a new run")
@@ -151,32 +149,6 @@ def _keep_metrics_up_to(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
-class _Preemption:
-    """First SIGTERM/SIGINT: stop at the next step boundary. Second: exit at once."""
-
-    def __init__(self):
-        self.signum = None
-        self._old = {}
-
-    def __enter__(self):
-        if threading.current_thread() is not threading.main_thread():
-            return self  # signals reach only the main thread; nothing to catch here
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-        # The default action comes back, so a second signal ends the process now.
-        signal.signal(signum, self._old[signum])
-        print(f"dpax: {signal.Signals(signum).name} received: stopping at the next step "
-              "(send it again to exit now)", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-
-
 def train(config: TrainConfig, *, log="stdout") -> RunResult:
     """Run one training job: writes `metrics.jsonl` and `params.npz` to
     `config.out` and checkpoints to `config.checkpoint_dir`.
@@ -195,46 +167,46 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     with _removed_if_unused(_check_outputs(config, writer_process)):
         job = build(config)
         config.check_length(job.total)
-        trainer, ds, total = job.trainer, job.ds, job.total
-        size = trainer.padded(config.batch_size)
-        # Batches of steps 0..total-1; a resumed run restores the iterator's position.
-        data_iter = TrainedPosition(iter(train_batches(
-            ds.x_train, ds.y_train, job.plan, trainer.backend.local_rows(size), 0, total)))
-        ckpt = None
-        if config.checkpoint_dir is not None:
-            ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint_every, config.keep)
+        ckpt = None if config.checkpoint_dir is None else Checkpointer(config.checkpoint_dir,
+                                                                       config.keep)
+        data_iter = job.input(0)  # batches of steps 0..total-1
         start = 0
         if config.resume is not None:
-            start, data_restored = _resume(config, ckpt, trainer, data_iter)
-            # Saved by another process count, or by an older dpax: rebuild the position.
-            if not (data_restored and data_iter.restored):
-                data_iter = TrainedPosition(iter(train_batches(
-                    ds.x_train, ds.y_train, job.plan, trainer.backend.local_rows(size), start,
-                    total)))
-
+            start, data_restored = _resume(config, ckpt, job.trainer, data_iter)
+            if not data_restored:  # saved by another process count: rebuilt from the step
+                data_iter = job.input(start)
     if not writer_process:
         log = None
     if config.out is not None and writer_process:
         if config.overwrite:
             clear_run(config.out)
         save_text(os.path.join(config.out, "config.yaml"), config.to_yaml())
-    meta = job.meta()
-    profiler = None
+    if log is not None and not config.quiet:
+        print(f"dpax: {config.model} on {job.ds.name}, {job.trainer.n_devices} device(s) "
+              f"({config.backend}), global batch {config.batch_size}, {job.total} steps"
+              + (f", resumed at step {start}" if start else ""), file=log, flush=True)
+        if config.verbose:
+            print(describe(), file=log)
+            print(config.to_yaml().rstrip(), file=log, flush=True)
+    # After the header line: a bar drawn before it would be broken by it.
+    writer = _writers(config, job.total, start, log, writer_process)
+    return _run(job, ckpt, data_iter, start, writer, log, writer_process)
+
+
+def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer, log,
+         writer_process: bool) -> RunResult:
+    """Train from the trainer's step to the end, then save and evaluate; the
+    params are saved whatever stops the run."""
+    config, trainer, ds, total = job.config, job.trainer, job.ds, job.total
+    position, write = hooks.TrackPosition(data_iter, start), hooks.Write(writer)
+    checkpoint = None if ckpt is None else hooks.Checkpoint(ckpt, trainer, data_iter,
+                                                            job.meta(), config.checkpoint_every)
+    profile = None
     if config.profile_steps is not None:
-        profiler = StepProfiler(os.path.join(config.out, "profile"), *config.profile_range())
-        profiler.before(start + 1)
+        profile = hooks.Profile(os.path.join(config.out, "profile"), *config.profile_range(),
+                                trainer)
 
-    first_log: list[tuple[int, float]] = []  # (step, time) of the first log, after compiling
-
-    def on_log(step: int, row: dict) -> None:
-        if not first_log:
-            first_log.append((step, time.perf_counter()))
-        if config.eval_every and step % config.eval_every == 0 and step < total:
-            ev = trainer.evaluate(ds.x_eval, ds.y_eval)
-            row.update({f"eval_{k}": v for k, v in ev.items() if k != "examples"})
-        writer.write(step, row)
-
-    def save_params_now(params: dict | None = None) -> str | None:
+    def save_params(params: dict | None = None) -> str | None:
         if config.out is None:
             return None
         path = os.path.join(config.out, "params.npz")
@@ -242,57 +214,28 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             save_npz(path, flat_params(trainer.params) if params is None else params)
         return path
 
-    if log is not None and not config.quiet:
-        print(f"dpax: {config.model} on {ds.name}, {trainer.n_devices} device(s) "
-              f"({config.backend}), global batch {config.batch_size}, {total} steps"
-              + (f", resumed at step {start}" if start else ""), file=log, flush=True)
-        if config.verbose:
-            print(describe(), file=log)
-            print(config.to_yaml().rstrip(), file=log, flush=True)
-    # After the header line: a bar drawn before it would be broken by it.
-    writer = _writers(config, total, start, log, writer_process)
-    trained_to = [start]
-
-    with _Preemption() as preemption:
-        def on_step(step: int) -> None:
-            data_iter.trained(step - trained_to[0])
-            trained_to[0] = step
-            if preemption.signum is not None:
-                if ckpt is not None:
-                    ckpt.save(step, trainer.state_dict(), data_iter, meta)
-                    ckpt.close()
-                raise Preempted(f"stopped by {signal.Signals(preemption.signum).name} at step "
-                                f"{step}" + (f"; checkpoint saved in {ckpt.directory}, continue "
-                                             "with `resume`" if ckpt else
-                                             "; no `checkpoint_dir`, so it cannot be resumed"))
-            # state_dict() only when saving: with pmap it copies the state to the host.
-            if ckpt is not None and ckpt.due(step):
-                ckpt.save(step, trainer.state_dict(), data_iter, meta)
-            if profiler is not None:
-                profiler.after(step, trainer)
-                profiler.before(step + 1)
-
+    with hooks.StopOnSignal(checkpoint) as stop:
+        run_hooks = [hooks.Evaluate(trainer, ds.x_eval, ds.y_eval, config.eval_every, total),
+                     write, position, stop, checkpoint, profile]
         try:
             history = trainer.fit(ds.x_train, ds.y_train, batch_size=config.batch_size,
-                                  steps=total, seed=config.seed, log_every=config.log_every,
-                                  on_log=on_log, on_step=on_step, batches=data_iter)
+                                  until_step=total, seed=config.seed,
+                                  log_every=config.log_every, batches=data_iter,
+                                  hooks=[h for h in run_hooks if h is not None])
         except (TooManyBadSteps, Preempted):
             writer.close()
-            save_params_now()  # the last good params, whatever happens next
+            save_params()  # the last good params, whatever happens next
             raise
         except RunFailed as e:
             writer.close()
-            path = save_params_now()
-            raise RunFailed(f"{e}; the params of step {trained_to[0]} are in {path}" if path
+            path = save_params()
+            raise RunFailed(f"{e}; the params of step {position.step} are in {path}" if path
                             else f"{e}; no `out`, so the params were not saved") from None
         finally:
-            if profiler is not None:
-                profiler.close()
-    if first_log and total > first_log[0][0]:
-        s0, t0 = first_log[0]
-        # Steady speed: the first log interval holds the compilation, so it is left out.
-        speed = (total - s0) / (time.perf_counter() - t0)
-    else:
+            if profile is not None:
+                profile.close()
+    speed = write.steady_speed(total)
+    if speed is None:
         speed = history[-1]["steps_per_sec"] if history else 0.0
     # A step skips a non-finite gradient; new params can still overflow (or an
     # optimizer's hyperparameter be NaN through the Python API). Checked once,
@@ -303,10 +246,10 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
         raise RunFailed(f"the params are not finite after step {total}: an update overflowed "
                         "or an optimizer hyperparameter is not finite; lower `lr` or clip "
                         "gradients (`clip_norm`). params.npz was not written")
-    path = save_params_now(final)  # before the last checkpoint: a failed save must not cost them
+    path = save_params(final)  # before the last checkpoint: a failed save must not cost them
     if ckpt is not None:
         try:
-            ckpt.save(total, trainer.state_dict(), data_iter, meta)
+            ckpt.save(total, trainer.state_dict(), data_iter, job.meta())
             ckpt.close()
         except RunFailed as e:
             writer.close()
@@ -393,7 +336,7 @@ class Loaded:
 
 
 def load_checkpoint(path: str, devices: int | None = None,
-                    backend: str = "shard_map") -> Loaded:
+                    backend: str = DEFAULT_BACKEND) -> Loaded:
     """A Trainer holding a checkpoint's state, on any device count. The model is
     built from the checkpoint's own shapes: no data is read."""
     directory, step = locate(path)
@@ -435,7 +378,7 @@ def _check_fits(ds: data_mod.Dataset, meta: dict) -> None:
 
 
 def evaluate_checkpoint(path: str, data: str | None = None, devices: int | None = None,
-                        backend: str = "shard_map", batch_size: int = 256) -> dict:
+                        backend: str = DEFAULT_BACKEND, batch_size: int = EVAL_BATCH) -> dict:
     """Eval loss and accuracy of a checkpoint on the eval split of `data`
     (default: the data it was trained on)."""
     loaded = load_checkpoint(path, devices, backend)
@@ -445,7 +388,7 @@ def evaluate_checkpoint(path: str, data: str | None = None, devices: int | None 
 
 
 def predict_checkpoint(path: str, data: str, out: str, devices: int | None = None,
-                       backend: str = "shard_map", batch_size: int = 256) -> np.ndarray:
+                       backend: str = DEFAULT_BACKEND, batch_size: int = EVAL_BATCH) -> np.ndarray:
     """Predictions of a checkpoint for every row of `x` in the .npz `data`,
     written to `out` as an .npz with array `predictions`."""
     if is_writer():

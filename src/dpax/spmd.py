@@ -15,9 +15,10 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dpax.backends import DEFAULT_BACKEND
 from dpax.devices import select_devices
 from dpax.errors import DpaxError
-from dpax.step import AXIS
+from dpax.layout import AXIS
 
 
 def spmd(
@@ -26,7 +27,7 @@ def spmd(
     devices: int | Sequence[jax.Device] | None = None,
     in_axes: int | None | Sequence[int | None] = 0,
     static_argnums: Sequence[int] = (),
-    backend: str = "shard_map",
+    backend: str = DEFAULT_BACKEND,
 ) -> Callable:
     """Run `fn` once per device, like `jax.pmap(fn, axis_name="data")`.
 

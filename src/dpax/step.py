@@ -17,12 +17,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
-from jax.flatten_util import ravel_pytree
 
-from dpax.collectives import pmean_packed, psum_packed, reduce_scatter
+from dpax.collectives import pmean_packed, psum_packed
 from dpax.layers import BatchContext, batch_context
-
-AXIS = "data"
+from dpax.layout import AXIS, Replicated
+from dpax.metrics import Count, Last, Mean, Total
 
 # loss_fn(model, batch) -> per-example losses, or (losses, {name: per-example values})
 LossFn = Callable[[nnx.Module, dict], Any]
@@ -34,7 +33,7 @@ class TrainState:
 
     step: jax.Array
     params: nnx.State  # nnx.Param variables: what the optimizer updates
-    rest: nnx.State  # every other model variable (e.g. batch statistics)
+    model_state: nnx.State  # every other model variable (e.g. batch statistics)
     opt_state: optax.OptState
     bad_in_a_row: jax.Array  # consecutive steps skipped for a non-finite loss or gradient
     rng: jax.Array  # raw key data; step keys are fold_in(rng, step): N-independent
@@ -50,16 +49,20 @@ class StepOptions:
     allreduce_dtype: Any = None  # e.g. jnp.bfloat16 halves the gradient bytes reduced
     skip_nonfinite: bool = True  # a NaN/inf loss or gradient leaves the state unchanged
     average_state: bool = False  # pmean non-param model state (per-device batch stats)
-    shard_optimizer: bool = False  # ZeRO-1: each device keeps 1/N of the optimizer state
+    # Where the state lives and how the update runs (`dpax.layout`).
+    layout: Replicated = dataclasses.field(default_factory=Replicated)
 
 
-def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 0):
+def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 0,
+               layout: Replicated | None = None):
     """Split a model into its static graph and a `TrainState`."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    layout = layout or Replicated()
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
     # Two separate zeros: one buffer in two donated fields would be donated twice.
     step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     rng = jax.random.key_data(jax.random.key(seed))
-    return graphdef, TrainState(step, params, rest, tx.init(params), bad, rng)
+    return graphdef, TrainState(step, params, model_state, layout.init_opt_state(tx, params),
+                                bad, rng)
 
 
 def _with_index(batch: dict) -> dict:
@@ -88,7 +91,7 @@ def _masked_sum(values: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _sums(loss_fn, model, batch):
-    """(loss sum, example count, {metric_sum}) over the real rows of a shard."""
+    """(loss sum, example count, {metric: sum}) over the real rows of a shard."""
     losses, metrics = _losses_and_metrics(loss_fn, model, batch)
     mask = batch["mask"]
     if losses.shape != mask.shape:  # a per-device mean would break exactness
@@ -103,9 +106,8 @@ def _sums(loss_fn, model, batch):
     rows = jnp.stack([losses.astype(jnp.float32), jnp.ones(mask.shape, jnp.float32)]
                      + [metrics[k].astype(jnp.float32) for k in scalar], axis=1)
     totals = _masked_sum(rows, mask)
-    sums = {f"{k}_sum": totals[2 + i] for i, k in enumerate(scalar)}
-    sums.update({f"{k}_sum": _masked_sum(v, mask) for k, v in metrics.items()
-                 if k not in scalar})
+    sums = {k: totals[2 + i] for i, k in enumerate(scalar)}
+    sums.update({k: _masked_sum(v, mask) for k, v in metrics.items() if k not in scalar})
     return totals[0], totals[1], sums
 
 
@@ -116,14 +118,6 @@ def _cast_floats(tree, dtype):
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-def _sum_of_squares(tree) -> jax.Array:
-    """Sum of every squared element in f32: non-finite if any element is (or if
-    the norm overflows f32, a gradient no step should apply either). One
-    reduction per leaf: reducing a concatenation of the leaves copied them first
-    and made the mlp's step 2.4x slower."""
-    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree))
-
-
 def make_train_step(
     graphdef: nnx.GraphDef,
     loss_fn: LossFn,
@@ -131,8 +125,9 @@ def make_train_step(
     schedule: optax.Schedule | None = None,
     options: StepOptions = StepOptions(),
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """The per-device training step: `(state, shard) -> (state, metric sums)`."""
-    k = options.grad_accum
+    """The per-device training step: `(state, shard) -> (state, metrics)`, the
+    metrics typed (`dpax.metrics`) and the same on every replica."""
+    n_micro = options.grad_accum
 
     def train_step(state: TrainState, batch: dict):
         # Differentiate this device's own loss sum. Without the cast, shard_map
@@ -143,135 +138,94 @@ def make_train_step(
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         batch = _with_index(batch)
 
-        def sums_and_grads(rest, micro):
+        def sums_and_grads(model_state, micro):
             def local_loss_sum(params):
                 # Fresh Variable objects at this trace level: NNX refuses to update
                 # (e.g. BatchNorm's running averages) Variables from an outer trace.
-                fresh = jax.tree.map(lambda a: a, rest)
+                fresh = jax.tree.map(lambda a: a, model_state)
                 model = nnx.merge(graphdef, _cast_floats(params, options.compute_dtype), fresh)
                 model.train()  # batch statistics and dropout on
                 micro_in = {**micro, "x": _cast_floats(micro["x"], options.compute_dtype)}
                 with batch_context(_context(micro_in, step_key)):
                     loss_sum, count, sums = _sums(loss_fn, model, micro_in)
-                _, _, new_rest = nnx.split(model, nnx.Param, ...)
+                _, _, new_state = nnx.split(model, nnx.Param, ...)
                 # Model state keeps its own dtype whatever the compute dtype was.
-                new_rest = jax.tree.map(lambda n, o: n.astype(o.dtype), new_rest, rest)
-                return loss_sum, (count, sums, new_rest)
+                new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
+                return loss_sum, (count, sums, new_state)
 
-            (loss_sum, (count, sums, rest)), grads = jax.value_and_grad(
+            (loss_sum, (count, sums, model_state)), grads = jax.value_and_grad(
                 local_loss_sum, has_aux=True)(local_params)
-            return (loss_sum, count, sums, grads), rest
+            return (loss_sum, count, sums, grads), model_state
 
-        if k == 1:
-            (loss_sum, count, sums, grad_sums), rest = sums_and_grads(state.rest, batch)
+        if n_micro == 1:
+            (loss_sum, count, sums, grad_sums), model_state = sums_and_grads(
+                state.model_state, batch)
         else:
-            # K micro-batches of this shard, summed in a scan: activations of one
+            # The shard's micro-batches, summed in a scan: activations of one
             # micro-batch live at a time, and the all-reduce below still runs once.
-            micro = jax.tree.map(lambda v: v.reshape((k, -1) + v.shape[1:]), batch)
+            micro = jax.tree.map(lambda v: v.reshape((n_micro, -1) + v.shape[1:]), batch)
             first = jax.tree.map(lambda v: v[0], micro)
-            acc, rest = sums_and_grads(state.rest, first)
+            acc, model_state = sums_and_grads(state.model_state, first)
 
             def accumulate(carry, mb):
-                acc, rest = carry
-                new, rest = sums_and_grads(rest, mb)
-                return (jax.tree.map(jnp.add, acc, new), rest), None
+                acc, model_state = carry
+                new, model_state = sums_and_grads(model_state, mb)
+                return (jax.tree.map(jnp.add, acc, new), model_state), None
 
-            (acc, rest), _ = jax.lax.scan(
-                accumulate, (acc, rest), jax.tree.map(lambda v: v[1:], micro))
+            (acc, model_state), _ = jax.lax.scan(
+                accumulate, (acc, model_state), jax.tree.map(lambda v: v[1:], micro))
             loss_sum, count, sums, grad_sums = acc
 
         if options.average_state:
             # Per-device batch statistics: average them so replicas stay identical.
-            leaves, treedef = jax.tree.flatten(rest)
+            leaves, treedef = jax.tree.flatten(model_state)
             floats = [i for i, r in enumerate(leaves) if jnp.issubdtype(r.dtype, jnp.floating)]
             for i, mean in zip(floats, pmean_packed([leaves[i] for i in floats], AXIS)):
                 leaves[i] = mean
-            rest = jax.tree.unflatten(treedef, leaves)
+            model_state = jax.tree.unflatten(treedef, leaves)
         grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
-        if options.shard_optimizer:
-            loss_sum, count, sums = psum_packed((loss_sum, count, sums), AXIS)
-            params, opt_state, grad_norm, grads_finite = _sharded_update(
-                tx, state, grad_sums, count)
-        else:
-            # One all-reduce for everything (sums add up exactly across devices),
-            # packed into as few buffers as possible.
-            loss_sum, count, grad_sums, sums = psum_packed(
-                (loss_sum, count, grad_sums, sums), AXIS)
-            # One pass over the summed gradients gives the norm and the finiteness
-            # test (a NaN or inf anywhere makes the sum of squares non-finite); the
-            # division then fuses into the update instead of being stored and read
-            # twice more.
-            sq = _sum_of_squares(grad_sums)
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32) / count, grad_sums)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            grad_norm, grads_finite = jnp.sqrt(sq) / count, jnp.isfinite(sq)
+        loss_sum, count, sums, params, opt_state, grad_norm, grads_finite = (
+            options.layout.reduce_and_update(tx, state, loss_sum, count, grad_sums, sums))
         # Reduced values: the same on every replica.
         finite = grads_finite & jnp.isfinite(loss_sum)
         if options.skip_nonfinite:
             # A non-finite step leaves the state as it was, the counters aside.
-            params, rest, opt_state = jax.tree.map(
-                lambda a, b: jnp.where(finite, a, b), (params, rest, opt_state),
-                (state.params, state.rest, state.opt_state))
+            params, model_state, opt_state = jax.tree.map(
+                lambda a, b: jnp.where(finite, a, b), (params, model_state, opt_state),
+                (state.params, state.model_state, state.opt_state))
             bad = jnp.where(finite, 0, state.bad_in_a_row + 1)
         else:
             bad = jnp.zeros_like(state.bad_in_a_row)
-        new = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state,
-                            bad_in_a_row=bad)
+        new = state.replace(step=state.step + 1, params=params, model_state=model_state,
+                            opt_state=opt_state, bad_in_a_row=bad)
         # A skipped step adds nothing to the logged means; it is counted instead.
-        metrics = jax.tree.map(lambda v: jnp.where(finite, v, 0.0),
-                               {"loss_sum": loss_sum, "count": count, **sums})
-        metrics["skipped_total"] = 1.0 - finite.astype(jnp.float32)
-        metrics["bad_in_a_row"] = new.bad_in_a_row
-        metrics["grad_norm"] = grad_norm
+        loss_sum, count, sums = jax.tree.map(lambda v: jnp.where(finite, v, 0.0),
+                                             (loss_sum, count, sums))
+        metrics = _example_metrics(loss_sum, count, sums)
+        metrics["skipped"] = Total(1.0 - finite.astype(jnp.float32))
+        metrics["bad_in_a_row"] = Last(new.bad_in_a_row)
+        metrics["grad_norm"] = Last(grad_norm)
         if schedule is not None:
-            metrics["lr"] = jnp.asarray(schedule(state.step), jnp.float32)
+            metrics["lr"] = Last(jnp.asarray(schedule(state.step), jnp.float32))
         return new, metrics
 
     return train_step
 
 
-def _sharded_update(tx, state: TrainState, grad_sums, count):
-    """ZeRO-1: reduce-scatter the gradient sums, update this device's slice of
-    the flattened params with its slice of the optimizer state, all-gather.
-
-    Exact for elementwise optimizers (SGD, momentum, Adam): each element sees
-    the same gradient and state as in the replicated update.
-    """
-    flat_p, unravel = ravel_pytree(state.params)
-    flat_g, _ = ravel_pytree(grad_sums)
-    n = jax.lax.axis_size(AXIS)
-    size = flat_p.size
-    shard = -(-size // n)
-    pad = shard * n - size
-    g = reduce_scatter(jnp.pad(flat_g, (0, pad)), AXIS)
-    g = g.astype(jnp.float32) / count
-    start = jax.lax.axis_index(AXIS) * shard
-    p = jax.lax.dynamic_slice(jnp.pad(flat_p, (0, pad)), (start,), (shard,))
-    updates, opt_state = tx.update(g, state.opt_state, p)
-    new = optax.apply_updates(p, updates)
-    flat_new = jax.lax.all_gather(new, AXIS, tiled=True)
-    # Non-finite gradient or new-param elements on any device: the step is skipped.
-    sq, bad = psum_packed((jnp.sum(jnp.square(g)),
-                           jnp.sum(~jnp.isfinite(g)) + jnp.sum(~jnp.isfinite(new))), AXIS)
-    return unravel(flat_new[:size]), opt_state, jnp.sqrt(sq), bad == 0
-
-
-def sharded_opt_init(tx: optax.GradientTransformation, params, n: int):
-    """Optimizer state for the flattened params padded to a multiple of n: as a
-    global array it splits into n slices, one per device."""
-    flat, _ = ravel_pytree(params)
-    shard = -(-flat.size // n)
-    return tx.init(jnp.zeros(shard * n, flat.dtype))
+def _example_metrics(loss_sum, count, sums: dict) -> dict:
+    """The loss and every loss_fn metric as means over the examples counted."""
+    return {"loss": Mean(loss_sum, count), "examples": Count(count),
+            **{k: Mean(v, count) for k, v in sums.items()}}
 
 
 def make_multi_step(step: Callable) -> Callable:
-    """K steps in one call: a scan of `step(state, acc, batch) -> (state, acc)`
-    over batches stacked along a leading axis. For dispatch-bound models: one
-    launch instead of K.
+    """Several steps in one call: a scan of `step(state, acc, batch) -> (state,
+    acc)` over batches stacked along a leading axis. For dispatch-bound models:
+    one launch instead of one per step.
 
-    Unrolled: inside an XLA:CPU loop the digits CNN ran 10x slower (its convs
-    lost their thread pool); unrolled it matches K=1 and compiles ~2x longer.
+    Unrolled: inside an XLA:CPU loop a conv loses its thread pool (see
+    benchmarks/README.md); unrolled, each step runs as fast as alone and the
+    call compiles longer.
     """
 
     def multi_step(state: TrainState, acc, batches: dict):
@@ -285,15 +239,15 @@ def make_multi_step(step: Callable) -> Callable:
 
 
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
-    """The per-device eval step: `(state, shard) -> summed loss, count, metrics`."""
+    """The per-device eval step: `(state, shard) -> metrics` of the global batch."""
 
     def eval_step(state: TrainState, batch: dict):
-        model = nnx.merge(graphdef, state.params, state.rest)
+        model = nnx.merge(graphdef, state.params, state.model_state)
         model.eval()  # running averages, no dropout
         batch = _with_index(batch)
         with batch_context(_context(batch, None)):
             loss_sum, count, sums = _sums(loss_fn, model, batch)
-        return psum_packed({"loss_sum": loss_sum, "count": count, **sums}, AXIS)
+        return _example_metrics(*psum_packed((loss_sum, count, sums), AXIS))
 
     return eval_step
 
@@ -302,7 +256,7 @@ def make_predict_step(graphdef: nnx.GraphDef, predict_fn: Callable):
     """The per-device predict step: one output per example of the shard."""
 
     def predict_step(state: TrainState, batch: dict):
-        model = nnx.merge(graphdef, state.params, state.rest)
+        model = nnx.merge(graphdef, state.params, state.model_state)
         model.eval()
         return predict_fn(model, batch)
 
