@@ -1,31 +1,41 @@
 """dpax: data-parallel (SPMD) training on JAX, exactly equal to one device."""
 
-from dpax import data
-from dpax.check import check_equivalence
-from dpax.config import TrainConfig
-from dpax.data import Dataset
-from dpax.devices import MAX_SIMULATED_DEVICES, describe, select_devices, simulate_devices
-from dpax.errors import DpaxError, DpaxWarning, RunFailed
-from dpax.losses import (
-    classification_loss,
-    classification_predict,
-    regression_loss,
-    regression_predict,
-)
-from dpax.models import make_model
-from dpax.optim import make_optimizer, make_schedule, scaled_lr
-from dpax.pipeline import BatchPlan
-from dpax.run import train
-from dpax.sharding import (
-    pad_batch,
-    replicas_in_sync,
-    replicate,
-    shard_batch,
-    unreplicate,
-    unshard,
-)
-from dpax.spmd import spmd
-from dpax.trainer import Trainer
+import importlib
+
+# Exports load on first use: `import dpax` (and the `dpax` command, which may
+# restart its process before JAX starts) stays cheap.
+_EXPORTS = {
+    "check_equivalence": "dpax.check", "TrainConfig": "dpax.config", "Dataset": "dpax.data",
+    "MAX_SIMULATED_DEVICES": "dpax.devices", "describe": "dpax.devices",
+    "select_devices": "dpax.devices", "simulate_devices": "dpax.devices",
+    "DpaxError": "dpax.errors", "DpaxWarning": "dpax.errors", "RunFailed": "dpax.errors",
+    "classification_loss": "dpax.losses", "classification_predict": "dpax.losses",
+    "regression_loss": "dpax.losses", "regression_predict": "dpax.losses",
+    "make_model": "dpax.models", "make_optimizer": "dpax.optim",
+    "make_schedule": "dpax.optim", "scaled_lr": "dpax.optim", "BatchPlan": "dpax.pipeline",
+    "train": "dpax.run", "pad_batch": "dpax.sharding", "replicas_in_sync": "dpax.sharding",
+    "replicate": "dpax.sharding", "shard_batch": "dpax.sharding",
+    "unreplicate": "dpax.sharding", "unshard": "dpax.sharding", "spmd": "dpax.spmd",
+    "Trainer": "dpax.trainer",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # once imported, a plain attribute
+        return value
+    try:  # a submodule, e.g. dpax.data
+        return importlib.import_module(f"dpax.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"dpax.{name}":
+            raise
+    raise AttributeError(f"module 'dpax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS, "data"])
+
 
 __version__ = "0.1.0"
 

@@ -10,14 +10,18 @@ import argparse
 import dataclasses
 import inspect
 import sys
-import types
 import typing
 import warnings
 
-from dpax.config import TrainConfig
-from dpax.errors import DpaxError, DpaxWarning, RunFailed, as_flags
-from dpax.run import Preempted
-from dpax.trainer import TooManyBadSteps
+from dpax.config import (
+    BenchConfig,
+    CheckConfig,
+    EvalConfig,
+    PredictConfig,
+    TrainConfig,
+    field_types,
+)
+from dpax.errors import DpaxError, DpaxWarning, Preempted, RunFailed, TooManyBadSteps, as_flags
 
 EXIT_FAILED = 1  # the run started and could not go on; what was kept is said
 EXIT_USAGE = 2  # bad input: nothing ran
@@ -31,37 +35,31 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"dpax: error: {message} (see '{self.prog} -h')\n")
 
 
-def _base_type(tp):
-    if isinstance(tp, str):
-        tp = eval(tp, vars(typing), {})  # annotations are strings under __future__
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
-        return args[0]
-    return tp
-
-
 def add_config_flags(parser: argparse.ArgumentParser, cls=TrainConfig) -> None:
     """One `--flag` per dataclass field, with the field's default and help."""
+    types = field_types(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        tp = _base_type(f.type)
-        helptext = f.metadata.get("help", "")
+        tp = types[f.name][0]
+        meta = f.metadata
+        helptext = meta.get("help", "")
         if f.default is not None:
             helptext += f" (default: {f.default})"
         # default=None everywhere: an unset flag leaves the dataclass default in charge.
-        if "nargs" in f.metadata:  # e.g. --resume [PATH]
-            parser.add_argument(flag, nargs=f.metadata["nargs"], const=f.metadata["const"],
+        if "nargs" in meta:  # e.g. --resume [PATH]
+            parser.add_argument(flag, nargs=meta["nargs"], const=meta["const"],
                                 default=None, metavar="PATH", help=helptext)
         elif tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=helptext)
         else:
-            metavar = {int: "N", float: "X"}.get(tp, "NAME")
-            parser.add_argument(flag, type=tp, default=None, metavar=metavar, help=helptext)
+            metavar = meta.get("metavar") or {int: "N", float: "X"}.get(tp, "NAME")
+            parser.add_argument(flag, type=tp, default=None, metavar=metavar, help=helptext,
+                                required=meta.get("required", False))
 
 
 def config_from_args(args: argparse.Namespace, cls=TrainConfig):
-    """Defaults < the --config YAML file < flags given on the command line."""
+    """Defaults < the --config YAML file (train) < flags given on the command line."""
     fields = cls.yaml_fields(args.config) if getattr(args, "config", None) else {}
     fields.update({f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                    if getattr(args, f.name) is not None})
@@ -90,65 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(train)
     sub.add_parser("devices", help="print the devices JAX sees")
     bench = sub.add_parser("bench", help="dpax vs hand-written pmap and jit loops",
-                           description="Benchmark dpax against the seeds' pmap loop and a "
-                                       "1-device jit loop, in one process.")
-    bench.add_argument("--workloads", default="tiny,mlp,cnn,digits",
-                       help="comma-separated: tiny, mlp, cnn, digits (default: all)")
-    bench.add_argument("--devices", default="1,2,4,8", help="device counts (default: 1,2,4,8)")
-    bench.add_argument("--repeats", type=int, default=5, help="timed repeats (default: 5)")
-    bench.add_argument("--steps", type=int, default=None,
-                       help="steps per repeat (default: per workload)")
-    bench.add_argument("--steps-per-call", type=int, default=8,
-                       help="K for the dpax/k=K row (default: 8; 1 leaves it out)")
-    bench.add_argument("--no-sweep", dest="sweep", action="store_false",
-                       help="skip the examples/s vs batch size sweep")
-    bench.add_argument("--out", default="benchmarks/results", metavar="DIR",
-                       help="where results.md, results.json and PNGs go")
+                           description=BenchConfig.__doc__.split(": ", 1)[1])
+    add_config_flags(bench, BenchConfig)
     check = sub.add_parser(
         "check", help="does a model train on N devices exactly as on one?",
         description="Train a few steps on 1 and on N devices with an uneven batch, compare, "
                     "and name the likely cause of a difference. Exit 0: equivalent, 1: not.")
-    check.add_argument("--model", default="cnn-bn", metavar="NAME",
-                       help="a built-in model (default: cnn-bn)")
-    check.add_argument("--factory", default=None, metavar="MODULE:FN",
-                       help="your model: FN(input_shape, n_out, rngs=nnx.Rngs) -> nnx.Module")
-    check.add_argument("--loss", default=None, metavar="MODULE:FN",
-                       help="your loss: FN(model, batch) -> per-example losses "
-                            "(default: the data's built-in loss)")
-    check.add_argument("--data", default="digits", metavar="NAME",
-                       help="data to train on (default: digits)")
-    check.add_argument("--devices", type=int, default=8, metavar="N",
-                       help="devices to compare with one (default: 8)")
-    check.add_argument("--batch-size", type=int, default=None, metavar="N",
-                       help="global batch (default: 5N+3, so a device holds padding)")
-    check.add_argument("--steps", type=int, default=5, metavar="N", help="SGD steps (default 5)")
-    check.add_argument("--backend", default="shard_map", metavar="NAME",
-                       help="shard_map or pmap (default: shard_map)")
-    check.add_argument("--no-sync-batchnorm", dest="sync_batchnorm", action="store_false",
-                       help="keep per-device BatchNorm statistics (to see the difference)")
+    add_config_flags(check, CheckConfig)
     plot = sub.add_parser("plot", help="PNG plots of runs' metrics, overlaid",
                           description="Plot loss, accuracy, LR and steps/s of one or more runs.")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories from --out")
     plot.add_argument("--out", default=None, metavar="FILE.png",
                       help="where to write (default: next to the runs)")
-    for name, text in (("eval", "evaluate a checkpoint on the eval split"),
-                       ("predict", "predict every row of an .npz with a checkpoint")):
-        p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
-        p.add_argument("--checkpoint", required=True, metavar="PATH",
-                       help="a checkpoint directory (newest step) or one step directory")
-        p.add_argument("--data", default=None, required=name == "predict",
-                       metavar="NAME" if name == "eval" else "X.npz",
-                       help="data to evaluate (default: what it trained on)" if name == "eval"
-                       else ".npz with an array x of inputs")
-        if name == "predict":
-            p.add_argument("--out", required=True, metavar="PREDS.npz",
-                           help="where to write the array `predictions`")
-        p.add_argument("--devices", type=int, default=None, metavar="N",
-                       help="devices to use (default: all local; on CPU, 8 simulated)")
-        p.add_argument("--backend", default="shard_map", metavar="NAME",
-                       help="shard_map or pmap (default: shard_map)")
-        p.add_argument("--batch-size", type=int, default=256, metavar="N",
-                       help="global batch size (default: 256)")
+    for name, cls, text in (
+            ("eval", EvalConfig, "evaluate a checkpoint on the eval split"),
+            ("predict", PredictConfig, "predict every row of an .npz with a checkpoint")):
+        add_config_flags(sub.add_parser(name, help=text,
+                                        description=text[0].upper() + text[1:] + "."), cls)
     launch = sub.add_parser(
         "launch", help="run `dpax train` as several local processes",
         description="Start P processes of one multi-process run: "
@@ -186,10 +142,6 @@ def _start_devices(config: TrainConfig | None = None) -> None:
                timeout=config.timeout)
 
 
-# Commands whose speed depends on XLA:CPU's step temporaries (see dpax.hostenv).
-_COMPUTE = ("train", "bench", "launch", "check")
-
-
 def _show_warning(message, category, filename, lineno, file=None, line=None):
     """dpax's warnings as one `dpax: warning:` line; others as Python shows them."""
     if issubclass(category, DpaxWarning):
@@ -213,10 +165,6 @@ def _main(argv: list[str] | None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # named by the subcommand, whose -h lists what it takes
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    if argv is None and args.command in _COMPUTE:  # the real command line, not a caller's list
-        from dpax.hostenv import restart_with_hugepages
-
-        restart_with_hugepages()
     try:
         if args.command == "devices":
             _start_devices()
@@ -287,78 +235,60 @@ def _load(spec: str, what: str):
 
 def _check(args) -> int:
     from dpax import data as data_mod
-    from dpax import models
+    from dpax import losses, models
 
-    if args.devices < 1 or args.steps < 1 or (args.batch_size is not None
-                                               and args.batch_size < 1):
-        raise DpaxError("--devices, --steps and --batch-size must be >= 1")
-    if args.factory is None and args.model not in models.MODELS:
-        raise DpaxError(f"unknown model {args.model!r}; choose one of "
-                        f"{', '.join(models.MODELS)} or give --factory MODULE:FN")
-    factory = _load(args.factory, "--factory") if args.factory else models.MODELS[args.model]
-    user_loss = _load(args.loss, "--loss") if args.loss else None
-    _start_devices(TrainConfig(devices=args.devices))
+    config = config_from_args(args, CheckConfig)
+    config.validate()
+    factory = _load(config.factory, "--factory") if config.factory else models.MODELS[config.model]
+    user_loss = _load(config.loss, "--loss") if config.loss else None
+    _start_devices(TrainConfig(devices=config.devices))
     from flax import nnx
 
     from dpax.check import check_equivalence
-    from dpax.trainer import default_loss
 
-    ds = data_mod.load(args.data)
-    loss_fn = user_loss or default_loss(ds.task)[0]
+    ds = data_mod.load(config.data)
+    loss_fn = user_loss or losses.for_task(ds.task)[0]
     try:
         inspect.signature(factory).bind(ds.input_shape, ds.n_out, rngs=None)
     except TypeError as e:
-        raise DpaxError(f"--factory {args.factory} cannot be called as "
+        raise DpaxError(f"--factory {config.factory} cannot be called as "
                         f"FN(input_shape, n_out, rngs=nnx.Rngs): {e}") from None
     except ValueError:  # no signature to inspect (a builtin): let the call say
         pass
     result = check_equivalence(
         lambda: factory(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)), loss_fn,
-        ds.x_train, ds.y_train, devices=args.devices, batch_size=args.batch_size,
-        steps=args.steps, sync_batchnorm=args.sync_batchnorm, backend=args.backend)
+        ds.x_train, ds.y_train, devices=config.devices, batch_size=config.batch_size,
+        steps=config.steps, sync_batchnorm=config.sync_batchnorm, backend=config.backend)
     print(as_flags(result.report()))
     return 0 if result.equivalent else 1
 
 
 def _bench(args) -> int:
-    from dpax.bench import WORKLOADS
-
-    names = [w for w in args.workloads.split(",") if w]
-    unknown = [w for w in names if w not in WORKLOADS]
-    if unknown or not names:
-        raise DpaxError(f"unknown workload(s) {', '.join(unknown) or '(none)'}; choose from "
-                        f"{', '.join(WORKLOADS)}")
-    try:
-        counts = [int(n) for n in args.devices.split(",")]
-    except ValueError:
-        raise DpaxError(f"--devices must be comma-separated counts, got {args.devices!r}") from None
-    if any(n < 1 for n in counts) or args.repeats < 1 or (args.steps or 1) < 1:
-        raise DpaxError("--devices, --repeats and --steps must be >= 1")
-    _start_devices(TrainConfig(devices=max(counts)))
+    config = config_from_args(args, BenchConfig)
+    config.validate()
+    _start_devices(TrainConfig(devices=max(config.counts())))
     from dpax.bench import run_bench
 
-    run_bench(names, counts, args.repeats, args.steps, args.steps_per_call, args.sweep,
-              args.out)
-    print(f"wrote {args.out}/results.md")
+    run_bench(config.names(), config.counts(), config.repeats, config.steps,
+              config.steps_per_call, config.sweep, config.out)
+    print(f"wrote {config.out}/results.md")
     return 0
 
 
 def _checkpoint_command(args) -> int:
-    if args.devices is not None and args.devices < 1:
-        raise DpaxError(f"--devices must be a whole number >= 1, got {args.devices}")
-    if args.batch_size < 1:
-        raise DpaxError(f"--batch-size must be a whole number >= 1, got {args.batch_size}")
-    _start_devices(TrainConfig(devices=args.devices))
+    config = config_from_args(args, EvalConfig if args.command == "eval" else PredictConfig)
+    config.validate()
+    _start_devices(TrainConfig(devices=config.devices))
     from dpax import run
 
     if args.command == "eval":
-        ev = run.evaluate_checkpoint(args.checkpoint, args.data, args.devices, args.backend,
-                                     args.batch_size)
+        ev = run.evaluate_checkpoint(config.checkpoint, config.data, config.devices,
+                                     config.backend, config.batch_size)
         print(f"{run.summary_line(ev)}  examples {ev['examples']}")
     else:
-        preds = run.predict_checkpoint(args.checkpoint, args.data, args.out, args.devices,
-                                       args.backend, args.batch_size)
-        print(f"wrote {len(preds)} predictions to {args.out}")
+        preds = run.predict_checkpoint(config.checkpoint, config.data, config.out,
+                                       config.devices, config.backend, config.batch_size)
+        print(f"wrote {len(preds)} predictions to {config.out}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """The typed run configuration: the single source of defaults and help texts.
 
-The CLI is derived from these fields, so a default lives here and nowhere else.
+The CLI is derived from these fields, so a default lives here (or in the
+module that owns it, named here) and nowhere else.
 """
 
 from __future__ import annotations
@@ -8,20 +9,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import typing
 import warnings
 
+from dpax.backends import DEFAULT_BACKEND, check_backend
 from dpax.distributed import DEFAULT_TIMEOUT_S
-
-# Fields that change how a run executes, not what it computes (beyond float
-# rounding): a checkpoint may be resumed with different values of these.
-HOW_FIELDS = frozenset({
-    "devices", "backend", "log_every", "eval_every", "out", "checkpoint_dir",
-    "checkpoint_every", "keep", "resume", "coordinator", "num_processes", "process_id",
-    "timeout", "max_bad_steps", "grad_accum", "tensorboard", "profile_steps", "quiet",
-    "verbose", "steps_per_call", "shard_optimizer_state", "overwrite",
-    # How long to train, not what: a finished run can be extended.
-    "steps", "epochs",
-})
+from dpax.errors import DpaxError, DpaxWarning
+from dpax.pipeline import EVAL_BATCH
 
 F32_MAX = 3.4028234663852886e38  # the largest finite float32
 
@@ -29,8 +23,10 @@ F32_MAX = 3.4028234663852886e38  # the largest finite float32
 DEFAULT_EPOCHS = 15
 
 
-def _field(default, help: str, **meta):
-    return dataclasses.field(default=default, metadata={"help": help, **meta})
+def _field(default, help: str, how: bool = False, **meta):
+    """A config field. `how=True`: it changes how a run executes, not what it
+    computes (beyond float rounding), so a resume may change it."""
+    return dataclasses.field(default=default, metadata={"help": help, "how": how, **meta})
 
 
 @dataclasses.dataclass
@@ -40,14 +36,14 @@ class TrainConfig:
     model: str = _field("cnn", "model: linear, mlp, cnn or cnn-bn (BatchNorm + dropout)")
     data: str = _field("digits", "data: regression, digits, random-images, or a path to a .npz")
     devices: int | None = _field(
-        None, "devices per process (default: all local accelerators; on CPU, 8 simulated)"
-    )
-    backend: str = _field("shard_map", "shard_map (jit + shard_map) or pmap")
+        None, "devices per process (default: all local accelerators; on CPU, 8 simulated)",
+        how=True)
+    backend: str = _field(DEFAULT_BACKEND, "shard_map (jit + shard_map) or pmap", how=True)
     batch_size: int = _field(128, "GLOBAL batch size, split over the devices")
     epochs: int | None = _field(
-        None, f"passes over the training data (default {DEFAULT_EPOCHS} unless --steps is given)"
-    )
-    steps: int | None = _field(None, "training steps (instead of --epochs)")
+        None, f"passes over the training data (default {DEFAULT_EPOCHS} unless --steps is given)",
+        how=True)  # how long, not what: a finished run can be extended
+    steps: int | None = _field(None, "training steps (instead of --epochs)", how=True)
     optimizer: str = _field("adam", "sgd, momentum, adam or adamw")
     lr: float = _field(3e-3, "peak learning rate")
     schedule: str = _field("constant", "constant or warmup-cosine")
@@ -56,49 +52,52 @@ class TrainConfig:
     reference_batch: int = _field(128, "batch size the lr was tuned for (with --scale-lr)")
     momentum: float = _field(0.9, "momentum of the momentum optimizer")
     weight_decay: float = _field(1e-4, "weight decay of adamw")
-    grad_accum: int = _field(1, "micro-batches per device, accumulated in the step")
+    grad_accum: int = _field(1, "micro-batches per device, accumulated in the step", how=True)
     precision: str = _field("fp32", "fp32, or bf16 compute on fp32 master params")
     allreduce_dtype: str = _field("fp32", "dtype of the gradient all-reduce: fp32 or bf16")
     clip_norm: float | None = _field(None, "clip the reduced gradient to this global norm")
     max_bad_steps: int = _field(
-        10, "stop (exit 3) after this many non-finite steps in a row, checked at log steps"
-    )
+        10, "stop (exit 3) after this many non-finite steps in a row, checked at log steps",
+        how=True)
     sync_batchnorm: bool = _field(
         True, "BatchNorm statistics over the global batch (--no-sync-batchnorm: per "
               "device, not equivalent to one device)")
     shard_optimizer_state: bool = _field(
-        False, "ZeRO-1: each device keeps 1/N of the optimizer state (shard_map backend)")
+        False, "ZeRO-1: each device keeps 1/N of the optimizer state (shard_map backend)",
+        how=True)
     steps_per_call: int = _field(
-        1, "training steps per compiled call (a scan over batches on the device)")
+        1, "training steps per compiled call (a scan over batches on the device)", how=True)
     seed: int = _field(0, "seed of the init and of the batch order")
-    log_every: int = _field(10, "steps between metric logs (host syncs happen only here)")
-    eval_every: int = _field(0, "steps between evaluations (0: only at the end)")
-    out: str | None = _field(None, "run directory for metrics.jsonl and params.npz")
-    overwrite: bool = _field(False, "replace the run already in --out (default: refuse)")
-    checkpoint_dir: str | None = _field(None, "directory for Orbax checkpoints")
-    checkpoint_every: int = _field(0, "steps between checkpoints (0: only at the end)")
-    keep: int = _field(3, "checkpoints to keep")
+    log_every: int = _field(10, "steps between metric logs (host syncs happen only here)",
+                            how=True)
+    eval_every: int = _field(0, "steps between evaluations (0: only at the end)", how=True)
+    out: str | None = _field(None, "run directory for metrics.jsonl and params.npz", how=True)
+    overwrite: bool = _field(False, "replace the run already in --out (default: refuse)",
+                             how=True)
+    checkpoint_dir: str | None = _field(None, "directory for Orbax checkpoints", how=True)
+    checkpoint_every: int = _field(0, "steps between checkpoints (0: only at the end)", how=True)
+    keep: int = _field(3, "checkpoints to keep", how=True)
     resume: str | None = _field(
         None, "resume from the newest checkpoint in --checkpoint-dir, or from PATH",
-        nargs="?", const="latest")
-    tensorboard: bool = _field(False, "also write TensorBoard event files to --out/tensorboard")
+        nargs="?", const="latest", how=True)
+    tensorboard: bool = _field(False, "also write TensorBoard event files to --out/tensorboard",
+                               how=True)
     profile_steps: str | None = _field(
-        None, "A:B: a JAX profiler trace of steps A..B into --out/profile (Perfetto/TensorBoard)")
-    quiet: bool = _field(False, "no progress output, only the summary line and errors")
-    verbose: bool = _field(False, "plain progress lines even on a terminal, plus run details")
+        None, "A:B: a JAX profiler trace of steps A..B into --out/profile (Perfetto/TensorBoard)",
+        how=True)
+    quiet: bool = _field(False, "no progress output, only the summary line and errors", how=True)
+    verbose: bool = _field(False, "plain progress lines even on a terminal, plus run details",
+                           how=True)
     coordinator: str | None = _field(
-        None, "HOST:PORT of process 0, for multi-process runs (or use dpax launch)"
-    )
-    num_processes: int | None = _field(None, "processes in a multi-process run")
-    process_id: int | None = _field(None, "this process's rank, 0..num-processes-1")
+        None, "HOST:PORT of process 0, for multi-process runs (or use dpax launch)", how=True)
+    num_processes: int | None = _field(None, "processes in a multi-process run", how=True)
+    process_id: int | None = _field(None, "this process's rank, 0..num-processes-1", how=True)
     timeout: int = _field(
-        DEFAULT_TIMEOUT_S, "seconds before an unreachable coordinator or a dead rank stops the run"
-    )
+        DEFAULT_TIMEOUT_S, "seconds before an unreachable coordinator or a dead rank stops the run",
+        how=True)
 
     def profile_range(self) -> tuple[int, int]:
         """First and last step (1-based, inclusive) of --profile-steps A:B."""
-        from dpax.errors import DpaxError
-
         a, sep, b = (self.profile_steps or "").partition(":")
         if not (sep and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)):
             raise DpaxError(f"`profile_steps` must be A:B with 1 <= A <= B, e.g. 10:20; "
@@ -116,8 +115,6 @@ class TrainConfig:
     def yaml_fields(cls, path: str) -> dict:
         """Field values from a YAML file, checked against the dataclass."""
         import yaml
-
-        from dpax.errors import DpaxError
 
         try:
             with open(path) as f:
@@ -140,34 +137,22 @@ class TrainConfig:
                             "see dpax train --help")
         return loaded
 
-    def meaning(self) -> dict:
+    def what_is_trained(self) -> dict:
         """The fields that define what is trained; a resume may change only the others."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in HOW_FIELDS}
-
-    def total_steps(self, steps_per_epoch: int) -> int:
-        """Steps of this run: --steps, else --epochs (default DEFAULT_EPOCHS) passes."""
-        if self.steps is not None:
-            return self.steps
-        return (self.epochs or DEFAULT_EPOCHS) * steps_per_epoch
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if not f.metadata["how"]}
 
     def validate(self) -> None:
         """Raise `DpaxError` for a value no run can use, before anything is written."""
-        from dpax import backends, data, models, optim
+        from dpax import data, models, optim
         from dpax.devices import MAX_SIMULATED_DEVICES
-        from dpax.errors import DpaxError
+        from dpax.layout import check_sharded_optimizer
+        from dpax.trainer import compute_dtype
 
-        for f in dataclasses.fields(self):
-            value, expected = getattr(self, f.name), _TYPES[f.name]
-            ok = isinstance(value, expected) and not (isinstance(value, bool)
-                                                      and bool not in expected)
-            if not ok and not (value is None and f.default is None):
-                raise DpaxError(f"`{f.name}` must be "
-                                f"{' or '.join(t.__name__ for t in expected)}, got {value!r}")
+        check_types(self)
 
         def whole(name, low=1):
-            value = getattr(self, name)
-            if value is not None and value < low:
-                raise DpaxError(f"`{name}` must be a whole number >= {low}, got {value!r}")
+            check_whole(self, name, low)
 
         def number(name, low, high=math.inf, low_open=False, high_open=True):
             value = getattr(self, name)
@@ -197,12 +182,11 @@ class TrainConfig:
         if self.epochs is not None and self.steps is not None:
             raise DpaxError("give exactly one of `steps` or `epochs`, not both")
         for name in ("precision", "allreduce_dtype"):
-            if getattr(self, name) not in ("fp32", "bf16"):
-                raise DpaxError(f"`{name}` must be fp32 or bf16, got {getattr(self, name)!r}")
+            compute_dtype(getattr(self, name), name)
+        check_backend(self.backend, self.num_processes or 1)
         for name, value, choices in (("model", self.model, models.MODELS),
                                      ("optimizer", self.optimizer, optim.OPTIMIZERS),
-                                     ("schedule", self.schedule, optim.SCHEDULES),
-                                     ("backend", self.backend, backends.BACKENDS)):
+                                     ("schedule", self.schedule, optim.SCHEDULES)):
             if value not in choices:
                 raise DpaxError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
         if not self.data.endswith(".npz") and self.data not in data.DATASETS:
@@ -224,16 +208,10 @@ class TrainConfig:
                 raise DpaxError("`profile_steps` needs `out` for the trace")
         if self.tensorboard and self.out is None:
             raise DpaxError("`tensorboard` needs `out` for the event files")
-        if self.shard_optimizer_state and (self.backend != "shard_map"
-                                           or self.steps_per_call != 1
-                                           or self.clip_norm is not None):
-            raise DpaxError("`shard_optimizer_state` needs `backend=shard_map`, "
-                            "`steps_per_call=1` and no `clip_norm` (a slice has no global norm)")
+        if self.shard_optimizer_state:
+            check_sharded_optimizer(self.backend, self.steps_per_call, self.clip_norm)
         if self.quiet and self.verbose:
             raise DpaxError("give `quiet` or `verbose`, not both")
-        if self.backend == "pmap" and (self.num_processes or 1) > 1:
-            raise DpaxError("the pmap backend is single-process only in dpax; "
-                            "use `backend=shard_map` for several processes")
         if self.overwrite and self.resume is not None:
             raise DpaxError("give `overwrite` or `resume`, not both: a resumed run "
                             "continues the files in `out`")
@@ -241,8 +219,6 @@ class TrainConfig:
     def check_length(self, total: int) -> None:
         """Checks that need the run's length in steps (known once the data is):
         refuse a profile window past the end; warn on a warmup that never ends."""
-        from dpax.errors import DpaxError, DpaxWarning
-
         if self.profile_steps is not None and self.profile_range()[0] > total:
             raise DpaxError(f"`profile_steps={self.profile_steps}` starts after the run's "
                             f"last step {total}; profile steps within 1..{total}")
@@ -252,14 +228,129 @@ class TrainConfig:
                           DpaxWarning, stacklevel=2)
 
 
-def _types() -> dict[str, tuple[type, ...]]:
-    import typing
-
+def field_types(cls) -> dict[str, tuple[type, ...]]:
+    """Field -> the Python types it accepts (None aside; an int is a fine float)."""
     out = {}
-    for name, tp in typing.get_type_hints(TrainConfig).items():
+    for name, tp in typing.get_type_hints(cls).items():
         args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
         out[name] = tuple(args) + ((int,) if float in args else ())
     return out
 
 
-_TYPES = _types()  # field -> accepted Python types (an int is a fine float)
+def check_types(config) -> None:
+    """Every field holds a value of its annotated type (None only where that is
+    the default)."""
+    types = field_types(type(config))
+    for f in dataclasses.fields(config):
+        value, expected = getattr(config, f.name), types[f.name]
+        ok = isinstance(value, expected) and not (isinstance(value, bool)
+                                                  and bool not in expected)
+        if not ok and not (value is None and f.default is None):
+            raise DpaxError(f"`{f.name}` must be "
+                            f"{' or '.join(t.__name__ for t in expected)}, got {value!r}")
+
+
+def check_whole(config, name: str, low: int = 1) -> None:
+    value = getattr(config, name)
+    if value is not None and value < low:
+        raise DpaxError(f"`{name}` must be a whole number >= {low}, got {value!r}")
+
+
+# -- the other commands ----------------------------------------------------------------
+@dataclasses.dataclass
+class EvalConfig:
+    """`dpax eval`: a checkpoint's eval loss and metrics."""
+
+    checkpoint: str = _field(None, "a checkpoint directory (newest step) or one step directory",
+                             required=True, metavar="PATH")
+    data: str | None = _field(None, "data to evaluate (default: what it trained on)",
+                              metavar="NAME")
+    devices: int | None = _field(
+        None, "devices to use (default: all local; on CPU, 8 simulated)")
+    backend: str = _field(DEFAULT_BACKEND, "shard_map or pmap")
+    batch_size: int = _field(EVAL_BATCH, "global batch size")
+
+    def validate(self) -> None:
+        check_types(self)
+        check_whole(self, "devices")
+        check_whole(self, "batch_size")
+        check_backend(self.backend, 1)
+
+
+@dataclasses.dataclass
+class PredictConfig(EvalConfig):
+    """`dpax predict`: a checkpoint's prediction for every row of an .npz."""
+
+    data: str = _field(None, ".npz with an array x of inputs", required=True, metavar="X.npz")
+    out: str = _field(None, "where to write the array `predictions`", required=True,
+                      metavar="PREDS.npz")
+
+
+@dataclasses.dataclass
+class CheckConfig:
+    """`dpax check`: train a few steps on 1 and on N devices and compare."""
+
+    model: str = _field("cnn-bn", "a built-in model")
+    factory: str | None = _field(
+        None, "your model: FN(input_shape, n_out, rngs=nnx.Rngs) -> nnx.Module",
+        metavar="MODULE:FN")
+    loss: str | None = _field(
+        None, "your loss: FN(model, batch) -> per-example losses (default: the data's "
+              "built-in loss)", metavar="MODULE:FN")
+    data: str = _field("digits", "data to train on")
+    devices: int = _field(8, "devices to compare with one")
+    batch_size: int | None = _field(None, "global batch (default: 5N+3, so a device holds "
+                                          "padding)")
+    steps: int = _field(5, "SGD steps")
+    backend: str = _field(DEFAULT_BACKEND, "shard_map or pmap")
+    sync_batchnorm: bool = _field(
+        True, "BatchNorm statistics over the global batch (--no-sync-batchnorm shows the "
+              "difference per-device statistics make)")
+
+    def validate(self) -> None:
+        from dpax import models
+
+        check_types(self)
+        for name in ("devices", "steps", "batch_size"):
+            check_whole(self, name)
+        check_backend(self.backend, 1)
+        if self.factory is None and self.model not in models.MODELS:
+            raise DpaxError(f"unknown model {self.model!r}; choose one of "
+                            f"{', '.join(models.MODELS)} or give `factory=MODULE:FN`")
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """`dpax bench`: dpax against the seeds' pmap loop and a 1-device jit loop."""
+
+    workloads: str = _field("tiny,mlp,cnn,digits", "comma-separated: tiny, mlp, cnn, digits")
+    devices: str = _field("1,2,4,8", "device counts, comma-separated", metavar="N,N")
+    repeats: int = _field(5, "timed repeats")
+    steps: int | None = _field(None, "steps per repeat (default: per workload)")
+    steps_per_call: int = _field(8, "K for the dpax/k=K row (1 leaves it out)")
+    sweep: bool = _field(True, "also the examples/s vs batch size sweep")
+    out: str = _field("benchmarks/results", "where results.md, results.json and PNGs go",
+                      metavar="DIR")
+
+    def names(self) -> list[str]:
+        return [w for w in self.workloads.split(",") if w]
+
+    def counts(self) -> list[int]:
+        try:
+            return [int(n) for n in self.devices.split(",")]
+        except ValueError:
+            raise DpaxError(f"`devices` must be comma-separated counts, got "
+                            f"{self.devices!r}") from None
+
+    def validate(self) -> None:
+        from dpax.bench import WORKLOADS
+
+        check_types(self)
+        unknown = [w for w in self.names() if w not in WORKLOADS]
+        if unknown or not self.names():
+            raise DpaxError(f"unknown workload(s) {', '.join(unknown) or '(none)'}; choose "
+                            f"from {', '.join(WORKLOADS)}")
+        if any(n < 1 for n in self.counts()):
+            raise DpaxError(f"`devices` must be counts >= 1, got {self.devices!r}")
+        for name in ("repeats", "steps", "steps_per_call"):
+            check_whole(self, name)

@@ -1,21 +1,23 @@
-"""Process settings that only take effect when a process starts.
+"""Process settings that only take effect when a process starts (XLA:CPU only).
 
 XLA:CPU allocates each step's temporaries with one malloc and frees them
-after the step (186 MB for the benchmark cnn on one device). glibc serves an
-allocation that large from a fresh mmap, so the kernel faults it in and zeroes
-it 4 KiB at a time on every step: 45,000 page faults a step, 40% of the
-process's CPU time. With the glibc tunable `glibc.malloc.hugetlb=1` (glibc
-2.35+) malloc asks for transparent huge pages on such mappings, and a fault
-brings in 2 MiB. Measured here: the cnn on one device 8.5 -> 12.1 steps/s, on
-8 devices 15.2 -> 20.2; dispatch-bound steps unchanged.
+after the step. glibc serves an allocation that large from a fresh mmap, so
+the kernel faults it in and zeroes it 4 KiB at a time on every step, which
+costs a large share of a conv step's CPU time (benchmarks/README.md has the
+numbers). With the glibc tunable `glibc.malloc.hugetlb=1` (glibc 2.35+)
+malloc asks for transparent huge pages on such mappings, and a fault brings
+in 2 MiB.
 
 glibc reads tunables once, at start-up, so the `dpax` command restarts itself
-with the tunable set (`restart_with_hugepages`); library users export
+with the tunable set (`restart_with_hugepages`, before JAX is imported), but
+only where JAX will compute on the CPU: an accelerator's steps do not run
+through malloc. Library users on CPU export
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before starting Python.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import sys
@@ -45,15 +47,34 @@ def _glibc_version() -> tuple[int, ...] | None:
     return tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
 
 
+# Modules an accelerator's PJRT plugin installs (CUDA and ROCm plugins live in
+# the `jax_plugins` namespace package; TPUs come with `libtpu`).
+ACCELERATOR_MODULES = ("jax_plugins", "libtpu")
+
+
+def computes_on_cpu(environ: Mapping[str, str] = os.environ, installed=_DETECT) -> bool:
+    """Whether JAX will run on XLA:CPU, judged without importing JAX: the first
+    platform JAX_PLATFORMS names, else whether an accelerator plugin is installed."""
+    platforms = environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    if installed is _DETECT:
+        installed = [m for m in ACCELERATOR_MODULES if importlib.util.find_spec(m)]
+    return not installed
+
+
 def wants_hugepages(environ: Mapping[str, str] = os.environ, thp_mode=_DETECT,
-                    glibc=_DETECT) -> bool:
-    """True where setting the tunable would change something: Linux glibc 2.35+,
-    huge pages given only on request ("madvise"; "always" already gives them,
-    "never" refuses them), and not set already or opted out of."""
-    thp_mode = _thp_mode() if thp_mode is _DETECT else thp_mode
-    glibc = _glibc_version() if glibc is _DETECT else glibc
+                    glibc=_DETECT, installed=_DETECT) -> bool:
+    """True where setting the tunable would change something: JAX computes on
+    the CPU, Linux glibc 2.35+, huge pages given only on request ("madvise";
+    "always" already gives them, "never" refuses them), and not set already or
+    opted out of."""
     if environ.get(OPT_OUT) or HUGETLB in environ.get("GLIBC_TUNABLES", "").split(":"):
         return False
+    if not computes_on_cpu(environ, installed):
+        return False
+    thp_mode = _thp_mode() if thp_mode is _DETECT else thp_mode
+    glibc = _glibc_version() if glibc is _DETECT else glibc
     return sys.platform.startswith("linux") and glibc is not None and glibc >= (2, 35) \
         and thp_mode == "madvise"
 

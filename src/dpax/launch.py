@@ -49,11 +49,11 @@ def launch(train_args: list[str], nprocs: int, devices_per_process: int | None =
            port: int | None = None, verbose: bool = False, out=sys.stdout) -> int:
     """Run `dpax train TRAIN_ARGS` as `nprocs` processes; returns the exit code."""
     if nprocs < 1:
-        raise DpaxError(f"--nprocs must be >= 1, got {nprocs}")
+        raise DpaxError(f"`nprocs` must be >= 1, got {nprocs}")
     if devices_per_process is not None and devices_per_process < 1:
-        raise DpaxError(f"--devices-per-process must be >= 1, got {devices_per_process}")
+        raise DpaxError(f"`devices_per_process` must be >= 1, got {devices_per_process}")
     if port is not None and not 0 < port < 65536:
-        raise DpaxError(f"--port must be in 1..65535, got {port}")
+        raise DpaxError(f"`port` must be in 1..65535, got {port}")
     taken = {"--coordinator", "--num-processes", "--process-id", "--devices"}
     clash = taken & {a.split("=")[0] for a in train_args}
     if clash:
