@@ -24,21 +24,20 @@ class Linear(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """Two hidden ReLU layers on flattened inputs."""
+    """ReLU hidden layers of the given widths (two of `hidden`, by default) on
+    flattened inputs."""
 
-    def __init__(
-        self, in_shape: tuple[int, ...], n_out: int, *, hidden: int = 128, rngs: nnx.Rngs
-    ):
-        d = math.prod(in_shape)
-        self.hidden1 = nnx.Linear(d, hidden, rngs=rngs)
-        self.hidden2 = nnx.Linear(hidden, hidden, rngs=rngs)
-        self.out = nnx.Linear(hidden, n_out, rngs=rngs)
+    def __init__(self, in_shape: tuple[int, ...], n_out: int, *,
+                 hidden: int | tuple[int, ...] = 128, rngs: nnx.Rngs):
+        widths = (hidden, hidden) if isinstance(hidden, int) else tuple(hidden)
+        sizes = (math.prod(in_shape), *widths, n_out)
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes, sizes[1:])])
 
     def __call__(self, x):
         x = x.reshape(x.shape[0], -1)
-        x = nnx.relu(self.hidden1(x))
-        x = nnx.relu(self.hidden2(x))
-        return self.out(x)
+        for layer in self.layers[:-1]:
+            x = nnx.relu(layer(x))
+        return self.layers[-1](x)
 
 
 class CNN(nnx.Module):

@@ -1,0 +1,117 @@
+"""The loops dpax is measured against, and dpax's own `Trainer.fit` path.
+
+  dpax/shard_map, dpax/pmap   the real `Trainer.fit` path (host batches, masks, metrics)
+  dpax/k=K                    the same with K steps per compiled call
+  pmap loop                   seed 000/004's loop: pmap + pmean, batches reshaped on the host
+  jit 1 device                a plain jit loop on one device with the whole batch
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from dpax import losses
+from dpax.bench.timing import Method, _first_call
+from dpax.bench.workloads import synthetic
+from dpax.sharding import replicate
+from dpax.trainer import Trainer
+
+LR = 0.01
+
+
+def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None) -> Method:
+    x, y = synthetic(w, batch_size)
+    t = Trainer(w.make(), losses.classification_loss, optax.sgd(LR), devices=n,
+                backend=backend, steps_per_call=steps_per_call)
+    done = [0]
+
+    def run(k):  # fit trains until the step counter reaches the total
+        done[0] += k
+        t.fit(x, y, batch_size=batch_size, until_step=done[0], log_every=10**9)
+
+    method = _first_call(name or f"dpax/{backend}", run, steps_per_call)
+    method.memory = _step_memory(t, batch_size, w.input_shape)  # after: it compiles too
+    return method
+
+
+def _step_memory(t: Trainer, batch_size: int, input_shape) -> float:
+    """Bytes one device needs for the step: arguments + temporaries, from XLA."""
+    size = t.padded(batch_size)
+    host = {"x": np.zeros((size,) + input_shape, np.float32), "y": np.zeros(size, np.int32),
+            "mask": np.ones(size, bool)}
+    m = t.lower_train_step(host, size).compile().memory_analysis()
+    if m is None:
+        return float("nan")
+    return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def _mean_loss(graphdef, params, x, y):
+    logits = nnx.merge(graphdef, params)(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def bench_pmap_loop(w, n, batch_size) -> Method:
+    """The seeds' loop: replicate params, reshape each batch to (n, b/n, ...),
+    pmap a step that pmeans the gradients, read the loss only at the end."""
+    x, y = synthetic(w, batch_size)
+    graphdef, params = nnx.split(w.make())
+    tx = optax.sgd(LR)
+    devices = jax.local_devices()[:n]
+
+    @functools.partial(jax.pmap, axis_name="devices", devices=devices, donate_argnums=(0, 1))
+    def train_step(params, opt_state, xb, yb):
+        loss, grads = jax.value_and_grad(functools.partial(_mean_loss, graphdef))(params, xb, yb)
+        grads = jax.lax.pmean(grads, "devices")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "devices")
+
+    # Seed 000's "Method 1": stack copies on the host; the first call places them.
+    state = [replicate(params, n), replicate(tx.init(params), n)]
+    per = batch_size // n
+    n_batches = len(x) // batch_size
+
+    def run(k):
+        loss = None
+        for i in range(k):
+            j = i % n_batches
+            xb = x[j * batch_size:(j + 1) * batch_size].reshape((n, per) + x.shape[1:])
+            yb = y[j * batch_size:(j + 1) * batch_size].reshape(n, per)
+            state[0], state[1], loss = train_step(state[0], state[1], xb, yb)
+            if i % 2 == 1:  # XLA:CPU aborts if too many multi-device steps queue up
+                loss.block_until_ready()
+        float(loss[0])  # the seed's log line: one sync at the end
+
+    return _first_call("pmap loop", run)
+
+
+def bench_jit(w, batch_size) -> Method:
+    x, y = synthetic(w, batch_size)
+    graphdef, params = nnx.split(w.make())
+    tx = optax.sgd(LR)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, xb, yb):
+        grads = jax.grad(functools.partial(_mean_loss, graphdef))(params, xb, yb)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    state = [params, tx.init(params)]
+    n_batches = len(x) // batch_size
+
+    def run(k):
+        for i in range(k):
+            j = i % n_batches
+            state[0], state[1] = train_step(state[0], state[1],
+                                            x[j * batch_size:(j + 1) * batch_size],
+                                            y[j * batch_size:(j + 1) * batch_size])
+        jax.block_until_ready(state)
+
+    return _first_call("jit 1 device", run)
+
+

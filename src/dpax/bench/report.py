@@ -1,0 +1,75 @@
+"""The benchmark's outputs: results.md, results.json and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import jax
+import numpy as np
+
+
+def _fmt_row(r: dict) -> str:
+    flops = f" {100 * r['flops_frac']:5.1f}%" if "flops_frac" in r else "     -"
+    mem = "-" if np.isnan(r["memory_mib"]) else f"{r['memory_mib']:.1f}"
+    return (f"| {r['workload']} | {r['devices']} | {r['method']} | {r['compile_s']:.2f} | "
+            f"{r['steps_per_sec']:.1f} | {r['min']:.1f} | {r['vs_pmap_loop']:.2f}x | {mem} |"
+            f"{flops} |")
+
+
+def _write(rows, sweep_rows, peak, out_dir):
+    header = ("| workload | N | method | compile s | steps/s median | steps/s min | "
+              "vs pmap loop | step MiB/device | FLOP/s of peak |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    tunables = os.environ.get("GLIBC_TUNABLES") or "none"  # see dpax.hostenv
+    text = [f"dpax bench, {time.strftime('%Y-%m-%d')}, {machine}, jax {jax.__version__}, "
+            f"{jax.default_backend()}; matmul peak {peak / 1e9:.1f} GFLOP/s (f32, one device); "
+            f"GLIBC_TUNABLES {tunables}",
+            "", header] + [_fmt_row(r) for r in rows]
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write("\n".join(text) + "\n")
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"rows": rows, "sweep": sweep_rows, "matmul_peak": peak}, f, indent=1)
+    _plots(rows, sweep_rows, out_dir)
+
+
+def _plots(rows, sweep_rows, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.8), squeeze=False,
+                             constrained_layout=True)
+    for ax, name in zip(axes[0], names):
+        for method in sorted({r["method"] for r in rows}):
+            pts = sorted((r["devices"], r["steps_per_sec"]) for r in rows
+                         if r["workload"] == name and r["method"] == method)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=method)
+        ax.set(title=name, xlabel="devices", ylabel="steps/s", xscale="log", xticks=[1, 2, 4, 8])
+        ax.set_xticklabels(["1", "2", "4", "8"])
+        ax.minorticks_off()  # log-axis minor labels ("3x10^0") only clutter
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.savefig(os.path.join(out_dir, "steps_per_sec_vs_devices.png"), dpi=100)
+    plt.close(fig)
+    if not sweep_rows:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), constrained_layout=True)
+    for ax, name in zip(axes, ("mlp", "cnn")):
+        for method in ("pmap loop", "dpax/shard_map"):
+            pts = [(r["batch_size"], r["examples_per_sec"]) for r in sweep_rows
+                   if r["workload"] == name and r["method"] == method]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=method)
+        ax.set(title=f"{name}, 8 devices", xlabel="global batch", ylabel="examples/s",
+               xscale="log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.savefig(os.path.join(out_dir, "examples_per_sec_vs_batch.png"), dpi=100)
+    plt.close(fig)

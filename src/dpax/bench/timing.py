@@ -1,0 +1,57 @@
+"""Timing: methods measured in turns, so a change in a shared host's load hits
+all of them alike."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class Method:
+    """One way to train a workload: `run(k)` trains k steps and waits for them."""
+
+    name: str
+    compile_s: float  # the first call: tracing, compiling, placing the state
+    run: Callable[[int], None]
+    memory: float = float("nan")  # bytes per device the step needs, when known
+
+
+def time_interleaved(methods: list[Method], steps: int, repeats: int) -> dict[str, list[float]]:
+    """Steps/s of `repeats` timed runs of `steps` steps per method, after one
+    warm-up run each. The methods take turns within each repeat, so a change
+    in the machine's load hits all of them alike (this host is shared)."""
+    for m in methods:
+        m.run(steps)  # warm-up: thread pools, caches
+    rates: dict[str, list[float]] = {m.name: [] for m in methods}
+    for _ in range(repeats):
+        for m in methods:
+            t0 = time.perf_counter()
+            m.run(steps)
+            rates[m.name].append(steps / (time.perf_counter() - t0))
+    return rates
+
+
+def _first_call(name: str, run: Callable[[int], None], k: int = 1) -> Method:
+    t0 = time.perf_counter()
+    run(k)
+    return Method(name, time.perf_counter() - t0, run)
+
+
+def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
+    """This machine's f32 matmul FLOP/s on one device: the yardstick for mlp."""
+    a = jnp.ones((size, size), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = max(best, 2 * size**3 / (time.perf_counter() - t0))
+    return best
+
+
