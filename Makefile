@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test lint docs bench clean
+.PHONY: setup train test test-fast lint docs bench clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest
+
+# The unit tier: no test marked slow (those start dpax processes or train long).
+test-fast: lint
+	$(BIN)/pytest -m "not slow"
 
 # The README's flag table is generated from TrainConfig; a test checks it is current.
 docs: $(STAMP)

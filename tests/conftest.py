@@ -8,10 +8,12 @@ with a file read. Numbers do not change: the cache holds XLA's own executables,
 keyed by the program and its options.
 """
 
+import functools
 import os
 import tempfile
 
 import jax
+import numpy as np
 
 import dpax
 
@@ -26,3 +28,61 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 dpax.simulate_devices(8)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: starts dpax processes or trains long; `make test-fast` skips these")
+
+
+# -- helpers the test files share (imported as `from conftest import ...`) ----------------
+STEPS = 10
+
+
+@functools.cache
+def digits():
+    return dpax.data.digits()
+
+
+def max_diff(a, b) -> float:
+    """The largest absolute difference of two trees of arrays (lists, dicts), in float64."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb), (len(la), len(lb))
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               for x, y in zip(la, lb))
+
+
+def small_mlp():
+    from flax import nnx
+
+    ds = digits()
+    return dpax.models.MLP(ds.input_shape, ds.n_out, hidden=16, rngs=nnx.Rngs(0))
+
+
+def mlp_trainer(n, tx=None, **kw):
+    import optax
+
+    return dpax.Trainer(small_mlp(), dpax.classification_loss, tx or optax.sgd(0.1), devices=n,
+                        **kw)
+
+
+def fit_digits(t, batch_size, steps=STEPS, log_every=1):
+    ds = digits()
+    return t.fit(ds.x_train, ds.y_train, batch_size=batch_size, until_step=steps,
+                 log_every=log_every)
+
+
+def leaves(t):
+    return jax.tree.leaves(t.params)
+
+
+def plain_jit_params(tx, batches):
+    import reference
+
+    return reference.plain_jit_params(small_mlp(), tx, batches)
+
+
+def plan_batches(batch_size, steps=STEPS):
+    ds = digits()
+    plan = dpax.BatchPlan(len(ds.x_train), batch_size, seed=0)
+    return [(ds.x_train[plan.indices(s)], ds.y_train[plan.indices(s)]) for s in range(steps)]

@@ -1,7 +1,6 @@
 """Models with batch statistics and randomness keep the promise: synchronized
 masked BatchNorm, dropout masks independent of N, and `dpax check`."""
 
-import functools
 import sys
 import textwrap
 
@@ -12,13 +11,11 @@ import pytest
 from flax import nnx
 
 import dpax
-from dpax import data, losses, models
+from conftest import digits, max_diff
+from dpax import losses, models
 from dpax.cli import main
 
-
-@functools.cache
-def digits():
-    return data.digits()
+pytestmark = pytest.mark.slow  # starts dpax processes or trains long
 
 
 def train_cnn_bn(n, sync=True, steps=10, batch_size=61):
@@ -26,15 +23,10 @@ def train_cnn_bn(n, sync=True, steps=10, batch_size=61):
     model = models.make_model("cnn-bn", ds.input_shape, ds.n_out, seed=0)
     t = dpax.Trainer(model, losses.classification_loss, optax.sgd(0.05), devices=n,
                      sync_batchnorm=sync)
-    t.fit(ds.x_train, ds.y_train, batch_size=batch_size, steps=steps)
+    t.fit(ds.x_train, ds.y_train, batch_size=batch_size, until_step=steps)
     host = t.backend.host(t.state)
-    return jax.tree.leaves(host.params), [np.asarray(v) for v in jax.tree.leaves(host.rest)
+    return jax.tree.leaves(host.params), [np.asarray(v) for v in jax.tree.leaves(host.model_state)
                                           if not dpax.sharding.is_key(v)], t
-
-
-def max_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-               for x, y in zip(a, b))
 
 
 def test_cnn_bn_on_8_devices_equals_1_device_and_unsynced_does_not():
@@ -66,7 +58,7 @@ def train_dropout(n, seed=0, backend="shard_map"):
     t = dpax.Trainer(DropoutMLP(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)),
                      losses.classification_loss, optax.sgd(0.1), devices=n, seed=seed,
                      backend=backend)
-    t.fit(ds.x_train, ds.y_train, batch_size=61, steps=10)
+    t.fit(ds.x_train, ds.y_train, batch_size=61, until_step=10)
     return jax.tree.leaves(t.params)
 
 
@@ -146,7 +138,7 @@ def user_module(tmp_path, monkeypatch):
 @pytest.mark.parametrize("model", sorted(models.MODELS))
 def test_check_passes_for_every_built_in_model(model, capsys):
     assert main(["check", "--model", model, "--devices", "8"]) == 0
-    assert "equivalent" in capsys.readouterr().out
+    assert "\nequivalent (tolerance" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flags,cause", [

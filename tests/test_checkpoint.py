@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 
 import dpax
+from conftest import max_diff
 from dpax.cli import main
+
+pytestmark = pytest.mark.slow  # starts dpax processes or trains long
 
 RUN = ["--model", "mlp", "--optimizer", "momentum", "--lr", "0.05", "--batch-size", "61",
        "--log-every", "5"]
@@ -21,10 +24,6 @@ RUN = ["--model", "mlp", "--optimizer", "momentum", "--lr", "0.05", "--batch-siz
 def params(out):
     with np.load(os.path.join(out, "params.npz")) as p:
         return {k: p[k] for k in p.files}
-
-
-def max_diff(a, b):
-    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
 
 
 def train_rows(out):

@@ -136,6 +136,7 @@ def dpax_cmd(*args, **kw):
                           text=True, timeout=300, **kw)
 
 
+@pytest.mark.slow
 def test_train_pulse_through_the_real_entry_point(tmp_path):
     out = tmp_path / "pulse"
     r = dpax_cmd("train", "--devices", "2", "--steps", "6", "--batch-size", "50",
@@ -154,6 +155,7 @@ def test_train_pulse_through_the_real_entry_point(tmp_path):
         assert p["conv1/kernel"].shape == (3, 3, 1, 32)
 
 
+@pytest.mark.slow
 def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
     r = dpax_cmd("train", "--batch-size", "abc")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
@@ -174,6 +176,7 @@ def one_line_error(capsys, argv, code=2):
     return err
 
 
+@pytest.mark.slow
 def test_an_out_that_holds_a_run_is_refused_and_overwrite_replaces_it(tmp_path, capsys):
     run = tmp_path / "a"
     flags = ["--model", "mlp", "--steps", "4", "--log-every", "2", "--devices", "2"]
@@ -194,6 +197,7 @@ def test_an_out_that_holds_a_run_is_refused_and_overwrite_replaces_it(tmp_path, 
     assert "lr: 0.01" in (run / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_eval_on_data_that_does_not_fit_names_the_difference(tmp_path, capsys):
     ck = str(tmp_path / "ck")
     assert main(["train", "--steps", "3", "--devices", "2", "--checkpoint-dir", ck,
@@ -261,6 +265,7 @@ def test_check_factory_with_the_wrong_signature_is_one_line(tmp_path, capsys, mo
     assert "cannot be called as FN(input_shape, n_out, rngs=nnx.Rngs)" in err
 
 
+@pytest.mark.slow
 def test_warnings_are_one_line_and_the_run_goes_on(tmp_path, capsys):
     x = np.random.default_rng(0).random((40, 6)).astype(np.float32)
     sparse = npz(tmp_path, "sparse.npz", x=x, y=np.where(np.arange(40) % 2, 100000, 0))

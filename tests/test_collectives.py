@@ -8,6 +8,8 @@ the rank order, and dpax's emulation gives XLA's bits. (The 2-process side is in
 test_multiprocess.py.)
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dpax import collectives
-from dpax.step import AXIS
+from dpax.collectives import PACK_MAX, psum_packed
+from dpax.layout import AXIS
 
 
 def values(n, size, seed=0):
@@ -90,3 +93,33 @@ def test_synced_sum_values_and_gradients_are_the_same_in_both_orders():
     s = total.sum()
     expect = (np.sin(total) + (np.cos(total) * x).sum(0)) / s - (np.sin(total) * x).sum() / s**2
     np.testing.assert_allclose(native[1][0], expect, rtol=2e-4)
+
+
+def test_psum_packed_sums_like_psum_in_one_buffer_per_dtype():
+    """The step's all-reduce: small leaves packed per dtype, large ones as they are."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), (AXIS,))
+    rng = np.random.default_rng(0)
+    tree = {"a": rng.normal(size=(4, 3, 5)).astype(np.float32),
+            "b": rng.normal(size=(4,)).astype(np.float32),
+            "c": rng.integers(-9, 9, (4, 7)).astype(np.int32),
+            "h": rng.normal(size=(4, 2)).astype(jnp.bfloat16),
+            "big": rng.normal(size=(4, PACK_MAX + 1)).astype(np.float32)}
+
+    def reduce(fn):
+        mapped = jax.shard_map(lambda t: fn(jax.tree.map(lambda x: x[0], t), AXIS), mesh=mesh,
+                               in_specs=P(AXIS), out_specs=P())
+        return jax.jit(mapped)(tree), jax.jit(mapped).lower(tree).as_text()
+
+    for i in range(5):
+        tree[f"small{i}"] = rng.normal(size=(4, i + 1)).astype(np.float32)
+    packed, text = reduce(psum_packed)
+    plain, plain_text = reduce(jax.lax.psum)
+    for k in tree:
+        assert packed[k].dtype == plain[k].dtype and packed[k].shape == plain[k].shape
+        np.testing.assert_array_equal(np.asarray(packed[k], np.float32),
+                                      np.asarray(plain[k], np.float32))
+    def all_reduces(text):  # JAX emits one per buffer; XLA may combine them later
+        return len(re.findall(r'"stablehlo.all_reduce"', text))
+
+    assert all_reduces(plain_text) == len(tree) == 10
+    assert all_reduces(text) == 4  # packed f32, s32 and bf16, and the big leaf

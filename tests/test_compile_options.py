@@ -40,11 +40,11 @@ def test_the_chosen_options_change_no_number():
                        compile_options={})
     rows = {}
     for name, t in (("chosen", chosen), ("default", default)):
-        rows[name] = t.fit(ds.x_train, ds.y_train, batch_size=61, steps=3, log_every=1)
+        rows[name] = t.fit(ds.x_train, ds.y_train, batch_size=61, until_step=3, log_every=1)
         rows[name].append(t.evaluate(ds.x_eval, ds.y_eval, batch_size=100))
-    assert chosen._train.options == compile_options.OLD_FUSION_EMITTERS
-    assert chosen._eval.options == compile_options.OLD_FUSION_EMITTERS
-    assert default._train.options == {}
+    assert chosen._steps.train.options == compile_options.OLD_FUSION_EMITTERS
+    assert chosen._steps.eval.options == compile_options.OLD_FUSION_EMITTERS
+    assert default._steps.train.options == {}
     assert chosen.traces["train"] == 1  # the choosing trace is the only one
     for a, b in zip(jax.tree.leaves(chosen.params), jax.tree.leaves(default.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
@@ -55,8 +55,8 @@ def test_the_chosen_options_change_no_number():
 def test_a_model_without_pooling_keeps_xla_defaults():
     t = _trainer(models.MLP((16,), 10, hidden=8, rngs=nnx.Rngs(0)))
     x = np.random.default_rng(0).normal(size=(32, 16)).astype(np.float32)
-    t.fit(x, np.zeros(32, np.int32), batch_size=16, steps=1)
-    assert t._train.options == {}
+    t.fit(x, np.zeros(32, np.int32), batch_size=16, until_step=1)
+    assert t._steps.train.options == {}
 
 
 def test_the_pmap_backend_refuses_compile_options():

@@ -10,7 +10,7 @@ from flax import nnx
 
 import dpax
 from dpax import data, losses, models, optim
-from dpax.trainer import default_loss
+from dpax.losses import for_task
 
 N_EXAMPLES = 300
 
@@ -42,7 +42,7 @@ def test_every_example_counts_once_per_epoch(n, backend):
 def digits_trainer(n):
     ds = data.digits()
     model = models.make_model("cnn", ds.input_shape, ds.n_out, seed=0)
-    loss_fn, predict_fn = default_loss(ds.task)
+    loss_fn, predict_fn = for_task(ds.task)
     return dpax.Trainer(model, loss_fn, optim.make_optimizer("sgd", optim.make_schedule(0.1)),
                         devices=n, predict_fn=predict_fn)
 
@@ -69,4 +69,4 @@ def test_a_loss_that_returns_a_mean_is_refused():
                      lambda m, b: losses.classification_loss(m, b)[0].mean(),
                      optim.make_optimizer("sgd", optim.make_schedule(0.1)), devices=2)
     with pytest.raises(ValueError, match="one loss per example"):
-        t.fit(ds.x_train, ds.y_train, batch_size=8, steps=1)
+        t.fit(ds.x_train, ds.y_train, batch_size=8, until_step=1)

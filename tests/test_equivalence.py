@@ -14,8 +14,11 @@ import pytest
 from flax import nnx
 
 import dpax
-from dpax import data, losses, models, optim
+from conftest import digits, max_diff
+from dpax import losses, models, optim
 from reference import plain_jit_params
+
+pytestmark = pytest.mark.slow  # starts dpax processes or trains long
 
 STEPS = 10
 TOL = 1e-5
@@ -24,9 +27,12 @@ BACKENDS = ["shard_map", "pmap"]
 MAX_SEEN = {}  # (what, n, backend) -> largest difference measured, printed at the end
 
 
-@functools.cache
-def digits():
-    return data.digits()
+@pytest.fixture(scope="module", autouse=True)
+def report_measured_differences():
+    """Prints the largest differences measured (`pytest -s` shows them)."""
+    yield
+    for key, value in sorted(MAX_SEEN.items()):
+        print(f"max |diff| {key}: {value:.2e}")
 
 
 def make_trainer(n, backend, optimizer, batch_size):
@@ -43,12 +49,8 @@ def train(n, backend, optimizer, batch_size):
     """Params, per-step loss curve and the trainer after STEPS steps."""
     ds = digits()
     t = make_trainer(n, backend, optimizer, batch_size)
-    rows = t.fit(ds.x_train, ds.y_train, batch_size=batch_size, steps=STEPS, log_every=1)
+    rows = t.fit(ds.x_train, ds.y_train, batch_size=batch_size, until_step=STEPS, log_every=1)
     return jax.tree.leaves(t.params), np.array([r["loss"] for r in rows]), t
-
-
-def max_diff(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
 def batch_sizes(n):
@@ -103,10 +105,3 @@ def test_one_compilation_per_run_even_with_a_partial_last_batch():
         assert t.traces["train"] == 1, backend
         t.evaluate(ds.x_eval, ds.y_eval, batch_size=64)  # 360 = 5 * 64 + 40
         assert t.traces["eval"] == 1, backend
-
-
-def test_report_measured_differences():
-    """Prints the measured maxima for the closing note (runs last in this module)."""
-    for key, value in sorted(MAX_SEEN.items()):
-        print(f"max |diff| {key}: {value:.2e}")
-    assert MAX_SEEN, "the equivalence tests above did not run"

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import dpax
-from dpax import checkpoint, data, losses, models
+from dpax import data, hooks, losses, models
 from dpax.cli import main
 from dpax.writers.console import FALLBACK_COLUMNS, ProgressBar
 from dpax.writers.jsonl import JsonlWriter
@@ -24,19 +24,20 @@ RUN = ["--model", "mlp", "--optimizer", "sgd", "--lr", "0.1", "--batch-size", "5
        "--devices", "2", "--log-every", "5", "--quiet"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_save_that_fails_is_one_line_fast_and_keeps_the_params(
         tmp_path, capsys, monkeypatch):
     ck, out = tmp_path / "ck", tmp_path / "run"
-    due = checkpoint.Checkpointer.due
+    after_step = hooks.Checkpoint.after_step
 
-    def due_then_break(self, step):  # the directory turns into a file at step 10
+    def break_then_save(self, step):  # the directory turns into a file at step 10
         if step == 10:
-            self.manager.wait_until_finished()  # step 5 is on disk
+            self.ckpt.manager.wait_until_finished()  # step 5 is on disk
             shutil.rmtree(ck)
             ck.write_text("not a directory any more")
-        return due(self, step)
+        return after_step(self, step)
 
-    monkeypatch.setattr(checkpoint.Checkpointer, "due", due_then_break)
+    monkeypatch.setattr(hooks.Checkpoint, "after_step", break_then_save)
     t0 = time.monotonic()
     code = main(["train", *RUN, "--steps", "30", "--checkpoint-dir", str(ck),
                  "--checkpoint-every", "5", "--out", str(out)])
@@ -49,6 +50,7 @@ def test_a_checkpoint_save_that_fails_is_one_line_fast_and_keeps_the_params(
         assert all(np.all(np.isfinite(p[k])) for k in p.files)
 
 
+@pytest.mark.slow
 def test_a_run_whose_params_are_not_finite_does_not_end_in_success(tmp_path, capsys,
                                                                   monkeypatch):
     """Finite gradients, but the optimizer makes NaN params (a NaN momentum, as
@@ -72,12 +74,13 @@ def test_a_step_whose_new_params_are_not_finite_is_skipped_with_zero1():
     t = dpax.Trainer(model, losses.classification_loss, optax.sgd(0.1, momentum=math.nan),
                      devices=2, max_bad_steps=None, shard_optimizer_state=True)
     before = jax.tree.leaves(t.params)
-    rows = t.fit(ds.x_train, ds.y_train, batch_size=50, steps=3, log_every=3)
+    rows = t.fit(ds.x_train, ds.y_train, batch_size=50, until_step=3, log_every=3)
     assert rows[-1]["skipped"] == 3
     for a, b in zip(before, jax.tree.leaves(t.params)):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_finished_run_can_be_extended_with_more_steps(tmp_path, capsys):
     ck = str(tmp_path / "ck")
     assert main(["train", *RUN, "--steps", "20", "--checkpoint-dir", ck,

@@ -24,7 +24,19 @@ from dpax.hostenv import HUGETLB, OPT_OUT, hugepages_env, wants_hugepages
 ])
 def test_wants_hugepages_only_where_it_changes_something(environ, thp, glibc, expected):
     on_linux = sys.platform.startswith("linux")
-    assert wants_hugepages(environ, thp, glibc) == (expected and on_linux)
+    assert wants_hugepages(environ, thp, glibc, installed=[]) == (expected and on_linux)
+
+
+@pytest.mark.parametrize("environ, installed, expected", [
+    ({}, [], True),
+    ({}, ["jax_plugins"], False),  # a CUDA or ROCm plugin: steps run on the GPU
+    ({}, ["libtpu"], False),
+    ({"JAX_PLATFORMS": "cpu"}, ["jax_plugins"], True),  # the user chose the CPU
+    ({"JAX_PLATFORMS": "cuda,cpu"}, [], False),
+])
+def test_the_tunable_is_only_for_xla_cpu(environ, installed, expected):
+    on_linux = sys.platform.startswith("linux")
+    assert wants_hugepages(environ, "madvise", (2, 36), installed) == (expected and on_linux)
 
 
 def test_hugepages_env_keeps_the_users_tunables():
@@ -52,11 +64,22 @@ def test_restart_replaces_the_process_with_the_tunable_set():
 def test_only_the_command_line_restarts_never_a_caller_of_main(monkeypatch):
     calls = []
     monkeypatch.setattr(hostenv, "restart_with_hugepages", lambda: calls.append(1))
+    from dpax.__main__ import main as command
     from dpax.cli import main
 
     assert main(["bench", "--workloads", "resnet"]) == 2  # a bad name: fails fast
     assert calls == []
     monkeypatch.setattr(sys, "argv", ["dpax", "devices"])  # nothing to speed up
-    assert main() == 0 and calls == []
+    assert command() == 0 and calls == []
     monkeypatch.setattr(sys, "argv", ["dpax", "bench", "--workloads", "resnet"])
-    assert main() == 2 and calls == [1]
+    assert command() == 2 and calls == [1]
+
+
+def test_the_restart_comes_before_jax_is_imported():
+    code = ("import sys; import dpax.hostenv as h; "
+            "h.restart_with_hugepages = lambda: print('jax' in sys.modules); "
+            "sys.argv = ['dpax', 'bench', '--workloads', 'resnet']; "
+            "from dpax.__main__ import main; main()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.splitlines()[:1] == ["False"], done.stderr

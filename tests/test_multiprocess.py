@@ -14,6 +14,8 @@ import dpax
 from dpax.cli import main
 from dpax.launch import free_port
 
+pytestmark = pytest.mark.slow  # starts dpax processes or trains long
+
 RUN = ["--steps", "10", "--batch-size", "50", "--optimizer", "sgd", "--lr", "0.1",
        "--log-every", "5"]
 

@@ -12,6 +12,8 @@ import pytest
 
 from dpax.cli import flags_markdown
 
+pytestmark = pytest.mark.slow  # starts dpax processes or trains long
+
 ROOT = pathlib.Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 NOT_RUN = "# not run in tests:"

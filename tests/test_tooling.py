@@ -16,6 +16,8 @@ import pytest
 
 from dpax.cli import main
 
+pytestmark = pytest.mark.slow  # starts dpax processes or trains long
+
 RUN = ["--model", "mlp", "--devices", "4", "--steps", "30", "--log-every", "10",
        "--eval-every", "10"]
 

@@ -1,0 +1,49 @@
+"""Backends (`dpax.backends`): where each puts the state and a batch's rows,
+and the rules they keep in one place."""
+
+import numpy as np
+import pytest
+
+import dpax
+from dpax.backends import DEFAULT_BACKEND, check_backend, make_backend
+from dpax.errors import DpaxError
+
+
+@pytest.fixture(scope="module")
+def devices():
+    return dpax.select_devices(4)
+
+
+def test_shard_map_hands_host_rows_to_the_step_and_pmap_adds_a_device_axis(devices):
+    batch = {"x": np.arange(24.0).reshape(8, 3), "y": np.arange(8), "mask": np.ones(8, bool)}
+    shard_map = make_backend(DEFAULT_BACKEND, devices)
+    assert shard_map.step_input(batch, 8) is batch  # one process: jit splits the rows
+    assert shard_map.local_rows(8) == (0, 8)
+    stacked = make_backend("pmap", devices).step_input(batch, 8)
+    assert stacked["x"].shape == (4, 2, 3)
+    np.testing.assert_array_equal(stacked["x"].reshape(8, 3), batch["x"])
+
+
+def test_k_batches_stack_along_a_leading_step_axis(devices):
+    batches = [{"x": np.full((8, 2), float(i))} for i in range(3)]
+    assert make_backend("shard_map", devices).put_batches(batches, 8)["x"].shape == (3, 8, 2)
+    assert make_backend("pmap", devices).put_batches(batches, 8)["x"].shape == (4, 3, 2, 2)
+
+
+def test_replicated_state_reads_back_as_one_logical_copy(devices):
+    state = {"w": np.arange(6.0).reshape(2, 3)}
+    for name in ("shard_map", "pmap"):
+        backend = make_backend(name, devices)
+        placed = backend.put_state(state)
+        np.testing.assert_array_equal(backend.host(placed)["w"], state["w"])
+        assert dpax.replicas_in_sync(placed)
+
+
+@pytest.mark.parametrize("name,processes,needle", [
+    ("tpu", 1, "unknown backend 'tpu'"), ("pmap", 2, "single-process only")])
+def test_backend_rules_live_in_one_place(name, processes, needle):
+    with pytest.raises(DpaxError, match=needle):
+        check_backend(name, processes)
+    with pytest.raises(DpaxError, match=needle):
+        dpax.TrainConfig(backend=name, num_processes=processes, coordinator="h:1",
+                         process_id=0).validate()

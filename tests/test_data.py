@@ -1,0 +1,31 @@
+"""Datasets behind the CLI names and users' .npz files (`dpax.data`)."""
+
+import numpy as np
+
+import dpax
+from dpax import data
+
+
+def test_digits_split_is_fixed_and_covers_every_image():
+    a, b = data.digits(), data.digits()
+    assert len(a.x_train) + len(a.x_eval) == 1797
+    np.testing.assert_array_equal(a.y_eval, b.y_eval)
+    assert a.x_train.shape[1:] == (8, 8, 1) and a.x_train.dtype == np.float32
+    assert 0.0 <= a.x_train.min() and a.x_train.max() <= 1.0
+
+
+def test_random_images_are_nhwc_and_learnable_labels():
+    ds = data.random_images(n=64)
+    assert ds.x_train.shape[1:] == (32, 32, 3) and ds.n_out == 10
+
+
+def test_user_npz_classification_and_regression(tmp_path):
+    x = np.random.default_rng(0).normal(size=(50, 4)).astype(np.float64)
+    np.savez(tmp_path / "c.npz", x=x, y=np.arange(50) % 3)
+    np.savez(tmp_path / "r.npz", x=x, y=x.sum(1))
+    c, r = data.load(str(tmp_path / "c.npz")), data.load(str(tmp_path / "r.npz"))
+    assert c.task == "classification" and c.n_out == 3 and c.x_train.dtype == np.float32
+    assert r.task == "regression" and len(r.x_train) + len(r.x_eval) == 50
+    cfg = dpax.TrainConfig(model="mlp", data=str(tmp_path / "r.npz"), devices=4,
+                           optimizer="sgd", lr=0.05, batch_size=7, steps=3, log_every=3)
+    assert np.isfinite(dpax.train(cfg, log=None).eval["loss"])

@@ -1,0 +1,105 @@
+"""The training loop (`dpax.loop`): steps per call, metric sums, log cadence,
+hooks, the GC, and the in-flight bound kept to XLA:CPU."""
+
+import gc
+
+import numpy as np
+import pytest
+
+import dpax
+from conftest import STEPS, digits, fit_digits, leaves, max_diff, mlp_trainer
+from dpax import loop
+
+
+class AfterStep(loop.Hook):
+    def __init__(self, fn):
+        self.fn = fn
+
+    def after_step(self, step):
+        self.fn(step)
+
+
+# -- steps per call ----------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+def test_eight_steps_per_call_equal_one_per_call(backend):
+    one = mlp_trainer(4, backend=backend)
+    eight = mlp_trainer(4, backend=backend, steps_per_call=8)
+    rows1 = fit_digits(one, 61, steps=20, log_every=4)
+    rows8 = fit_digits(eight, 61, steps=20, log_every=4)
+    assert max_diff(leaves(eight), leaves(one)) <= 1e-6
+    assert eight.traces["train_multi"] == 1  # steps 1-16 in two calls, 17-20 one by one
+    # Logs land on call boundaries; their means cover exactly the steps since the last.
+    assert [r["step"] for r in rows8] == [8, 16, 20]
+    assert sum(r["examples"] for r in rows8) == sum(r["examples"] for r in rows1) == 20 * 61
+
+
+# -- metric sums -------------------------------------------------------------------------
+def test_a_log_over_several_device_sums_equals_the_per_step_logs(monkeypatch):
+    """The step adds its metrics into sums on the device; the host takes them
+    over every STEPS_PER_SUM steps (here 3) and combines them at the log."""
+    monkeypatch.setattr(dpax.loop, "STEPS_PER_SUM", 3)
+    per_step = fit_digits(mlp_trainer(4), 61, log_every=1)
+    (row,) = fit_digits(mlp_trainer(4), 61, log_every=STEPS)
+    examples = np.array([r["examples"] for r in per_step])
+    assert row["examples"] == examples.sum() == STEPS * 61
+    for key in ("loss", "accuracy"):
+        mean = np.dot([r[key] for r in per_step], examples) / examples.sum()
+        assert abs(row[key] - mean) <= 1e-6 * abs(mean), key
+    assert row["grad_norm"] == per_step[-1]["grad_norm"]  # not a sum: the last step's
+    assert row["skipped"] == 0
+
+
+# -- the training loop and Python's GC ---------------------------------------------------
+def test_fit_leaves_the_gc_as_it_found_it():
+    """The loop keeps pre-existing objects out of the cyclic collector and undoes
+    that afterwards; a freeze the caller made stays."""
+
+    t = mlp_trainer(1)
+    gc.unfreeze()
+    during = []
+    ds = digits()
+    t.fit(ds.x_train, ds.y_train, batch_size=32, until_step=2,
+          hooks=[AfterStep(lambda step: during.append(gc.get_freeze_count()))])
+    assert len(during) == 2 and min(during) > 0  # frozen while the loop ran
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    gc.freeze()
+    try:
+        fit_digits(t, 32, steps=4)
+        assert gc.get_freeze_count() > 0  # unfreezing would have emptied it
+    finally:
+        gc.unfreeze()
+
+
+# -- hooks and triggers ------------------------------------------------------------------
+def test_every_fires_once_per_multiple_crossed():
+    every = loop.Every(5, start=3)
+    assert [s for s in (4, 5, 6, 13, 14, 15, 16) if every(s)] == [5, 13, 15]
+    never = loop.Every(0)
+    assert not any(never(s) for s in range(1, 20))
+
+
+class Record(loop.Hook):
+    def __init__(self):
+        self.events = []
+
+    def on_start(self, step):
+        self.events.append(("start", step))
+
+    def on_log(self, step, row):
+        self.events.append(("log", step))
+
+    def after_step(self, step):
+        self.events.append(("step", step))
+
+
+def test_hooks_see_the_start_each_log_then_each_step():
+    t, record = mlp_trainer(2), Record()
+    ds = digits()
+    t.fit(ds.x_train, ds.y_train, batch_size=32, until_step=3, log_every=2, hooks=[record])
+    assert record.events == [("start", 0), ("step", 1), ("log", 2), ("step", 2),
+                             ("log", 3), ("step", 3)]
+
+
+def test_the_in_flight_bound_is_for_xla_cpu_with_several_devices():
+    assert mlp_trainer(4)._loop_steps().in_flight == loop.CPU_MAX_IN_FLIGHT
+    assert mlp_trainer(1)._loop_steps().in_flight is None  # no rendezvous to overrun
