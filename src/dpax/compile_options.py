@@ -3,12 +3,8 @@
 XLA:CPU emits each fusion with its newer MLIR "fusion emitters" by default.
 For windowed reductions (max and average pooling, and the select-and-scatter
 of max pooling's gradient) the older emitters are faster, and give the same
-bits: one 2x2 max-pool forward + backward on 128x32x32x32 took 46.1 vs 39.1 ms,
-an average pool 2.9 vs 1.0 ms; the cnn workload on 8 simulated devices ran
-1.20x the seeds' pmap loop instead of 1.01x, the digits CNN 1.67x instead of
-1.31x. Elsewhere the new emitters win (the mlp on 8 devices: 1.02x the loop
-with the old ones, 1.31x with the new; a CNN with strided convolutions and no
-pooling 0.94x against 1.04x), so only a step that pools gets the old ones.
+bits; elsewhere the new ones win. So only a step that pools gets the old ones
+(the measurements: benchmarks/README.md, "XLA:CPU options").
 """
 
 from __future__ import annotations
