@@ -38,16 +38,6 @@ class Mean:
 
 
 @struct.dataclass
-class Count:
-    value: Any
-
-    adds = True
-
-    def compute(self):
-        return int(self.value)
-
-
-@struct.dataclass
 class Total:
     value: Any
 
@@ -58,13 +48,14 @@ class Total:
 
 
 @struct.dataclass
-class Last:
-    value: Any
-
-    adds = False
-
+class Count(Total):
     def compute(self):
-        return _scalar(self.value)
+        return int(self.value)
+
+
+@struct.dataclass
+class Last(Total):
+    adds = False
 
 
 METRIC_TYPES = (Mean, Count, Total, Last)
