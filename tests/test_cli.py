@@ -82,6 +82,10 @@ def bad_inputs(tmp_path):
         "steps and epochs": (["--steps", "5", "--epochs", "2"], "exactly one"),
         "steps 0": (["--steps", "0"], "--steps"),
         "cnn on flat data": (["--model", "cnn", "--data", "regression"], "NHWC"),
+        "unknown sharding": (["--sharding", "zero3"], "--sharding must be one of"),
+        "sharded on pmap": (["--sharding", "full", "--backend", "pmap"],
+                            "needs --backend shard_map"),
+        "the old ZeRO-1 flag": (["--shard-optimizer-state"], "now --sharding optimizer"),
     }
 
 

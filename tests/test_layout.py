@@ -1,62 +1,182 @@
-"""State layouts (`dpax.layout`): ZeRO-1's sharded optimizer state gives the
-replicated layout's numbers, holds 1/N of the bytes, and checkpoints without
-its padding."""
+"""State layouts (`dpax.layout`): ZeRO-1 and FSDP give one device's numbers
+for any device count (their leaves padded to a multiple of N), hold 1/N of the
+bytes, and checkpoint one logical copy that resumes in any layout."""
+
+import functools
+import math
 
 import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
-from conftest import STEPS, digits, fit_digits, leaves, max_diff, mlp_trainer
+import dpax
+from conftest import STEPS, digits, fit_digits, leaves, max_diff
 from dpax.errors import DpaxError
-from dpax.layout import ShardedOptimizer, check_sharded_optimizer
+
+BATCH = 61  # uneven for every N below
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.05, momentum=0.9),
+              "adam": lambda: optax.adam(3e-3)}
 
 
-def test_the_sharded_layout_pads_to_a_multiple_of_n_and_checkpoints_without_it():
-    layout = ShardedOptimizer(n_devices=8, n_params=13)
-    assert layout.padded == 16
-    padded = np.arange(16.0)
-    saved = layout.to_logical("opt_state.0.mu", padded)
-    assert saved.shape == (13,)
-    np.testing.assert_array_equal(layout.from_logical("opt_state.0.mu", saved, padded),
-                                  np.r_[np.arange(13.0), 0, 0, 0])
-    assert layout.to_logical("params.w", padded) is padded  # only the optimizer's vectors
+def odd_mlp():
+    # Hidden width 23: its layers' sizes (64*23, 23, 23*23, 23*10) divide none
+    # of 3, 5 and 7, so every sharded leaf at those N is padded.
+    ds = digits()
+    return dpax.models.MLP(ds.input_shape, ds.n_out, hidden=23, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("backend,steps_per_call,clip", [
-    ("pmap", 1, None), ("shard_map", 4, None), ("shard_map", 1, 1.0)])
-def test_the_sharded_layout_rule_lives_in_one_place(backend, steps_per_call, clip):
-    with pytest.raises(DpaxError, match="`shard_optimizer_state` needs"):
-        check_sharded_optimizer(backend, steps_per_call, clip)
-    if clip is None:  # a clip lives in the optax chain, which the Trainer cannot see
-        with pytest.raises(DpaxError, match="`shard_optimizer_state` needs"):
-            mlp_trainer(2, backend=backend, steps_per_call=steps_per_call,
-                        shard_optimizer_state=True)
+def trainer(n, opt="sgd", **kw):
+    return dpax.Trainer(odd_mlp(), dpax.classification_loss, OPTIMIZERS[opt](), devices=n, **kw)
 
 
-# -- ZeRO-1 ------------------------------------------------------------------------------
-def opt_bytes_on_first_device(t):
+@functools.cache
+def one_device(opt, **kw):
+    """(loss curve, params) of the replicated run on one device."""
+    t = trainer(1, opt, **kw)
+    return [r["loss"] for r in fit_digits(t, BATCH)], leaves(t)
+
+
+def compare(t, opt, **kw):
+    curve = [r["loss"] for r in fit_digits(t, BATCH)]
+    ref_curve, ref = one_device(opt, **kw)
+    rel = max(abs(a - b) / a for a, b in zip(ref_curve, curve))
+    return max_diff(leaves(t), ref), rel
+
+
+@pytest.mark.parametrize("sharding,n,opt", [
+    *[("full", n, opt) for n in (1, 2, 3, 4, 5, 8) for opt in ("sgd", "adam")],
+    ("full", 7, "momentum"), ("full", 5, "momentum"),
+    ("optimizer", 3, "adam"), ("optimizer", 8, "momentum")])
+def test_sharded_layouts_equal_one_device_for_any_n(sharding, n, opt):
+    t = trainer(n, opt, sharding=sharding)
+    diff, rel = compare(t, opt)
+    print(f"{sharding} {opt} N={n}: params {diff:.2e}, loss curve rel {rel:.2e}")
+    if opt == "adam":  # Adam divides by sqrt(v): its params amplify rounding
+        assert rel <= 1e-4 and diff <= 1e-4
+    else:
+        assert diff <= 1e-5 and rel <= 1e-5
+
+
+@pytest.mark.parametrize("kw", [{"grad_accum": 4}, {"steps_per_call": 4},
+                                {"clip_norm": 0.2}], ids=lambda kw: next(iter(kw)))
+def test_fsdp_equals_one_device_with_accumulation_multi_step_calls_and_clipping(kw):
+    t = trainer(3, "momentum", sharding="full", **kw)
+    ref_kw = {"clip_norm": kw["clip_norm"]} if "clip_norm" in kw else {}
+    diff, rel = compare(t, "momentum", **ref_kw)
+    print(f"full N=3 {kw}: params {diff:.2e}, loss curve rel {rel:.2e}")
+    # With 4 steps per call, a log row is the mean of the call's 4 steps.
+    assert diff <= 1e-5 and (rel <= 1e-5 or "steps_per_call" in kw)
+    if "clip_norm" in kw:  # the clip acted: the global norm is 0.3-0.4
+        unclipped = one_device("momentum")[1]
+        assert max_diff(leaves(t), unclipped) > 1e-3
+
+
+def test_fsdp_in_bf16_equals_replicated_in_bf16():
+    kw = dict(precision="bf16", allreduce_dtype="bf16")
+    full, rep = trainer(4, "sgd", sharding="full", **kw), trainer(4, "sgd", **kw)
+    fit_digits(full, BATCH), fit_digits(rep, BATCH)
+    diff = max_diff(leaves(full), leaves(rep))
+    print(f"bf16 compute and all-reduce, full vs replicated on 4: {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_fsdp_with_syncbatchnorm_and_dropout_equals_one_device():
+    ds = dpax.data.random_images(n=256, side=8, classes=4)
+
+    def cnn_bn(n, **kw):
+        model = dpax.models.CNNBN(ds.input_shape, ds.n_out, width=8, rngs=nnx.Rngs(0))
+        t = dpax.Trainer(model, dpax.classification_loss, optax.sgd(0.05), devices=n, **kw)
+        t.fit(ds.x_train, ds.y_train, batch_size=BATCH, until_step=5)
+        return t
+
+    full, one = cnn_bn(5, sharding="full"), cnn_bn(1)
+    diff = max_diff(leaves(full), leaves(one))
+    stats = max_diff(nnx.state(full.model(), nnx.BatchStat),
+                     nnx.state(one.model(), nnx.BatchStat))
+    print(f"cnn-bn full N=5 vs 1: params {diff:.2e}, batch statistics {stats:.2e}")
+    assert diff <= 1e-5 and stats <= 1e-5
+
+
+def bytes_on_first_device(t, *fields):
     first = t.backend.devices[0]
-    return sum(s.data.nbytes for x in jax.tree.leaves(t.state.opt_state)
+    return sum(s.data.nbytes for f in fields for x in jax.tree.leaves(getattr(t.state, f))
                for s in x.addressable_shards if s.device == first)
 
 
-@pytest.mark.parametrize("name,tx", [("momentum", optax.sgd(0.05, momentum=0.9)),
-                                     ("adam", optax.adam(3e-3))])
-def test_sharded_optimizer_state_equals_replicated(name, tx):
-    rep, zero = mlp_trainer(8, tx=tx), mlp_trainer(8, tx=tx, shard_optimizer_state=True)
-    curve_rep = [r["loss"] for r in fit_digits(rep, 61)]
-    curve_zero = [r["loss"] for r in fit_digits(zero, 61)]
-    diff = max_diff(leaves(zero), leaves(rep))
-    rel = max(abs(a - b) / a for a, b in zip(curve_rep, curve_zero))
-    ratio = opt_bytes_on_first_device(zero) / (opt_bytes_on_first_device(rep) / 8)
-    print(f"ZeRO-1 {name}: params {diff:.2e}, loss curve rel {rel:.2e}, "
-          f"optimizer bytes/device = {ratio:.3f} x replicated/8")
-    assert diff <= 1e-5 and rel <= 1e-5
-    assert 0.9 <= ratio <= 1.1
-    # Its checkpoint is device-count independent: resume on 3 devices.
-    other = mlp_trainer(3, tx=tx, shard_optimizer_state=True)
-    other.load_state_dict(zero.state_dict())
-    rep.fit(digits().x_train, digits().y_train, batch_size=61, until_step=STEPS + 3)
-    other.fit(digits().x_train, digits().y_train, batch_size=61, until_step=STEPS + 3)
-    assert max_diff(leaves(other), leaves(rep)) <= 1e-5
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_each_device_holds_1_over_n_of_the_state(n):
+    rep, full = trainer(n, "adam"), trainer(n, "adam", sharding="full")
+    zero = trainer(n, "adam", sharding="optimizer")
+    whole = bytes_on_first_device(rep, "params", "opt_state")
+    leaves_ = jax.tree.leaves(rep.state.params)
+    # The padding: under n elements per param leaf, in params and both moments.
+    slack = 3 * 4 * (n - 1) * len(leaves_) / n + 4  # + Adam's replicated step count
+    mine = bytes_on_first_device(full, "params", "opt_state")
+    print(f"N={n}: full holds {mine} B/device, replicated/N {whole / n:.0f} B")
+    assert whole / n <= mine <= whole / n + slack
+    opt = bytes_on_first_device(zero, "opt_state")
+    assert opt <= bytes_on_first_device(rep, "opt_state") / n + slack
+    assert bytes_on_first_device(zero, "params") == bytes_on_first_device(rep, "params")
+
+
+def test_checkpoints_resume_across_layouts_and_device_counts():
+    """A fully sharded state on 8 devices resumes replicated on 2, and a
+    replicated one on 2 resumes fully sharded on 5: the state_dict is one
+    logical copy without padding."""
+    ds = digits()
+    ref = trainer(1, "adam")
+    ref.fit(ds.x_train, ds.y_train, batch_size=BATCH, until_step=STEPS + 6)
+
+    first = trainer(8, "adam", sharding="full")
+    first.fit(ds.x_train, ds.y_train, batch_size=BATCH, until_step=STEPS)
+    saved = first.state_dict()
+    assert {k: np.shape(v) for k, v in saved.items()} == {
+        k: np.shape(v) for k, v in ref.state_dict().items()}  # logical shapes
+    second = trainer(2, "adam")
+    second.load_state_dict(saved)
+    second.fit(ds.x_train, ds.y_train, batch_size=BATCH, until_step=STEPS + 3)
+    third = trainer(5, "adam", sharding="full")
+    third.load_state_dict(second.state_dict())
+    third.fit(ds.x_train, ds.y_train, batch_size=BATCH, until_step=STEPS + 6)
+    diff = max_diff(leaves(third), leaves(ref))
+    print(f"full/8 -> replicated/2 -> full/5 vs uninterrupted on 1: {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_fsdp_evaluates_and_predicts_like_replicated():
+    ds = digits()
+    full = dpax.Trainer(odd_mlp(), dpax.classification_loss, optax.sgd(0.1), devices=3,
+                        sharding="full", predict_fn=dpax.classification_predict)
+    fit_digits(full, BATCH, steps=40)
+    rep = trainer(3)
+    rep.load_state_dict(full.state_dict())
+    a, b = full.evaluate(ds.x_eval, ds.y_eval), rep.evaluate(ds.x_eval, ds.y_eval)
+    assert a == pytest.approx(b, rel=1e-6) and a["accuracy"] > 0.3  # learned: chance is 0.1
+    np.testing.assert_array_equal(full.predict(ds.x_eval),
+                                  np.argmax(rep.model()(ds.x_eval), -1))
+
+
+def test_a_step_whose_new_params_are_not_finite_is_skipped_when_sharded():
+    """Sharded layouts check their updated slice in an all-reduce: the slice
+    is the only copy."""
+    ds = digits()
+    for sharding in ("optimizer", "full"):
+        t = dpax.Trainer(odd_mlp(), dpax.classification_loss,
+                         optax.sgd(0.1, momentum=math.nan), devices=2, max_bad_steps=None,
+                         sharding=sharding)
+        before = leaves(t)
+        rows = t.fit(ds.x_train, ds.y_train, batch_size=50, until_step=3, log_every=3)
+        assert rows[-1]["skipped"] == 3
+        for a, b in zip(before, leaves(t)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"sharding": "full", "backend": "pmap"}, "`sharding=full` needs `backend=shard_map`"),
+    ({"sharding": "zero3"}, "`sharding` must be one of replicated, optimizer, full"),
+    ({"shard_optimizer_state": True}, "now `sharding='optimizer'`")])
+def test_sharding_mistakes_are_one_line_errors(kw, message):
+    with pytest.raises(DpaxError, match=message):
+        trainer(2, **kw)

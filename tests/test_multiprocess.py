@@ -55,6 +55,25 @@ def test_launch_2x2_equals_1x4_equals_1x1(tmp_path, capsys):
         assert diff <= 1e-5
 
 
+def test_fsdp_launch_2x2_equals_replicated_and_its_checkpoint_resumes_replicated(tmp_path):
+    """Fully sharded over 2 processes x 2 devices, Adam: one device's numbers,
+    and its step-5 checkpoint (one logical copy) resumes replicated on 2."""
+    run = [*RUN, "--optimizer", "adam", "--lr", "0.01"]  # the later --optimizer wins
+    ck = str(tmp_path / "ck")
+    r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *run, "--sharding", "full",
+               "--checkpoint-dir", ck, "--checkpoint-every", "5", "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    launched = dict(np.load(tmp_path / "a" / "params.npz"))
+    assert main(["train", *run, "--devices", "4", "--out", str(tmp_path / "four")]) == 0
+    assert main(["train", *run, "--devices", "2", "--resume", f"{ck}/5",
+                 "--out", str(tmp_path / "resumed")]) == 0
+    for name in ("four", "resumed"):
+        ref = dict(np.load(tmp_path / name / "params.npz"))
+        diff = max(float(np.max(np.abs(launched[k] - ref[k]))) for k in ref)
+        print(f"FSDP launched 2x2 vs {name}: max |diff| {diff:.2e}")
+        assert diff <= 1e-5
+
+
 def _children(ppid):
     """{pid: command line} of the live processes whose parent is `ppid` (from /proc)."""
     kids = {}

@@ -1,5 +1,4 @@
-"""`Trainer` (`dpax.trainer`): batches of any size through `fit_stream`, ZeRO-1's
-layout (`dpax.layout`) against the replicated one."""
+"""`Trainer` (`dpax.trainer`): batches of any size through `fit_stream`."""
 
 import numpy as np
 import optax

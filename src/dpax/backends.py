@@ -115,7 +115,7 @@ class ShardMapBackend:
         replicated running metric sums of a training step (not donated: the
         host waits on earlier ones to bound the steps in flight)."""
         batch_spec = P(AXIS) if batch_spec is None else batch_spec
-        # A sharded state (ZeRO-1) rebuilds the params with all_gather, whose result
+        # A sharded state (`dpax.layout`) rebuilds the params with all_gather, whose result
         # JAX 0.10 cannot type as replicated; the check is off for that step only,
         # as it is in pmap. The step's own pcast/psum are explicit either way. On
         # one device it is off too, so that the step's all-reduces can be left out
@@ -139,15 +139,16 @@ class ShardMapBackend:
 
     def train(self, fn: Callable, state_spec=None) -> Callable:
         """`fn(state, metric sums, shard) -> (state, metric sums)`; `state_spec`
-        lays out a state that is not fully replicated (ZeRO-1's optimizer slices)."""
+        lays out a state that is not fully replicated (`dpax.layout`'s slices)."""
         out_state = P() if state_spec is None else state_spec
         return self._wrap(fn, (out_state, P()), donate=True, state_spec=state_spec,
                           carries_metrics=True)
 
-    def train_multi(self, fn: Callable) -> Callable:
+    def train_multi(self, fn: Callable, state_spec=None) -> Callable:
         """`fn(state, metric sums, batches)`, batches stacked along a leading step axis."""
-        return self._wrap(fn, (P(), P()), donate=True, batch_spec=P(None, AXIS),
-                          carries_metrics=True)
+        out_state = P() if state_spec is None else state_spec
+        return self._wrap(fn, (out_state, P()), donate=True, batch_spec=P(None, AXIS),
+                          state_spec=state_spec, carries_metrics=True)
 
     def reduce(self, fn: Callable, state_spec=None) -> Callable:
         return self._wrap(fn, P(), donate=False, state_spec=state_spec)
@@ -217,7 +218,7 @@ class PmapBackend:
     def train(self, fn: Callable, state_spec=None) -> Callable:
         return self._wrap(fn, donate=True)  # no state_spec: `layout` allows none with pmap
 
-    def train_multi(self, fn: Callable) -> Callable:
+    def train_multi(self, fn: Callable, state_spec=None) -> Callable:
         return self._wrap(fn, donate=True)
 
     def reduce(self, fn: Callable, state_spec=None) -> Callable:

@@ -14,6 +14,7 @@ import typing
 import warnings
 
 from dpax.config import (
+    RENAMED,
     BenchConfig,
     CheckConfig,
     EvalConfig,
@@ -163,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    for old, new in RENAMED.items():
+        flag = "--" + old.replace("_", "-")
+        if flag in extra:
+            parser.commands[args.command].error(
+                f"{flag} is now --{new.replace('_', '-').replace(':', '')}")
     if extra:  # named by the subcommand, whose -h lists what it takes
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:

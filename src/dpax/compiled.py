@@ -48,19 +48,19 @@ class CompiledSteps:
 
         self.train = backend.train(self._flat("train", summing, True), leaf_specs)
         self.train_multi = backend.train_multi(
-            self._flat("train_multi", make_multi_step(summing), True))
+            self._flat("train_multi", make_multi_step(summing), True), leaf_specs)
         # Traced (never compiled), for the shapes of the metrics.
         self._metrics_only = backend.reduce(
             self._flat("metrics_only", lambda state, batch: train_step(state, batch)[1]),
             leaf_specs)
         self.packing: metrics.Packing | None = None
         self._zero_sums = None
-        self.eval = backend.reduce(self._flat("eval", make_eval_step(graphdef, loss_fn)),
-                                   leaf_specs)
+        eval_step = make_eval_step(graphdef, loss_fn, options.layout)
+        self.eval = backend.reduce(self._flat("eval", eval_step), leaf_specs)
         self.predict = None
         if predict_fn is not None:
-            self.predict = backend.per_example(
-                self._flat("predict", make_predict_step(graphdef, predict_fn)), leaf_specs)
+            predict_step = make_predict_step(graphdef, predict_fn, options.layout)
+            self.predict = backend.per_example(self._flat("predict", predict_step), leaf_specs)
 
     def _flat(self, kind: str, fn: Callable, returns_state: bool = False) -> Callable:
         """`fn(state, *args)` as a function of the state's leaves (returning new

@@ -19,6 +19,9 @@ from dpax.pipeline import EVAL_BATCH
 
 F32_MAX = 3.4028234663852886e38  # the largest finite float32
 
+# Fields of earlier versions: old name -> what replaces it.
+RENAMED = {"shard_optimizer_state": "sharding: optimizer"}
+
 # The main job's length when neither --epochs nor --steps is given.
 DEFAULT_EPOCHS = 15
 
@@ -33,7 +36,8 @@ def _field(default, help: str, how: bool = False, **meta):
 class TrainConfig:
     """One training run. The default is the main job: the digits CNN on 8 devices."""
 
-    model: str = _field("cnn", "model: linear, mlp, cnn or cnn-bn (BatchNorm + dropout)")
+    model: str = _field("cnn", "model: linear, mlp, cnn, cnn-bn (BatchNorm + dropout) or deep-mlp "
+                      "(~100M params)")
     data: str = _field("digits", "data: regression, digits, random-images, or a path to a .npz")
     devices: int | None = _field(
         None, "devices per process (default: all local accelerators; on CPU, 8 simulated)",
@@ -62,9 +66,10 @@ class TrainConfig:
     sync_batchnorm: bool = _field(
         True, "BatchNorm statistics over the global batch (--no-sync-batchnorm: per "
               "device, not equivalent to one device)")
-    shard_optimizer_state: bool = _field(
-        False, "ZeRO-1: each device keeps 1/N of the optimizer state (shard_map backend)",
-        how=True)
+    sharding: str = _field(
+        "replicated", "where the state lives: replicated; optimizer (ZeRO-1: optimizer state "
+        "1/N per device); full (FSDP: params, gradients and optimizer state 1/N per device); "
+        "shard_map backend", how=True)
     steps_per_call: int = _field(
         1, "training steps per compiled call (a scan over batches on the device)", how=True)
     seed: int = _field(0, "seed of the init and of the batch order")
@@ -132,10 +137,22 @@ class TrainConfig:
             raise DpaxError(f"--config {path} must hold a mapping of field: value")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(loaded) - known)
+        for name in unknown:
+            if name in RENAMED:
+                raise DpaxError(f"--config {path}: `{name}` is now `{RENAMED[name]}`")
         if unknown:
             raise DpaxError(f"--config {path}: unknown field(s) {', '.join(unknown)}; "
                             "see dpax train --help")
         return loaded
+
+    @classmethod
+    def from_saved(cls, saved: dict) -> TrainConfig:
+        """The config a checkpoint's metadata holds, fields of earlier versions
+        translated (`RENAMED`)."""
+        saved = dict(saved)
+        if saved.pop("shard_optimizer_state", False):
+            saved["sharding"] = "optimizer"
+        return cls(**saved)
 
     def what_is_trained(self) -> dict:
         """The fields that define what is trained; a resume may change only the others."""
@@ -146,7 +163,7 @@ class TrainConfig:
         """Raise `DpaxError` for a value no run can use, before anything is written."""
         from dpax import data, models, optim
         from dpax.devices import MAX_SIMULATED_DEVICES
-        from dpax.layout import check_sharded_optimizer
+        from dpax.layout import check_sharding
         from dpax.trainer import compute_dtype
 
         check_types(self)
@@ -208,8 +225,7 @@ class TrainConfig:
                 raise DpaxError("`profile_steps` needs `out` for the trace")
         if self.tensorboard and self.out is None:
             raise DpaxError("`tensorboard` needs `out` for the event files")
-        if self.shard_optimizer_state:
-            check_sharded_optimizer(self.backend, self.steps_per_call, self.clip_norm)
+        check_sharding(self.sharding, self.backend)
         if self.quiet and self.verbose:
             raise DpaxError("give `quiet` or `verbose`, not both")
         if self.overwrite and self.resume is not None:

@@ -11,7 +11,6 @@ import sys
 import warnings
 
 import numpy as np
-import optax
 from flax import nnx, traverse_util
 
 from dpax import data as data_mod
@@ -108,9 +107,6 @@ def make_trainer(config: TrainConfig, task: str, input_shape: tuple[int, ...], n
         lr = optim.scaled_lr(lr, config.batch_size, config.reference_batch)
     schedule = optim.make_schedule(lr, config.schedule, config.warmup_steps, total)
     tx = optim.make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay)
-    if config.clip_norm is not None:
-        # Clipping sees the reduced gradient, so every replica clips identically.
-        tx = optax.chain(optax.clip_by_global_norm(config.clip_norm), tx)
     loss_fn, predict_fn = losses.for_task(task)
     model = models.make_model(config.model, input_shape, n_out, config.seed)
     return Trainer(model, loss_fn, tx, devices=config.devices, backend=config.backend,
@@ -118,14 +114,14 @@ def make_trainer(config: TrainConfig, task: str, input_shape: tuple[int, ...], n
                    precision=config.precision, allreduce_dtype=config.allreduce_dtype,
                    max_bad_steps=config.max_bad_steps,
                    steps_per_call=config.steps_per_call, seed=config.seed,
-                   sync_batchnorm=config.sync_batchnorm,
-                   shard_optimizer_state=config.shard_optimizer_state)
+                   sync_batchnorm=config.sync_batchnorm, sharding=config.sharding,
+                   clip_norm=config.clip_norm)
 
 
 def _check_same_meaning(saved: dict, config: TrainConfig) -> None:
     """Refuse a resume that changes what is trained; say what a longer or
     shorter run changes of the schedule."""
-    old = TrainConfig(**saved)
+    old = TrainConfig.from_saved(saved)
     was = old.what_is_trained()
     for key, value in config.what_is_trained().items():
         if was.get(key) != value:
@@ -350,10 +346,14 @@ def load_checkpoint(path: str, devices: int | None = None,
     except Exception as e:  # Orbax raises many types for damaged files
         raise DpaxError(f"checkpoint step {newest} in {directory} is unreadable "
                         f"({type(e).__name__}); give an older step directory") from None
-    saved = dict(meta["config"], devices=devices, backend=backend, resume=None,
-                 checkpoint_dir=None, checkpoint_every=0, out=None, coordinator=None,
-                 num_processes=None, process_id=None, overwrite=False)
-    config = TrainConfig(**saved)
+    saved = TrainConfig.from_saved(meta["config"])
+    # The run's sharding where the backend allows it: a model that needed
+    # sharding to train needs it to evaluate.
+    sharding = saved.sharding if backend == "shard_map" else "replicated"
+    config = dataclasses.replace(
+        saved, devices=devices, backend=backend, sharding=sharding, resume=None,
+        checkpoint_dir=None, checkpoint_every=0, out=None, coordinator=None, num_processes=None,
+        process_id=None, overwrite=False)
     config.validate()
     trainer = make_trainer(config, meta["task"], tuple(meta["input_shape"]), meta["n_out"],
                            meta.get("total", 1))

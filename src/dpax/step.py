@@ -49,20 +49,21 @@ class StepOptions:
     allreduce_dtype: Any = None  # e.g. jnp.bfloat16 halves the gradient bytes reduced
     skip_nonfinite: bool = True  # a NaN/inf loss or gradient leaves the state unchanged
     average_state: bool = False  # pmean non-param model state (per-device batch stats)
+    clip_norm: float | None = None  # clip the mean gradient to this global norm
     # Where the state lives and how the update runs (`dpax.layout`).
     layout: Replicated = dataclasses.field(default_factory=Replicated)
 
 
 def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 0,
                layout: Replicated | None = None):
-    """Split a model into its static graph and a `TrainState`."""
+    """Split a model into its static graph and a `TrainState`, laid out by
+    `layout` (default: replicated)."""
     layout = layout or Replicated()
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
     # Two separate zeros: one buffer in two donated fields would be donated twice.
     step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     rng = jax.random.key_data(jax.random.key(seed))
-    return graphdef, TrainState(step, params, model_state, layout.init_opt_state(tx, params),
-                                bad, rng)
+    return graphdef, layout.physical(TrainState(step, params, model_state, None, bad, rng), tx)
 
 
 def _with_index(batch: dict) -> dict:
@@ -128,12 +129,13 @@ def make_train_step(
     """The per-device training step: `(state, shard) -> (state, metrics)`, the
     metrics typed (`dpax.metrics`) and the same on every replica."""
     n_micro = options.grad_accum
+    layout = options.layout
 
     def train_step(state: TrainState, batch: dict):
-        # Differentiate this device's own loss sum. Without the cast, shard_map
-        # would transpose the replicated params into an implicit psum, and the
-        # explicit one below would count every gradient N times.
-        local_params = jax.lax.pcast(state.params, AXIS, to="varying")
+        # What this device's loss sum is differentiated by, and how the model's
+        # params come from it (the layout's: e.g. all-gathered slices).
+        wrt, use = layout.grad_target(state.params, options.compute_dtype,
+                                      options.allreduce_dtype)
 
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         batch = _with_index(batch)
@@ -143,7 +145,8 @@ def make_train_step(
                 # Fresh Variable objects at this trace level: NNX refuses to update
                 # (e.g. BatchNorm's running averages) Variables from an outer trace.
                 fresh = jax.tree.map(lambda a: a, model_state)
-                model = nnx.merge(graphdef, _cast_floats(params, options.compute_dtype), fresh)
+                model = nnx.merge(graphdef, _cast_floats(use(params), options.compute_dtype),
+                                  fresh)
                 model.train()  # batch statistics and dropout on
                 micro_in = {**micro, "x": _cast_floats(micro["x"], options.compute_dtype)}
                 with batch_context(_context(micro_in, step_key)):
@@ -154,7 +157,7 @@ def make_train_step(
                 return loss_sum, (count, sums, new_state)
 
             (loss_sum, (count, sums, model_state)), grads = jax.value_and_grad(
-                local_loss_sum, has_aux=True)(local_params)
+                local_loss_sum, has_aux=True)(wrt)
             return (loss_sum, count, sums, grads), model_state
 
         if n_micro == 1:
@@ -183,9 +186,11 @@ def make_train_step(
             for i, mean in zip(floats, pmean_packed([leaves[i] for i in floats], AXIS)):
                 leaves[i] = mean
             model_state = jax.tree.unflatten(treedef, leaves)
-        grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
+        if not layout.grads_reduced:
+            grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
         loss_sum, count, sums, params, opt_state, grad_norm, grads_finite = (
-            options.layout.reduce_and_update(tx, state, loss_sum, count, grad_sums, sums))
+            layout.reduce_and_update(tx, state, loss_sum, count, grad_sums, sums,
+                                     options.clip_norm))
         # Reduced values: the same on every replica.
         finite = grads_finite & jnp.isfinite(loss_sum)
         if options.skip_nonfinite:
@@ -238,11 +243,11 @@ def make_multi_step(step: Callable) -> Callable:
     return multi_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
+def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Replicated):
     """The per-device eval step: `(state, shard) -> metrics` of the global batch."""
 
     def eval_step(state: TrainState, batch: dict):
-        model = nnx.merge(graphdef, state.params, state.model_state)
+        model = nnx.merge(graphdef, layout.full_params(state.params), state.model_state)
         model.eval()  # running averages, no dropout
         batch = _with_index(batch)
         with batch_context(_context(batch, None)):
@@ -252,11 +257,11 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
     return eval_step
 
 
-def make_predict_step(graphdef: nnx.GraphDef, predict_fn: Callable):
+def make_predict_step(graphdef: nnx.GraphDef, predict_fn: Callable, layout: Replicated):
     """The per-device predict step: one output per example of the shard."""
 
     def predict_step(state: TrainState, batch: dict):
-        model = nnx.merge(graphdef, state.params, state.model_state)
+        model = nnx.merge(graphdef, layout.full_params(state.params), state.model_state)
         model.eval()
         return predict_fn(model, batch)
 

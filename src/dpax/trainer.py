@@ -60,10 +60,15 @@ class Trainer:
       sync_batchnorm: convert `nnx.BatchNorm` layers to `SyncBatchNorm`
         (global masked statistics). False keeps per-device statistics (the
         running averages are then averaged across devices): not equivalent.
-      shard_optimizer_state: ZeRO-1 (shard_map backend): each device keeps and
-        updates 1/N of the optimizer state after a reduce-scatter of the
-        gradients, then the params are all-gathered. Exact for elementwise
-        optimizers (SGD, momentum, Adam); not for a global-norm clip.
+      sharding: where the state lives (`dpax.layout`): "replicated" (every
+        device holds all of it), "optimizer" (ZeRO-1: the optimizer state 1/N
+        per device) or "full" (FSDP: params, gradients and optimizer state 1/N
+        per device, params all-gathered where the model uses them). Any N; the
+        sharded modes need the shard_map backend and an elementwise optimizer
+        (SGD, momentum, Adam, AdamW: exact). Checkpoints resume in any mode.
+      clip_norm: clip the mean gradient to this global norm (the norm of the
+        whole gradient in every mode). Use this, not `optax.clip_by_global_norm`
+        in the chain: under a sharded mode the chain sees only a slice.
       compile_options: XLA options for every compiled step (shard_map backend),
         e.g. `{}` for XLA's defaults; None: dpax's per-step choice
         (`dpax.compile_options`: XLA:CPU's older emitters for steps that pool).
@@ -86,9 +91,14 @@ class Trainer:
         steps_per_call: int = 1,
         seed: int = 0,
         sync_batchnorm: bool = True,
-        shard_optimizer_state: bool = False,
+        sharding: str = "replicated",
+        clip_norm: float | None = None,
         compile_options: dict[str, Any] | None = None,
+        shard_optimizer_state: bool | None = None,
     ):
+        if shard_optimizer_state is not None:
+            raise DpaxError("`shard_optimizer_state` is now `sharding='optimizer'` "
+                            "(or 'full' to shard the params too)")
         devs = devices if isinstance(devices, (list, tuple)) else select_devices(devices)
         self.backend = make_backend(backend, devs, compile_options)
         self.n_devices = self.backend.n
@@ -98,12 +108,12 @@ class Trainer:
             raise DpaxError(f"`steps_per_call` must be >= 1, got {steps_per_call!r}")
         self.steps_per_call = steps_per_call
         synchronize(model, batchnorm=sync_batchnorm)
-        self.layout = make_layout(shard_optimizer_state, self.backend.name, steps_per_call,
-                                  self.n_devices, nnx.state(model, nnx.Param))
+        self.layout = make_layout(sharding, self.backend, grad_accum)
         options = StepOptions(grad_accum=grad_accum,
                               compute_dtype=compute_dtype(precision, "precision"),
                               allreduce_dtype=compute_dtype(allreduce_dtype, "allreduce_dtype"),
-                              average_state=has_per_device_state(model), layout=self.layout)
+                              average_state=has_per_device_state(model), clip_norm=clip_norm,
+                              layout=self.layout)
         self._graphdef, state = init_state(model, optimizer, seed, self.layout)
         self._specs = self.layout.specs(state)
         self.state = self.backend.put_state(state, self._specs)
@@ -273,13 +283,12 @@ class Trainer:
     # -- results ---------------------------------------------------------------------
     @property
     def params(self) -> nnx.State:
-        """Host copy of the parameters (replica 0 of this process)."""
-        return self.backend.host(self.state.params)
+        """Host copy of the parameters in their model shapes (whatever the layout)."""
+        return self.backend.host(self.layout.logical_params(self.state.params))
 
     def model(self) -> nnx.Module:
         """The trained model on the host, ready for single-device use."""
-        host = self.backend.host(self.state)
-        return nnx.merge(self._graphdef, host.params, host.model_state)
+        return nnx.merge(self._graphdef, self.params, self.backend.host(self.state.model_state))
 
 
 def compute_dtype(name: str, argument: str = "precision"):
