@@ -276,7 +276,7 @@ def _bench(args) -> int:
     from dpax.bench import run_bench
 
     run_bench(config.names(), config.counts(), config.repeats, config.steps,
-              config.steps_per_call, config.sweep, config.out)
+              config.steps_per_call, config.sweep, config.out, config.layouts())
     print(f"wrote {config.out}/results.md")
     return 0
 

@@ -345,11 +345,16 @@ class BenchConfig:
     steps: int | None = _field(None, "steps per repeat (default: per workload)")
     steps_per_call: int = _field(8, "K for the dpax/k=K row (1 leaves it out)")
     sweep: bool = _field(True, "also the examples/s vs batch size sweep")
+    sharding: str = _field("replicated", "comma-separated state layouts to time on shard_map: "
+                           "replicated, optimizer, full (one dpax/<layout> row each)")
     out: str = _field("benchmarks/results", "where results.md, results.json and PNGs go",
                       metavar="DIR")
 
     def names(self) -> list[str]:
         return [w for w in self.workloads.split(",") if w]
+
+    def layouts(self) -> list[str]:
+        return [m for m in self.sharding.split(",") if m]
 
     def counts(self) -> list[int]:
         try:
@@ -370,3 +375,7 @@ class BenchConfig:
             raise DpaxError(f"`devices` must be counts >= 1, got {self.devices!r}")
         for name in ("repeats", "steps", "steps_per_call"):
             check_whole(self, name)
+        from dpax.layout import check_sharding
+
+        for mode in self.layouts():
+            check_sharding(mode, "shard_map")

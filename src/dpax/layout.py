@@ -242,12 +242,19 @@ class Sharded(Replicated):
         if not self.full:
             return params
         leaves, treedef = jax.tree.flatten(params)
-        return jax.tree.unflatten(treedef, [self._unpad(x, s)
+        return jax.tree.unflatten(treedef, [self._whole(x, s)
                                             for x, s in zip(leaves, self._param_shapes)])
+
+    def _whole(self, x, shape):
+        """A sharded leaf in its logical shape: on the host with one process
+        (one copy, not one per device); else replicated over the mesh."""
+        if jax.process_count() == 1:
+            return _unpad(np.asarray(x), shape)
+        return self._unpad(x, shape)
 
     def to_logical(self, key, leaf):
         if key in self._logical:
-            return self._unpad(leaf, self._logical[key])
+            return self._whole(leaf, self._logical[key])
         return leaf
 
     def from_logical(self, key, value, like):

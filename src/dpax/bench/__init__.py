@@ -16,7 +16,7 @@ __all__ = ["WORKLOADS", "run_bench"]
 
 
 def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
-              sweep=True, out_dir="benchmarks/results", log=print) -> list[dict]:
+              sweep=True, out_dir="benchmarks/results", shardings=(), log=print) -> list[dict]:
     """Measure everything; write results.md, results.json and PNGs to `out_dir`."""
     os.makedirs(out_dir, exist_ok=True)
     peak = matmul_peak()
@@ -34,6 +34,8 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
             if steps_per_call > 1:
                 methods.append(bench_dpax(w, n, "shard_map", w.batch_size, steps_per_call,
                                           f"dpax/k={steps_per_call}"))
+            methods += [bench_dpax(w, n, "shard_map", w.batch_size, name=f"dpax/{mode}",
+                                   sharding=mode) for mode in shardings if mode != "replicated"]
             rates = time_interleaved(methods, s, repeats)
             loop_med = statistics.median(rates["pmap loop"])
             for m in methods:
@@ -41,6 +43,7 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
                 row = {"workload": name, "devices": n, "method": m.name,
                        "compile_s": m.compile_s, "steps_per_sec": med, "min": min(rates[m.name]),
                        "vs_pmap_loop": med / loop_med, "memory_mib": m.memory / 2**20,
+                       "state_mib": m.state / 2**20,
                        "batch_size": w.batch_size}
                 if w.flops_per_example:
                     row["flops_frac"] = w.flops_per_example * w.batch_size * med / peak

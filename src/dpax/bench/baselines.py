@@ -2,6 +2,7 @@
 
   dpax/shard_map, dpax/pmap   the real `Trainer.fit` path (host batches, masks, metrics)
   dpax/k=K                    the same with K steps per compiled call
+  dpax/optimizer, dpax/full   the shard_map path with ZeRO-1 or FSDP state (`dpax.layout`)
   pmap loop                   seed 000/004's loop: pmap + pmean, batches reshaped on the host
   jit 1 device                a plain jit loop on one device with the whole batch
 """
@@ -24,10 +25,11 @@ from dpax.trainer import Trainer
 LR = 0.01
 
 
-def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None) -> Method:
+def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None,
+               sharding="replicated") -> Method:
     x, y = synthetic(w, batch_size)
     t = Trainer(w.make(), losses.classification_loss, optax.sgd(LR), devices=n,
-                backend=backend, steps_per_call=steps_per_call)
+                backend=backend, steps_per_call=steps_per_call, sharding=sharding)
     done = [0]
 
     def run(k):  # fit trains until the step counter reaches the total
@@ -36,7 +38,16 @@ def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None) -> Method
 
     method = _first_call(name or f"dpax/{backend}", run, steps_per_call)
     method.memory = _step_memory(t, batch_size, w.input_shape)  # after: it compiles too
+    method.state = state_bytes(t)
     return method
+
+
+def state_bytes(t: Trainer) -> int:
+    """Bytes of params + optimizer state at rest on the first device, from the
+    arrays' own shards."""
+    first = t.backend.devices[0]
+    return sum(s.data.nbytes for x in jax.tree.leaves((t.state.params, t.state.opt_state))
+               for s in x.addressable_shards if s.device == first)
 
 
 def _step_memory(t: Trainer, batch_size: int, input_shape) -> float:

@@ -13,16 +13,17 @@ import numpy as np
 
 def _fmt_row(r: dict) -> str:
     flops = f" {100 * r['flops_frac']:5.1f}%" if "flops_frac" in r else "     -"
-    mem = "-" if np.isnan(r["memory_mib"]) else f"{r['memory_mib']:.1f}"
+    mem, state = ("-" if np.isnan(r.get(k, np.nan)) else f"{r[k]:.1f}"
+                  for k in ("memory_mib", "state_mib"))
     return (f"| {r['workload']} | {r['devices']} | {r['method']} | {r['compile_s']:.2f} | "
-            f"{r['steps_per_sec']:.1f} | {r['min']:.1f} | {r['vs_pmap_loop']:.2f}x | {mem} |"
-            f"{flops} |")
+            f"{r['steps_per_sec']:.1f} | {r['min']:.1f} | {r['vs_pmap_loop']:.2f}x | {mem} | "
+            f"{state} |{flops} |")
 
 
 def _write(rows, sweep_rows, peak, out_dir):
     header = ("| workload | N | method | compile s | steps/s median | steps/s min | "
-              "vs pmap loop | step MiB/device | FLOP/s of peak |\n"
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+              "vs pmap loop | step MiB/device | state MiB/device | FLOP/s of peak |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     tunables = os.environ.get("GLIBC_TUNABLES") or "none"  # see dpax.hostenv
     text = [f"dpax bench, {time.strftime('%Y-%m-%d')}, {machine}, jax {jax.__version__}, "

@@ -19,6 +19,7 @@ class Method:
     compile_s: float  # the first call: tracing, compiling, placing the state
     run: Callable[[int], None]
     memory: float = float("nan")  # bytes per device the step needs, when known
+    state: float = float("nan")  # bytes of params + optimizer state per device at rest
 
 
 def time_interleaved(methods: list[Method], steps: int, repeats: int) -> dict[str, list[float]]:
