@@ -197,22 +197,21 @@ class Sharded(Replicated):
             # once, and reduce(-scatter) the summed gradients once
             return super().grad_target(self.full_params(params), compute_dtype, allreduce_dtype)
 
-        def use(shards):
-            leaves, treedef = jax.tree.flatten(shards)
-            return jax.tree.unflatten(treedef, [
-                _gather_reducing(x, s, (x.dtype, compute_dtype, allreduce_dtype))
-                for x, s in zip(leaves, self._param_shapes)])
-
-        return params, use
+        return params, lambda shards: self._per_param(
+            lambda x, s: _gather_reducing(x, s, (x.dtype, compute_dtype, allreduce_dtype)),
+            shards)
 
     def full_params(self, params):
         return self._gathered(params) if self.full else params
 
     def _gathered(self, slices):
         """In the step: whole params from every device's slice."""
-        leaves, treedef = jax.tree.flatten(slices)
-        return jax.tree.unflatten(treedef, [_gather(x, s)
-                                            for x, s in zip(leaves, self._param_shapes)])
+        return self._per_param(_gather, slices)
+
+    def _per_param(self, fn, tree):
+        """`fn(leaf, logical shape)` over a params-shaped tree."""
+        leaves, treedef = jax.tree.flatten(tree)
+        return jax.tree.unflatten(treedef, [fn(x, s) for x, s in zip(leaves, self._param_shapes)])
 
     def reduce_and_update(self, tx, state, loss_sum, count, grad_sums, sums, clip_norm=None):
         if self.grads_reduced:
@@ -239,11 +238,7 @@ class Sharded(Replicated):
         return jax.lax.dynamic_slice(_padded(p, self.n), (start,), (shard,))
 
     def logical_params(self, params):
-        if not self.full:
-            return params
-        leaves, treedef = jax.tree.flatten(params)
-        return jax.tree.unflatten(treedef, [self._whole(x, s)
-                                            for x, s in zip(leaves, self._param_shapes)])
+        return self._per_param(self._whole, params) if self.full else params
 
     def _whole(self, x, shape):
         """A sharded leaf in its logical shape: on the host with one process
