@@ -19,6 +19,7 @@ from dpax.config import (
     CheckConfig,
     EvalConfig,
     PredictConfig,
+    SampleConfig,
     TrainConfig,
     field_types,
 )
@@ -106,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("predict", PredictConfig, "predict every row of an .npz with a checkpoint")):
         add_config_flags(sub.add_parser(name, help=text,
                                         description=text[0].upper() + text[1:] + "."), cls)
+    add_config_flags(sub.add_parser(
+        "sample", help="continue a prompt with a trained language model",
+        description="Print a language model's continuation of --prompt (dpax train "
+                    "--model gpt --data text makes one)."), SampleConfig)
     launch = sub.add_parser(
         "launch", help="run `dpax train` as several local processes",
         description="Start P processes of one multi-process run: "
@@ -193,6 +198,8 @@ def _main(argv: list[str] | None) -> int:
 
             print(f"wrote {plot_runs(args.run_dirs, args.out)}")
             return 0
+        if args.command == "sample":
+            return _sample(args)
         if args.command in ("eval", "predict"):
             return _checkpoint_command(args)
         config = config_from_args(args)
@@ -278,6 +285,18 @@ def _bench(args) -> int:
     run_bench(config.names(), config.counts(), config.repeats, config.steps,
               config.steps_per_call, config.sweep, config.out, config.layouts())
     print(f"wrote {config.out}/results.md")
+    return 0
+
+
+def _sample(args) -> int:
+    config = config_from_args(args, SampleConfig)
+    config.validate()
+    _start_devices(TrainConfig(devices=1))
+    from dpax.sample import sample_checkpoint
+
+    text = sample_checkpoint(config.checkpoint, config.prompt, config.tokens,
+                             config.temperature, config.seed)
+    print(config.prompt + text)
     return 0
 
 

@@ -36,9 +36,20 @@ def _field(default, help: str, how: bool = False, **meta):
 class TrainConfig:
     """One training run. The default is the main job: the digits CNN on 8 devices."""
 
-    model: str = _field("cnn", "model: linear, mlp, cnn, cnn-bn (BatchNorm + dropout) or deep-mlp "
-                      "(~100M params)")
-    data: str = _field("digits", "data: regression, digits, random-images, or a path to a .npz")
+    model: str = _field("cnn", "model: linear, mlp, cnn, cnn-bn (BatchNorm + dropout), deep-mlp "
+                      "(~100M params), or gpt (a transformer, for text data)")
+    data: str = _field("digits", "data: regression, digits, random-images, a path to a .npz, "
+                       "text (the Python standard library's sources) or text:PATH (a text "
+                       "file or a directory of them); text is byte tokens")
+    seq_len: int = _field(128, "text: tokens per training window (gpt's context length)")
+    layers: int = _field(4, "gpt: transformer blocks")
+    width: int = _field(128, "gpt: embedding width")
+    heads: int = _field(4, "gpt: attention heads (a divisor of --width)")
+    dropout: float = _field(0.0, "gpt: dropout rate (masks independent of the device count)")
+    remat: str = _field("none", "gpt: activation checkpointing per block: none, block (keep "
+                        "only block inputs) or dots (keep matmul outputs)", how=True)
+    ema_decay: float | None = _field(
+        None, "keep an EMA of the params with this decay (e.g. 0.999); eval uses it")
     devices: int | None = _field(
         None, "devices per process (default: all local accelerators; on CPU, 8 simulated)",
         how=True)
@@ -206,9 +217,24 @@ class TrainConfig:
                                      ("schedule", self.schedule, optim.SCHEDULES)):
             if value not in choices:
                 raise DpaxError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
-        if not self.data.endswith(".npz") and self.data not in data.DATASETS:
-            raise DpaxError(f"unknown data {self.data!r}; choose one of "
-                            f"{', '.join(data.DATASETS)} or a path to a .npz")
+        data.check_name(self.data)
+        if data.is_text(self.data) != (self.model in models.TEXT_MODELS):
+            raise DpaxError(f"--model {self.model} does not fit --data {self.data}: text data "
+                            f"needs --model {' or '.join(models.TEXT_MODELS)}, and "
+                            f"{' or '.join(models.TEXT_MODELS)} needs text data")
+        whole("seq_len")
+        whole("layers")
+        whole("width")
+        whole("heads")
+        if self.width % self.heads:
+            raise DpaxError(f"`width` {self.width} must be a multiple of `heads` {self.heads}")
+        number("dropout", 0, 1)
+        number("ema_decay", 0, 1, low_open=True)
+        from dpax.gpt import REMAT_POLICIES
+
+        if self.remat not in REMAT_POLICIES:
+            raise DpaxError(f"`remat` must be one of {', '.join(REMAT_POLICIES)}, "
+                            f"got {self.remat!r}")
         for name in ("out", "checkpoint_dir"):
             path = getattr(self, name)
             if path is not None and not path.strip():
@@ -303,6 +329,25 @@ class PredictConfig(EvalConfig):
 
 
 @dataclasses.dataclass
+class SampleConfig:
+    """`dpax sample`: a language model's continuation of a prompt."""
+
+    checkpoint: str = _field(None, "a checkpoint of dpax train --model gpt (newest step) or "
+                             "one step directory", required=True, metavar="PATH")
+    prompt: str = _field("def ", "the text to continue")
+    tokens: int = _field(200, "bytes to generate")
+    temperature: float = _field(0.8, "sampling temperature (0: always the most likely byte)")
+    seed: int = _field(0, "seed of the sampling")
+
+    def validate(self) -> None:
+        from dpax.sample import check
+
+        check_types(self)
+        check_whole(self, "seed", 0)
+        check(self.prompt.encode(), self.tokens, self.temperature)
+
+
+@dataclasses.dataclass
 class CheckConfig:
     """`dpax check`: train a few steps on 1 and on N devices and compare."""
 
@@ -333,6 +378,12 @@ class CheckConfig:
         if self.factory is None and self.model not in models.MODELS:
             raise DpaxError(f"unknown model {self.model!r}; choose one of "
                             f"{', '.join(models.MODELS)} or give `factory=MODULE:FN`")
+        from dpax import data
+
+        data.check_name(self.data)
+        if self.factory is None and (self.model in models.TEXT_MODELS) != data.is_text(self.data):
+            raise DpaxError(f"--model {self.model} does not fit --data {self.data}; "
+                            "gpt trains on --data text or text:PATH, the others on the rest")
 
 
 @dataclasses.dataclass

@@ -150,14 +150,29 @@ def read_inputs(path: str) -> np.ndarray:
 
 
 DATASETS = {"regression": regression, "digits": digits, "random-images": random_images}
+TEXT = "text"  # `text` (the standard library's sources) or `text:PATH`
+DEFAULT_SEQ_LEN = 128
 
 
-def load(name: str) -> Dataset:
-    """A named dataset, or a path ending in `.npz`."""
+def check_name(name: str) -> None:
+    """Refuse a data name `load` cannot read, before anything runs."""
+    if not (name.endswith(".npz") or name in DATASETS or is_text(name)):
+        raise DpaxError(f"unknown data {name!r}; choose one of {', '.join(DATASETS)}, "
+                        "text, text:PATH or a path to a .npz")
+
+
+def is_text(name: str) -> bool:
+    return name == TEXT or name.startswith(TEXT + ":")
+
+
+def load(name: str, seq_len: int = DEFAULT_SEQ_LEN) -> Dataset:
+    """A named dataset, a path ending in `.npz`, or text (`dpax.text`) cut into
+    windows of `seq_len` tokens."""
+    check_name(name)
+    if is_text(name):
+        from dpax import text
+
+        return text.load(name.partition(":")[2] or None, seq_len)
     if name.endswith(".npz"):
         return from_npz(name)
-    if name not in DATASETS:
-        raise DpaxError(
-            f"unknown data {name!r}; choose one of {', '.join(DATASETS)} or a path to a .npz"
-        )
     return DATASETS[name]()

@@ -7,10 +7,12 @@ is one small object with its own trigger (clu's `PeriodicAction` idea).
   Checkpoint      a save every `every` steps
   StopOnSignal    SIGTERM/SIGINT: save, then stop at the step boundary
   Profile         a JAX profiler trace of steps A..B
+  LanguageModel   tokens/s, MFU, bits per byte and perplexity in the row
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -66,7 +68,7 @@ class Evaluate(Hook):
     def on_log(self, step, row):
         if self.every and step % self.every == 0 and step < self.total:
             ev = self.trainer.evaluate(self.x, self.y)
-            row.update({f"eval_{k}": v for k, v in ev.items() if k != "examples"})
+            row.update({f"eval_{k}": v for k, v in ev.items() if k not in ("examples", "weight")})
 
 
 class Checkpoint(Hook):
@@ -157,3 +159,34 @@ class Profile(Hook):
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
+
+
+class LanguageModel(Hook):
+    """What language-model users read, from a row of a token-weighted loss
+    (`dpax.losses.lm_loss`, byte tokens): the weight is the token count.
+
+      tokens, tokens_per_sec   real (unpadded) target tokens, and per second
+      mfu                      model FLOPs per token x tokens/s over `peak_flops`
+      bpb, eval_bpb            the loss in bits per byte (nats / ln 2)
+      eval_perplexity          exp(eval loss in nats per token)
+
+    Runs after `Evaluate` and before `Write` (hooks run in order)."""
+
+    def __init__(self, flops_per_token: float, peak_flops: float):
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+
+    def on_log(self, step, row):
+        if "weight" in row:
+            row["tokens"] = int(row.pop("weight"))
+        if "weight_per_sec" in row:
+            row["tokens_per_sec"] = row.pop("weight_per_sec")
+            row["mfu"] = self.flops_per_token * row["tokens_per_sec"] / self.peak_flops
+        if isinstance(row.get("loss"), float):
+            row["bpb"] = row["loss"] / math.log(2)
+        if isinstance(row.get("eval_loss"), float):
+            row.update({f"eval_{k}": v for k, v in self.eval_row(row["eval_loss"]).items()})
+
+    @staticmethod
+    def eval_row(loss: float) -> dict:
+        """Bits per byte and perplexity of an eval loss in nats per byte token."""
+        return {"bpb": loss / math.log(2), "perplexity": math.exp(min(loss, 700.0))}

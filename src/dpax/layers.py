@@ -95,7 +95,12 @@ def _moments(s1, s2, count):
 
 class ExampleDropout(nnx.Dropout):
     """`nnx.Dropout` whose mask for an example depends on (seed, step, the
-    example's global index, which dropout layer) and nothing else."""
+    example's global index, which dropout layer) and nothing else.
+
+    "Which layer" is the order of the calls while the step is traced: a
+    transform that replays one trace for several layers (`jax.checkpoint` of
+    one function for every block, a scan over layers) gives them one stream;
+    trace each layer (`dpax.gpt` makes a fresh function per block)."""
 
     def __call__(self, inputs, *, deterministic=None, rngs=None):
         ctx = _CONTEXT.get()

@@ -178,12 +178,14 @@ class Sharded(Replicated):
         flat = jax.tree.map(self._flat, state.params)
         logical = state.replace(opt_state=jax.eval_shape(tx.init, state.params))
         out = state.replace(params=flat if self.full else state.params, opt_state=tx.init(flat))
+        if self.full and state.ema is not None:  # the EMA lives like the params
+            out = out.replace(ema=jax.tree.map(self._flat, state.ema))
         for (path, leaf), like in zip(jax.tree_util.tree_flatten_with_path(out)[0],
                                       jax.tree.leaves(logical)):
             key = _key(path)
-            # Every param leaf (when full) and every optimizer vector; scalars
-            # (step counts) stay replicated.
-            if (key.startswith("params") and self.full) or (
+            # Every param and EMA leaf (when full) and every optimizer vector;
+            # scalars (step counts) stay replicated.
+            if (key.startswith(("params", "ema")) and self.full) or (
                     key.startswith("opt_state") and np.ndim(leaf)):
                 self._logical[key] = tuple(np.shape(like))
         return out

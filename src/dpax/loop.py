@@ -114,7 +114,10 @@ def _run(steps: Steps, batches, zero, start, total, log_every, hooks, steps_per_
         nonlocal pending, since
         row = steps.read(pending)  # sync point: once per log
         t, s = since
-        row.update(step=step, steps_per_sec=(step - s) / (time.perf_counter() - t))
+        elapsed = time.perf_counter() - t
+        row.update(step=step, steps_per_sec=(step - s) / elapsed)
+        if "weight" in row:  # a weighted loss: e.g. tokens, and tokens per second
+            row["weight_per_sec"] = row["weight"] / elapsed
         if steps_per_epoch:
             row["epoch"] = step / steps_per_epoch
         for hook in hooks:

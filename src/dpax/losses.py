@@ -34,8 +34,34 @@ def regression_predict(model, batch):
     return model(batch["x"]).reshape(batch["x"].shape[0])
 
 
+def lm_loss(model, batch):
+    """Next-token cross-entropy of text windows (`dpax.text`): `x` holds
+    seq_len + 1 tokens, `y` how many are real. Per window: the mean over its
+    real targets, weighted by their number, so dpax's mean is over tokens (a
+    short, padded window counts by its tokens), with next-token accuracy."""
+    tokens, length = batch["x"], batch["y"]
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
+    targets = tokens[:, 1:].astype(jnp.int32)
+    real = jnp.arange(targets.shape[1]) < (length[:, None] - 1)
+    n = jnp.sum(real, axis=1)
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    correct = (jnp.argmax(logits, -1) == targets)
+
+    def mean(v):  # over a window's real targets; 0 for a window with none
+        return jnp.sum(jnp.where(real, v, 0.0), axis=1) / jnp.maximum(n, 1)
+
+    return mean(per_token), {"accuracy": mean(correct.astype(jnp.float32))}, n
+
+
+def lm_predict(model, batch):
+    """The most likely next token at every position of each window."""
+    return jnp.argmax(model(batch["x"][:, :-1]), -1)
+
+
 def for_task(task: str):
     """The built-in (loss_fn, predict_fn) for a dataset's task."""
     if task == "classification":
         return classification_loss, classification_predict
+    if task == "lm":
+        return lm_loss, lm_predict
     return regression_loss, regression_predict

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from flax import nnx
 
 from dpax.errors import DpaxError
+from dpax.gpt import GPT
 
 
 class Linear(nnx.Module):
@@ -97,12 +98,23 @@ def deep_mlp(in_shape: tuple[int, ...], n_out: int, *, rngs: nnx.Rngs) -> MLP:
     return MLP(in_shape, n_out, hidden=(4096,) * 7, rngs=rngs)
 
 
+def gpt(in_shape: tuple[int, ...], n_out: int, *, rngs: nnx.Rngs, **options) -> GPT:
+    """`dpax.gpt.GPT` for text windows of `in_shape = (seq_len + 1,)` tokens
+    (`dpax.text`) and a vocabulary of `n_out`."""
+    return GPT(n_out, in_shape[0] - 1, rngs=rngs, **options)
+
+
 MODELS: dict[str, Callable[..., nnx.Module]] = {
-    "linear": Linear, "mlp": MLP, "cnn": CNN, "cnn-bn": CNNBN, "deep-mlp": deep_mlp}
+    "linear": Linear, "mlp": MLP, "cnn": CNN, "cnn-bn": CNNBN, "deep-mlp": deep_mlp, "gpt": gpt}
+# The models that take text windows (task "lm"), and only those.
+TEXT_MODELS = ("gpt",)
 
 
-def make_model(name: str, in_shape: tuple[int, ...], n_out: int, seed: int) -> nnx.Module:
-    """Build a registered model for inputs of `in_shape` (no batch axis)."""
+def make_model(name: str, in_shape: tuple[int, ...], n_out: int, seed: int,
+               task: str | None = None, **options) -> nnx.Module:
+    """Build a registered model for inputs of `in_shape` (no batch axis);
+    `options` go to the models that take them (gpt: layers, width, heads,
+    dropout, remat)."""
     if name not in MODELS:
         raise DpaxError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     if name in ("cnn", "cnn-bn") and len(in_shape) != 3:
@@ -110,4 +122,8 @@ def make_model(name: str, in_shape: tuple[int, ...], n_out: int, seed: int) -> n
             f"{name} needs NHWC images, the data has examples of shape {in_shape}; "
             "use --model mlp or linear"
         )
-    return MODELS[name](tuple(in_shape), n_out, rngs=nnx.Rngs(seed))
+    if task is not None and (task == "lm") != (name in TEXT_MODELS):
+        raise DpaxError(f"{name} does not fit {task} data; use --model gpt with --data text "
+                        "(or text:PATH), and other models with other data")
+    kwargs = options if name in TEXT_MODELS else {}
+    return MODELS[name](tuple(in_shape), n_out, rngs=nnx.Rngs(seed), **kwargs)

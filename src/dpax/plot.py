@@ -10,6 +10,9 @@ from dpax.outputs import writable_file
 
 PANELS = (("loss", ("loss", "eval_loss")), ("accuracy", ("accuracy", "eval_accuracy")),
           ("learning rate", ("lr",)), ("steps / s", ("steps_per_sec",)))
+# Language-model runs (a `tokens_per_sec` column): what their users read instead.
+LM_PANELS = (("bits per byte", ("bpb", "eval_bpb")), ("eval perplexity", ("eval_perplexity",)),
+             ("tokens / s", ("tokens_per_sec",)), ("MFU", ("mfu",)))
 
 
 def read_metrics(run_dir: str) -> list[dict]:
@@ -46,8 +49,11 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
     formats = tuple(f".{ext}" for ext in plt.gcf().canvas.get_supported_filetypes())
     plt.close()
     writable_file(out, "out", formats)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    for ax, (title, keys) in zip(axes.flat, PANELS):
+    lm = any("tokens_per_sec" in r for rows in runs.values() for r in rows)
+    panels = PANELS[:2] + LM_PANELS if lm else PANELS
+    fig, axes = plt.subplots(len(panels) // 2, 2, figsize=(11, 3.5 * (len(panels) // 2)),
+                             constrained_layout=True)
+    for ax, (title, keys) in zip(axes.flat, panels):
         for i, (name, rows) in enumerate(runs.items()):
             for key in keys:
                 pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
@@ -61,7 +67,7 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
-        if title == "loss" and ax.lines:
+        if title in ("loss", "eval perplexity") and ax.lines:
             ax.set_yscale("log")
     fig.savefig(out, dpi=100)
     plt.close(fig)

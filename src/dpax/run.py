@@ -54,6 +54,8 @@ def summary_line(ev: dict, steps: int | None = None, speed: float | None = None)
     if "accuracy" in ev:
         parts.append(f"eval accuracy {ev['accuracy']:.3f}")
     parts.append(f"eval loss {ev['loss']:.4g}")
+    if "bpb" in ev:
+        parts.append(f"bits/byte {ev['bpb']:.3f}  perplexity {ev['perplexity']:.3g}")
     if steps is not None:
         parts.append(f"steps {steps}")
     if speed is not None:
@@ -92,7 +94,7 @@ class Job:
 
 def build(config: TrainConfig) -> Job:
     """Data, model, optimizer and Trainer for a validated config."""
-    ds = data_mod.load(config.data)
+    ds = data_mod.load(config.data, config.seq_len)
     plan = BatchPlan(len(ds.x_train), config.batch_size, config.seed)
     total = plan.total_steps(config.steps, config.epochs, DEFAULT_EPOCHS)
     trainer = make_trainer(config, ds.task, ds.input_shape, ds.n_out, total)
@@ -108,14 +110,21 @@ def make_trainer(config: TrainConfig, task: str, input_shape: tuple[int, ...], n
     schedule = optim.make_schedule(lr, config.schedule, config.warmup_steps, total)
     tx = optim.make_optimizer(config.optimizer, schedule, config.momentum, config.weight_decay)
     loss_fn, predict_fn = losses.for_task(task)
-    model = models.make_model(config.model, input_shape, n_out, config.seed)
+    model = models.make_model(config.model, input_shape, n_out, config.seed, task,
+                              **model_options(config))
     return Trainer(model, loss_fn, tx, devices=config.devices, backend=config.backend,
                    predict_fn=predict_fn, schedule=schedule, grad_accum=config.grad_accum,
                    precision=config.precision, allreduce_dtype=config.allreduce_dtype,
                    max_bad_steps=config.max_bad_steps,
                    steps_per_call=config.steps_per_call, seed=config.seed,
                    sync_batchnorm=config.sync_batchnorm, sharding=config.sharding,
-                   clip_norm=config.clip_norm)
+                   clip_norm=config.clip_norm, ema_decay=config.ema_decay)
+
+
+def model_options(config: TrainConfig) -> dict:
+    """The config's options for models that take them (`models.TEXT_MODELS`)."""
+    return {"layers": config.layers, "width": config.width, "heads": config.heads,
+            "dropout": config.dropout, "remat": config.remat}
 
 
 def _check_same_meaning(saved: dict, config: TrainConfig) -> None:
@@ -212,7 +221,7 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer, log
 
     with hooks.StopOnSignal(checkpoint) as stop:
         run_hooks = [hooks.Evaluate(trainer, ds.x_eval, ds.y_eval, config.eval_every, total),
-                     write, position, stop, checkpoint, profile]
+                     _language_model(job), write, position, stop, checkpoint, profile]
         try:
             history = trainer.fit(ds.x_train, ds.y_train, batch_size=config.batch_size,
                                   until_step=total, seed=config.seed,
@@ -252,12 +261,42 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer, log
             raise RunFailed(f"{e}; the final params are in {path}" if path
                             else f"{e}; no `out`, so the params were not saved") from None
     ev = trainer.evaluate(ds.x_eval, ds.y_eval)
+    if ds.task == "lm":
+        ev.update(hooks.LanguageModel.eval_row(ev["loss"]))
+        ev.pop("weight", None)
     writer.write(total, {f"eval_{k}": v for k, v in ev.items()})
     writer.close()
     result = RunResult(trainer, history, ev, total, speed)
     if log is not None:
         print(result.summary(), file=log, flush=True)
     return result
+
+
+def _language_model(job: Job) -> hooks.LanguageModel | None:
+    """The LM metrics hook for text data: FLOPs per token from the model's
+    shape, the peak from a matmul measured here (`machine_peak`)."""
+    if job.ds.task != "lm":
+        return None
+    from dpax.gpt import flops_per_token
+
+    c = job.config
+    n = job.trainer.param_count - c.seq_len * c.width  # the position table only adds
+    return hooks.LanguageModel(flops_per_token(n, c.layers, c.width, c.seq_len),
+                               machine_peak(job.trainer.backend.devices))
+
+
+def machine_peak(devices) -> float:
+    """Peak f32 FLOP/s of the hardware under `devices`, measured: one device's
+    matmul rate, times the devices on accelerators; simulated CPU devices
+    share one host's cores, so there it counts once per process."""
+    import jax
+
+    from dpax.bench.timing import matmul_peak
+
+    one = matmul_peak(repeats=3)
+    if devices[0].platform == "cpu":
+        return one * jax.process_count()
+    return one * len(devices) * jax.process_count()
 
 
 @contextlib.contextmanager

@@ -23,7 +23,9 @@ from dpax.layers import BatchContext, batch_context
 from dpax.layout import AXIS, Replicated
 from dpax.metrics import Count, Last, Mean, Total
 
-# loss_fn(model, batch) -> per-example losses, or (losses, {name: per-example values})
+# loss_fn(model, batch) -> per-example losses, or (losses, {name: per-example values}),
+# or (losses, metrics, per-example weights): then the loss and the metrics are
+# weighted means, sum(w * l) / sum(w) over the global batch (e.g. w = real tokens).
 LossFn = Callable[[nnx.Module, dict], Any]
 
 
@@ -37,6 +39,8 @@ class TrainState:
     opt_state: optax.OptState
     bad_in_a_row: jax.Array  # consecutive steps skipped for a non-finite loss or gradient
     rng: jax.Array  # raw key data; step keys are fold_in(rng, step): N-independent
+    # Exponential moving average of the params (laid out like them), or None.
+    ema: nnx.State | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,20 +54,33 @@ class StepOptions:
     skip_nonfinite: bool = True  # a NaN/inf loss or gradient leaves the state unchanged
     average_state: bool = False  # pmean non-param model state (per-device batch stats)
     clip_norm: float | None = None  # clip the mean gradient to this global norm
+    ema_decay: float | None = None  # keep an EMA of the params with this decay
     # Where the state lives and how the update runs (`dpax.layout`).
     layout: Replicated = dataclasses.field(default_factory=Replicated)
 
 
 def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 0,
-               layout: Replicated | None = None):
+               layout: Replicated | None = None, ema: bool = False):
     """Split a model into its static graph and a `TrainState`, laid out by
-    `layout` (default: replicated)."""
+    `layout` (default: replicated); `ema`: with an EMA of the params, which
+    starts as a copy of them."""
     layout = layout or Replicated()
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-    # Two separate zeros: one buffer in two donated fields would be donated twice.
+    # Separate buffers: one buffer in two donated fields would be donated twice.
     step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     rng = jax.random.key_data(jax.random.key(seed))
-    return graphdef, layout.physical(TrainState(step, params, model_state, None, bad, rng), tx)
+    average = jax.tree.map(lambda a: jnp.array(a, copy=True), params) if ema else None
+    state = TrainState(step, params, model_state, None, bad, rng, average)
+    return graphdef, layout.physical(state, tx)
+
+
+def ema_update(ema, params, step, decay: float):
+    """The EMA after `step` (0-based) with `params`: its decay ramps up as
+    min(decay, (1 + step) / (10 + step)) (TensorFlow's `num_updates` rule), so
+    the first updates do not pin the average to the initial params."""
+    t = step.astype(jnp.float32)
+    d = jnp.minimum(jnp.float32(decay), (1.0 + t) / (10.0 + t))
+    return jax.tree.map(lambda e, p: d * e + (1.0 - d) * p.astype(e.dtype), ema, params)
 
 
 def _with_index(batch: dict) -> dict:
@@ -77,10 +94,16 @@ def _context(batch: dict, key) -> BatchContext:
     return BatchContext(mask=batch["mask"], index=batch["index"], key=key, axis=AXIS)
 
 
-def _losses_and_metrics(loss_fn: LossFn, model, batch) -> tuple[jax.Array, dict]:
+def _losses_and_metrics(loss_fn: LossFn, model, batch):
+    """(losses, metrics, weights or None) from whatever `loss_fn` returns."""
     out = loss_fn(model, batch)
-    losses, metrics = out if isinstance(out, tuple) else (out, {})
-    return losses, dict(metrics)
+    if not isinstance(out, tuple):
+        out = (out,)
+    if not 1 <= len(out) <= 3:
+        raise ValueError(f"loss_fn must return losses, (losses, metrics) or (losses, metrics, "
+                         f"weights), got a tuple of {len(out)}")
+    losses, metrics, weights = out + ({}, None)[len(out) - 1:]
+    return losses, dict(metrics), weights
 
 
 def _masked_sum(values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -91,24 +114,40 @@ def _masked_sum(values: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(mask, values.astype(jnp.float32), 0.0), axis=0)
 
 
+_EXAMPLES = "_examples"  # the example count among the sums, when losses are weighted
+
+
 def _sums(loss_fn, model, batch):
-    """(loss sum, example count, {metric: sum}) over the real rows of a shard."""
-    losses, metrics = _losses_and_metrics(loss_fn, model, batch)
+    """(weighted loss sum, weight sum, {metric: weighted sum}) over the real
+    rows of a shard; the weight of an example is 1 unless `loss_fn` gives one.
+    With weights, `sums` also holds the example count as "examples"."""
+    losses, metrics, weights = _losses_and_metrics(loss_fn, model, batch)
     mask = batch["mask"]
-    if losses.shape != mask.shape:  # a per-device mean would break exactness
-        raise ValueError(
-            f"loss_fn must return one loss per example, shape {mask.shape}, got "
-            f"{losses.shape}; return losses before taking the mean"
-        )
-    # The loss, a column of ones (the count) and every per-example scalar metric
-    # in ONE masked reduction: on a small model each separate reduction is a
+    for name, v in (("loss", losses), ("weight", weights)):
+        if v is not None and jnp.shape(v) != mask.shape:  # a mean would break exactness
+            raise ValueError(
+                f"loss_fn must return one {name} per example, shape {mask.shape}, got "
+                f"{jnp.shape(v)}; return per-example values before taking the mean")
+    ones = jnp.ones(mask.shape, jnp.float32)
+    w = None if weights is None else weights.astype(jnp.float32)
+
+    def weighted(v):
+        v = v.astype(jnp.float32)
+        return v if w is None else v * w.reshape(w.shape + (1,) * (v.ndim - 1))
+
+    # The loss, the weights (the count) and every per-example scalar metric in
+    # ONE masked reduction: on a small model each separate reduction is a
     # kernel launch that costs as much as its math.
     scalar = [k for k, v in metrics.items() if jnp.shape(v) == mask.shape]
-    rows = jnp.stack([losses.astype(jnp.float32), jnp.ones(mask.shape, jnp.float32)]
-                     + [metrics[k].astype(jnp.float32) for k in scalar], axis=1)
-    totals = _masked_sum(rows, mask)
+    cols = [weighted(losses), ones if w is None else w] + [weighted(metrics[k]) for k in scalar]
+    if w is not None:
+        cols.append(ones)
+    totals = _masked_sum(jnp.stack(cols, axis=1), mask)
     sums = {k: totals[2 + i] for i, k in enumerate(scalar)}
-    sums.update({k: _masked_sum(v, mask) for k, v in metrics.items() if k not in scalar})
+    sums.update({k: _masked_sum(weighted(v), mask) for k, v in metrics.items()
+                 if k not in scalar})
+    if w is not None:
+        sums[_EXAMPLES] = totals[-1]
     return totals[0], totals[1], sums
 
 
@@ -201,8 +240,13 @@ def make_train_step(
             bad = jnp.where(finite, 0, state.bad_in_a_row + 1)
         else:
             bad = jnp.zeros_like(state.bad_in_a_row)
+        ema = state.ema
+        if options.ema_decay is not None:  # elementwise: any layout's slices
+            ema = ema_update(ema, params, state.step, options.ema_decay)
+            if options.skip_nonfinite:
+                ema = jax.tree.map(lambda a, b: jnp.where(finite, a, b), ema, state.ema)
         new = state.replace(step=state.step + 1, params=params, model_state=model_state,
-                            opt_state=opt_state, bad_in_a_row=bad)
+                            opt_state=opt_state, bad_in_a_row=bad, ema=ema)
         # A skipped step adds nothing to the logged means; it is counted instead.
         loss_sum, count, sums = jax.tree.map(lambda v: jnp.where(finite, v, 0.0),
                                              (loss_sum, count, sums))
@@ -218,8 +262,15 @@ def make_train_step(
 
 
 def _example_metrics(loss_sum, count, sums: dict) -> dict:
-    """The loss and every loss_fn metric as means over the examples counted."""
-    return {"loss": Mean(loss_sum, count), "examples": Count(count),
+    """The loss and every loss_fn metric as means over the examples counted
+    (weighted means when the loss gave weights: then `count` is the weight
+    sum, reported as "weight", and "examples" counts the examples)."""
+    sums = dict(sums)
+    if _EXAMPLES in sums:
+        out = {"examples": Count(sums.pop(_EXAMPLES)), "weight": Total(count)}
+    else:
+        out = {"examples": Count(count)}
+    return {"loss": Mean(loss_sum, count), **out,
             **{k: Mean(v, count) for k, v in sums.items()}}
 
 
@@ -243,11 +294,17 @@ def make_multi_step(step: Callable) -> Callable:
     return multi_step
 
 
+def eval_params(state: TrainState):
+    """The params evaluation and sampling use: the EMA when the state keeps one."""
+    return state.params if state.ema is None else state.ema
+
+
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Replicated):
-    """The per-device eval step: `(state, shard) -> metrics` of the global batch."""
+    """The per-device eval step: `(state, shard) -> metrics` of the global
+    batch, with `eval_params`."""
 
     def eval_step(state: TrainState, batch: dict):
-        model = nnx.merge(graphdef, layout.full_params(state.params), state.model_state)
+        model = nnx.merge(graphdef, layout.full_params(eval_params(state)), state.model_state)
         model.eval()  # running averages, no dropout
         batch = _with_index(batch)
         with batch_context(_context(batch, None)):
@@ -258,10 +315,11 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Replicated):
 
 
 def make_predict_step(graphdef: nnx.GraphDef, predict_fn: Callable, layout: Replicated):
-    """The per-device predict step: one output per example of the shard."""
+    """The per-device predict step: one output per example of the shard, with
+    `eval_params`."""
 
     def predict_step(state: TrainState, batch: dict):
-        model = nnx.merge(graphdef, layout.full_params(state.params), state.model_state)
+        model = nnx.merge(graphdef, layout.full_params(eval_params(state)), state.model_state)
         model.eval()
         return predict_fn(model, batch)
 

@@ -69,6 +69,9 @@ class Trainer:
       clip_norm: clip the mean gradient to this global norm (the norm of the
         whole gradient in every mode). Use this, not `optax.clip_by_global_norm`
         in the chain: under a sharded mode the chain sees only a slice.
+      ema_decay: keep an exponential moving average of the params with this
+        decay (in (0, 1); it ramps up from 0.1 over the first steps), laid out
+        like the params, in checkpoints, and used by `evaluate` and `predict`.
       compile_options: XLA options for every compiled step (shard_map backend),
         e.g. `{}` for XLA's defaults; None: dpax's per-step choice
         (`dpax.compile_options`: XLA:CPU's older emitters for steps that pool).
@@ -93,6 +96,7 @@ class Trainer:
         sync_batchnorm: bool = True,
         sharding: str = "replicated",
         clip_norm: float | None = None,
+        ema_decay: float | None = None,
         compile_options: dict[str, Any] | None = None,
         shard_optimizer_state: bool | None = None,
     ):
@@ -107,14 +111,18 @@ class Trainer:
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
             raise DpaxError(f"`steps_per_call` must be >= 1, got {steps_per_call!r}")
         self.steps_per_call = steps_per_call
+        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
+            raise DpaxError(f"`ema_decay` must be in (0, 1), e.g. 0.999; got {ema_decay!r}")
         synchronize(model, batchnorm=sync_batchnorm)
+        self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         self.layout = make_layout(sharding, self.backend, grad_accum)
         options = StepOptions(grad_accum=grad_accum,
                               compute_dtype=compute_dtype(precision, "precision"),
                               allreduce_dtype=compute_dtype(allreduce_dtype, "allreduce_dtype"),
                               average_state=has_per_device_state(model), clip_norm=clip_norm,
-                              layout=self.layout)
-        self._graphdef, state = init_state(model, optimizer, seed, self.layout)
+                              ema_decay=ema_decay, layout=self.layout)
+        self._graphdef, state = init_state(model, optimizer, seed, self.layout,
+                                           ema=ema_decay is not None)
         self._specs = self.layout.specs(state)
         self.state = self.backend.put_state(state, self._specs)
         self._steps = CompiledSteps(self.backend, self._graphdef, state, self._specs, loss_fn,
@@ -286,9 +294,22 @@ class Trainer:
         """Host copy of the parameters in their model shapes (whatever the layout)."""
         return self.backend.host(self.layout.logical_params(self.state.params))
 
-    def model(self) -> nnx.Module:
-        """The trained model on the host, ready for single-device use."""
-        return nnx.merge(self._graphdef, self.params, self.backend.host(self.state.model_state))
+    @property
+    def ema_params(self) -> nnx.State | None:
+        """Host copy of the EMA of the params (None without `ema_decay`)."""
+        if self.state.ema is None:
+            return None
+        return self.backend.host(self.layout.logical_params(self.state.ema))
+
+    def model(self, ema: bool | None = None) -> nnx.Module:
+        """The trained model on the host, ready for single-device use; with the
+        EMA params when `ema` (default: when the Trainer keeps an EMA, as
+        `evaluate` does)."""
+        use_ema = self.state.ema is not None if ema is None else ema
+        if use_ema and self.state.ema is None:
+            raise DpaxError("this Trainer keeps no EMA; give it `ema_decay` to have one")
+        params = self.ema_params if use_ema else self.params
+        return nnx.merge(self._graphdef, params, self.backend.host(self.state.model_state))
 
 
 def compute_dtype(name: str, argument: str = "precision"):

@@ -11,11 +11,14 @@ import sys
 from typing import IO
 
 FALLBACK_COLUMNS = 100  # bar width where the terminal reports none
-SHOWN = ("loss", "accuracy", "eval_loss", "eval_accuracy", "lr", "grad_norm", "skipped")
+SHOWN = ("loss", "bpb", "accuracy", "eval_loss", "eval_bpb", "eval_accuracy", "lr", "grad_norm",
+         "skipped", "tokens_per_sec", "mfu")
+LABELS = {"tokens_per_sec": "tok/s"}  # shorter names where the bar is tight
 
 
 def _fmt(row: dict) -> dict[str, str]:
-    shown = {k: f"{row[k]:.4g}" for k in SHOWN if isinstance(row.get(k), (int, float))}
+    shown = {LABELS.get(k, k): f"{row[k]:.4g}" for k in SHOWN
+             if isinstance(row.get(k), (int, float))}
     if shown.get("skipped") == "0":
         del shown["skipped"]  # only worth a column when steps were skipped
     return shown

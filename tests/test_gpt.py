@@ -1,0 +1,170 @@
+"""A GPT on text: N devices give one device's params (SGD) and loss curve
+(Adam), with padded short documents, an uneven batch, dropout, remat and an
+EMA; the loss is the mean over tokens, not over windows; sampling follows the
+model."""
+
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dpax
+from conftest import max_diff
+from dpax import losses, models, text
+from dpax.sample import generate
+
+SEQ = 16
+BATCH = 13  # uneven on 2, 4 and 8 devices: every N pads
+STEPS = 8
+GPT = {"layers": 2, "width": 32, "heads": 2}
+
+
+def write_corpus(root, n_docs=40, seed=0):
+    """Documents of 1..80 bytes of word-like text: many shorter than a window."""
+    rng = np.random.default_rng(seed)
+    words = ["def", "return", "self", "x", "import", "for", "in", "(", ")", ":", "\n", "    "]
+    root.mkdir(exist_ok=True)
+    for i in range(n_docs):
+        doc = " ".join(rng.choice(words, size=rng.integers(1, 25)))[: rng.integers(1, 81)]
+        (root / f"doc{i:02d}.py").write_text(doc)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return text.load(write_corpus(tmp_path_factory.mktemp("corpus")), SEQ)
+
+
+def gpt(ds, **options):
+    return models.make_model("gpt", ds.input_shape, ds.n_out, 0, "lm", **{**GPT, **options})
+
+
+def fit(ds, n, tx, **kw):
+    opts = {k: kw.pop(k) for k in ("remat", "dropout") if k in kw}
+    t = dpax.Trainer(gpt(ds, **opts), losses.lm_loss, tx, devices=n, **kw)
+    rows = t.fit(ds.x_train, ds.y_train, batch_size=BATCH, until_step=STEPS, log_every=1)
+    return t, rows
+
+
+@pytest.fixture(scope="module")
+def sgd_reference(corpus):
+    return fit(corpus, 1, optax.sgd(0.5), dropout=0.1, ema_decay=0.9)
+
+
+def test_text_windows_cover_every_token_once_and_pad_short_documents(tmp_path):
+    docs = [b"a", b"ab", b"hello world", bytes(range(40))]
+    xs, ys = text.stack(docs, 8)
+    # Every token but a document's first is a target exactly once.
+    targets = sum(int(n) - 1 for n in ys)
+    assert targets == sum(len(d) - 1 for d in docs)
+    assert ys.min() >= 2 and ys.max() <= 9
+    x, n = text.windows(b"hello world", 8)
+    assert bytes(x[0]) == b"hello wor" and bytes(x[1][:n[1]]) == b"rld"
+    assert not x[1][n[1]:].any()  # padded with zeros, masked by the length
+    root = write_corpus(tmp_path / "c", n_docs=60)
+    names = [name for name, _ in text.documents(root, SEQ)]
+    train, held = text.split(text.documents(root, SEQ))
+    assert len(held) == round(60 * text.EVAL_FRACTION) or len(held) == 1
+    assert len(train) + len(held) == len(names)
+
+
+def test_token_weighted_loss_is_the_mean_over_tokens_not_windows(corpus, sgd_reference):
+    """The trained reference's state on 4 devices, 37 windows of which many are
+    short: dpax's eval loss is the closed-form mean over real tokens."""
+    t = dpax.Trainer(gpt(corpus, dropout=0.1), losses.lm_loss, optax.sgd(0.5), devices=4,
+                     ema_decay=0.9)
+    t.load_state_dict(sgd_reference[0].state_dict())
+    x, y = corpus.x_train[-37:], corpus.y_train[-37:]
+    ev = t.evaluate(x, y, batch_size=16)
+    model = t.model()
+    model.eval()
+    logits = np.asarray(model(x[:, :-1]), np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    print(f"{(y < SEQ + 1).sum()} of {len(y)} windows short")
+    tgt = x[:, 1:].astype(int)
+    nll = -np.take_along_axis(logp, tgt[..., None], -1)[..., 0]
+    real = np.arange(SEQ)[None] < (y[:, None] - 1)
+    per_token = nll[real].mean()
+    per_window = np.mean([nll[i][real[i]].mean() for i in range(len(x))])
+    assert ev["weight"] == real.sum() and ev["examples"] == len(x)
+    assert abs(ev["loss"] - per_token) < 1e-5
+    assert abs(per_token - per_window) > 1e-3  # the two means differ on this data
+
+
+@pytest.mark.parametrize("n,remat", [(2, "none"), (4, "block"), (8, "dots")])
+def test_gpt_sgd_params_and_ema_equal_one_device(corpus, sgd_reference, n, remat):
+    ref, ref_rows = sgd_reference
+    t, rows = fit(corpus, n, optax.sgd(0.5), dropout=0.1, ema_decay=0.9, remat=remat)
+    params, ema = max_diff(t.params, ref.params), max_diff(t.ema_params, ref.ema_params)
+    moved = max_diff(ref.params, nnx.state(gpt(corpus), nnx.Param))
+    print(f"N={n} remat={remat}: params {params:.2e}, ema {ema:.2e} (moved {moved:.2e})")
+    assert params <= 1e-5 and ema <= 1e-5 and moved > 1e-2
+    assert [r["weight"] for r in rows] == [r["weight"] for r in ref_rows]
+
+
+def test_gpt_adam_loss_curve_equals_one_device_fully_sharded(corpus):
+    _, one = fit(corpus, 1, optax.adam(3e-3))
+    _, eight = fit(corpus, 8, optax.adam(3e-3), sharding="full")
+    rel = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(eight, one))
+    print(f"Adam, full on 8 vs 1: loss curve rel {rel:.2e}")
+    assert rel <= 1e-4 and one[-1]["loss"] < one[0]["loss"]
+
+
+def test_ema_is_used_for_eval_and_resumes_bit_identically(corpus):
+    x, y = corpus.x_eval, corpus.y_eval
+    whole, _ = fit(corpus, 2, optax.adam(3e-3), ema_decay=0.8)
+    half = dpax.Trainer(gpt(corpus), losses.lm_loss, optax.adam(3e-3), devices=2,
+                        ema_decay=0.8)
+    half.fit(corpus.x_train, corpus.y_train, batch_size=BATCH, until_step=STEPS // 2)
+    resumed = dpax.Trainer(gpt(corpus), losses.lm_loss, optax.adam(3e-3), devices=2,
+                           ema_decay=0.8)
+    resumed.load_state_dict(half.state_dict())
+    resumed.fit(corpus.x_train, corpus.y_train, batch_size=BATCH, until_step=STEPS)
+    a, b = whole.evaluate(x, y), resumed.evaluate(x, y)
+    assert a["loss"] == b["loss"]  # bit-identical
+    raw = dpax.Trainer(gpt(corpus), losses.lm_loss, optax.adam(3e-3), devices=2)
+    raw.load_state_dict({k: v for k, v in whole.state_dict().items()
+                         if not k.startswith("ema")})
+    assert abs(raw.evaluate(x, y)["loss"] - a["loss"]) > 1e-4  # eval did use the EMA
+
+
+def test_greedy_sampling_follows_the_model(corpus):
+    model = gpt(corpus)
+    prompt = b"def x"
+    out = generate(model, prompt, 20, SEQ, temperature=0.0)
+    seq = list(prompt)
+    for _ in range(20):  # the reference: the model on the last SEQ tokens, one at a time
+        ctx = np.array(seq[-SEQ:], np.int32)[None]
+        seq.append(int(np.argmax(np.asarray(model(ctx))[0, -1])))
+    assert out == bytes(seq[len(prompt):])
+    assert len(generate(model, prompt, 5, SEQ, temperature=1.0, seed=3)) == 5
+
+
+def test_remat_policies_cut_the_activations_kept_for_the_backward():
+    """At a length where activations dominate: what the forward keeps for the
+    backward pass, per policy (XLA:CPU's memory analysis does not show the
+    saving: it keeps recomputed activations live, jax-ml/jax#19822)."""
+    from dpax.gpt import residual_bytes
+
+    x = np.zeros((4, 257), np.uint8)
+    batch = {"x": x, "y": np.full(4, 257, np.int32)}
+    kept = {remat: residual_bytes(losses.lm_loss, models.make_model(
+        "gpt", (257,), 256, 0, "lm", layers=3, width=32, heads=2, remat=remat), batch)
+        for remat in ("none", "block", "dots")}
+    print({k: f"{v / 2**20:.2f} MiB" for k, v in kept.items()})
+    assert kept["block"] <= 0.5 * kept["none"]
+    assert kept["block"] < kept["dots"] < kept["none"]
+
+
+def test_flops_per_token_counts_six_per_weight_plus_attention():
+    ds_shape, vocab = (65,), 256
+    model = models.make_model("gpt", ds_shape, vocab, 0, "lm", layers=2, width=32, heads=2)
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) - 64 * 32
+    from dpax.gpt import flops_per_token
+
+    assert flops_per_token(n, 2, 32, 64) == 6 * n + 12 * 2 * 32 * 64
+    assert math.isclose(n, 256 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
