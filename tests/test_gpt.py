@@ -134,12 +134,12 @@ def test_ema_is_used_for_eval_and_resumes_bit_identically(corpus):
 
 def test_greedy_sampling_follows_the_model(corpus):
     model = gpt(corpus)
-    prompt = b"def x"
-    out = generate(model, prompt, 20, SEQ, temperature=0.0)
+    prompt = b"def x(self):\n    return"  # longer than SEQ: the context window slides
+    out = generate(model, prompt, 8, SEQ, temperature=0.0)
+    last = nnx.jit(lambda m, ctx: m(ctx)[0, -1])
     seq = list(prompt)
-    for _ in range(20):  # the reference: the model on the last SEQ tokens, one at a time
-        ctx = np.array(seq[-SEQ:], np.int32)[None]
-        seq.append(int(np.argmax(np.asarray(model(ctx))[0, -1])))
+    for _ in range(8):  # the reference: the model on the last SEQ tokens, one at a time
+        seq.append(int(np.argmax(np.asarray(last(model, np.array(seq[-SEQ:], np.int32)[None])))))
     assert out == bytes(seq[len(prompt):])
     assert len(generate(model, prompt, 5, SEQ, temperature=1.0, seed=3)) == 5
 
@@ -168,3 +168,25 @@ def test_flops_per_token_counts_six_per_weight_plus_attention():
 
     assert flops_per_token(n, 2, 32, 64) == 6 * n + 12 * 2 * 32 * 64
     assert math.isclose(n, 256 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
+
+
+@pytest.mark.slow
+def test_cli_trains_a_gpt_logs_lm_metrics_and_samples_from_its_checkpoint(tmp_path, capsys):
+    import json
+
+    from dpax.cli import main
+
+    root, out, ck = write_corpus(tmp_path / "c"), tmp_path / "run", str(tmp_path / "ck")
+    assert main(["train", "--model", "gpt", "--data", f"text:{root}", "--seq-len", "16",
+                 "--layers", "1", "--width", "16", "--heads", "2", "--steps", "4",
+                 "--batch-size", "8", "--log-every", "2", "--devices", "2", "--ema-decay", "0.9",
+                 "--out", str(out), "--checkpoint-dir", ck]) == 0
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    train, last = rows[0], rows[-1]
+    assert train["tokens"] > 0 and train["tokens_per_sec"] > 0 and 0 < train["mfu"]
+    assert math.isclose(train["bpb"], train["loss"] / math.log(2))
+    assert math.isclose(last["eval_perplexity"], math.exp(last["eval_loss"]))
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", ck, "--prompt", "def ", "--tokens", "5",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def ")

@@ -390,7 +390,8 @@ class CheckConfig:
 class BenchConfig:
     """`dpax bench`: dpax against the seeds' pmap loop and a 1-device jit loop."""
 
-    workloads: str = _field("tiny,mlp,cnn,digits", "comma-separated: tiny, mlp, cnn, digits")
+    workloads: str = _field("tiny,mlp,cnn,digits,gpt",
+                            "comma-separated: tiny, mlp, cnn, digits, gpt (Adam)")
     devices: str = _field("1,2,4,8", "device counts, comma-separated", metavar="N,N")
     repeats: int = _field(5, "timed repeats")
     steps: int | None = _field(None, "steps per repeat (default: per workload)")

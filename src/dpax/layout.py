@@ -89,11 +89,13 @@ class Replicated:
         """In the step: the whole params, from this device's part of them."""
         return params
 
-    def reduce_and_update(self, tx, state, loss_sum, count, grad_sums, sums, clip_norm=None):
+    def reduce_and_update(self, tx, state, loss_sum, count, grad_sums, sums, clip_norm=None,
+                          skip_nonfinite=True):
         """Per device: all-reduce this shard's sums and apply the update.
 
         Returns (loss_sum, count, sums, params, opt_state, grad_norm, finite),
-        the sums global; `finite` is False when the step must be skipped.
+        the sums global; `finite` is False when the step must be skipped, and
+        then (with `skip_nonfinite`) params and opt_state are the old ones.
         """
         # One all-reduce for everything (sums add up exactly across devices),
         # packed into as few buffers as possible.
@@ -104,9 +106,20 @@ class Replicated:
         # twice more.
         sq = sum_of_squares(grad_sums)
         norm = jnp.sqrt(sq) / count
-        params, opt_state = _apply(tx, grad_sums, count, norm, state.opt_state, state.params,
-                                   clip_norm)
-        return loss_sum, count, sums, params, opt_state, norm, jnp.isfinite(sq)
+        finite = jnp.isfinite(sq) & jnp.isfinite(loss_sum)
+
+        def update():
+            return _apply(tx, grad_sums, count, norm, state.opt_state, state.params, clip_norm)
+
+        if skip_nonfinite:
+            # A branch, not a select of new against old: the good path writes
+            # the update once instead of making one more pass over params and
+            # moments (and the donated buffers are updated in place).
+            params, opt_state = jax.lax.cond(finite, update,
+                                             lambda: (state.params, state.opt_state))
+        else:
+            params, opt_state = update()
+        return loss_sum, count, sums, params, opt_state, norm, finite
 
     def logical_params(self, params):
         """The params in their model shapes (outside the step), replicated."""
@@ -215,7 +228,8 @@ class Sharded(Replicated):
         leaves, treedef = jax.tree.flatten(tree)
         return jax.tree.unflatten(treedef, [fn(x, s) for x, s in zip(leaves, self._param_shapes)])
 
-    def reduce_and_update(self, tx, state, loss_sum, count, grad_sums, sums, clip_norm=None):
+    def reduce_and_update(self, tx, state, loss_sum, count, grad_sums, sums, clip_norm=None,
+                          skip_nonfinite=True):
         if self.grads_reduced:
             grads = grad_sums  # reduce-scattered in the backward pass (`_gather_reducing`)
         else:
@@ -232,7 +246,11 @@ class Sharded(Replicated):
         bad = psum_packed(sum(jnp.sum(~jnp.isfinite(x)) for x in jax.tree.leaves(new)), AXIS)
         if not self.full:
             new = self._gathered(new)  # ZeRO-1: every device gets the whole params
-        return loss_sum, count, sums, new, opt_state, norm, jnp.isfinite(sq) & (bad == 0)
+        finite = jnp.isfinite(sq) & (bad == 0) & jnp.isfinite(loss_sum)
+        if skip_nonfinite:
+            new, opt_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b),
+                                          (new, opt_state), (state.params, state.opt_state))
+        return loss_sum, count, sums, new, opt_state, norm, finite
 
     def _slice(self, p):
         shard = padded_size(p.size, self.n) // self.n

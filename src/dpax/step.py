@@ -227,16 +227,15 @@ def make_train_step(
             model_state = jax.tree.unflatten(treedef, leaves)
         if not layout.grads_reduced:
             grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
-        loss_sum, count, sums, params, opt_state, grad_norm, grads_finite = (
+        # A non-finite step leaves the state as it was, the counters aside: the
+        # layout keeps the old params and optimizer state, the rest is kept here.
+        # `finite` is reduced: the same on every replica.
+        loss_sum, count, sums, params, opt_state, grad_norm, finite = (
             layout.reduce_and_update(tx, state, loss_sum, count, grad_sums, sums,
-                                     options.clip_norm))
-        # Reduced values: the same on every replica.
-        finite = grads_finite & jnp.isfinite(loss_sum)
+                                     options.clip_norm, options.skip_nonfinite))
         if options.skip_nonfinite:
-            # A non-finite step leaves the state as it was, the counters aside.
-            params, model_state, opt_state = jax.tree.map(
-                lambda a, b: jnp.where(finite, a, b), (params, model_state, opt_state),
-                (state.params, state.model_state, state.opt_state))
+            model_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), model_state,
+                                       state.model_state)
             bad = jnp.where(finite, 0, state.bad_in_a_row + 1)
         else:
             bad = jnp.zeros_like(state.bad_in_a_row)

@@ -5,6 +5,11 @@
   dpax/optimizer, dpax/full   the shard_map path with ZeRO-1 or FSDP state (`dpax.layout`)
   pmap loop                   seed 000/004's loop: pmap + pmean, batches reshaped on the host
   jit 1 device                a plain jit loop on one device with the whole batch
+  jit sharded                 jit with the batch sharded by NamedSharding over N devices and
+                              the state replicated: XLA partitions the whole step itself
+                              (the path JAX's docs recommend)
+
+Every method trains with the workload's optimizer (`Workload.tx`).
 """
 
 from __future__ import annotations
@@ -15,20 +20,19 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from dpax import losses
 from dpax.bench.timing import Method, _first_call
 from dpax.bench.workloads import synthetic
 from dpax.sharding import replicate
 from dpax.trainer import Trainer
 
-LR = 0.01
-
 
 def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None,
                sharding="replicated") -> Method:
     x, y = synthetic(w, batch_size)
-    t = Trainer(w.make(), losses.classification_loss, optax.sgd(LR), devices=n,
+    t = Trainer(w.make(), w.loss(), w.tx(), devices=n,
                 backend=backend, steps_per_call=steps_per_call, sharding=sharding)
     done = [0]
 
@@ -37,7 +41,7 @@ def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None,
         t.fit(x, y, batch_size=batch_size, until_step=done[0], log_every=10**9)
 
     method = _first_call(name or f"dpax/{backend}", run, steps_per_call)
-    method.memory = _step_memory(t, batch_size, w.input_shape)  # after: it compiles too
+    method.memory = _step_memory(t, batch_size, w)  # after: it compiles too
     method.state = state_bytes(t)
     return method
 
@@ -50,11 +54,11 @@ def state_bytes(t: Trainer) -> int:
                for s in x.addressable_shards if s.device == first)
 
 
-def _step_memory(t: Trainer, batch_size: int, input_shape) -> float:
+def _step_memory(t: Trainer, batch_size: int, w) -> float:
     """Bytes one device needs for the step: arguments + temporaries, from XLA."""
     size = t.padded(batch_size)
-    host = {"x": np.zeros((size,) + input_shape, np.float32), "y": np.zeros(size, np.int32),
-            "mask": np.ones(size, bool)}
+    x, y = synthetic(w, size, 1)
+    host = {"x": x, "y": y, "mask": np.ones(size, bool)}
     m = t.lower_train_step(host, size).compile().memory_analysis()
     if m is None:
         return float("nan")
@@ -62,22 +66,28 @@ def _step_memory(t: Trainer, batch_size: int, input_shape) -> float:
             - m.alias_size_in_bytes)
 
 
-def _mean_loss(graphdef, params, x, y):
-    logits = nnx.merge(graphdef, params)(x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+def _split(w):
+    """(loss of (params, x, y), params): the model's other state (e.g. RNG
+    counters of dropout layers, unused at rate 0) held fixed."""
+    graphdef, params, rest = nnx.split(w.make(), nnx.Param, ...)
+
+    def loss(params, x, y):
+        return w.mean_loss(nnx.merge(graphdef, params, rest), x, y)
+
+    return loss, params
 
 
 def bench_pmap_loop(w, n, batch_size) -> Method:
     """The seeds' loop: replicate params, reshape each batch to (n, b/n, ...),
     pmap a step that pmeans the gradients, read the loss only at the end."""
     x, y = synthetic(w, batch_size)
-    graphdef, params = nnx.split(w.make())
-    tx = optax.sgd(LR)
+    mean_loss, params = _split(w)
+    tx = w.tx()
     devices = jax.local_devices()[:n]
 
     @functools.partial(jax.pmap, axis_name="devices", devices=devices, donate_argnums=(0, 1))
     def train_step(params, opt_state, xb, yb):
-        loss, grads = jax.value_and_grad(functools.partial(_mean_loss, graphdef))(params, xb, yb)
+        loss, grads = jax.value_and_grad(mean_loss)(params, xb, yb)
         grads = jax.lax.pmean(grads, "devices")
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "devices")
@@ -101,28 +111,37 @@ def bench_pmap_loop(w, n, batch_size) -> Method:
     return _first_call("pmap loop", run)
 
 
-def bench_jit(w, batch_size) -> Method:
+def bench_jit(w, batch_size, n=None) -> Method:
+    """A jit loop: on one device (`n` None), or with the batch sharded over
+    `n` devices by NamedSharding and the state replicated."""
     x, y = synthetic(w, batch_size)
-    graphdef, params = nnx.split(w.make())
-    tx = optax.sgd(LR)
+    mean_loss, params = _split(w)
+    tx = w.tx()
+    state = [params, tx.init(params)]
+    put = None
+    if n is not None:
+        mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:n]), ("data",))
+        state = jax.device_put(state, NamedSharding(mesh, P()))
+        rows = NamedSharding(mesh, P("data"))
+        put = functools.partial(jax.device_put, device=rows)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, xb, yb):
-        grads = jax.grad(functools.partial(_mean_loss, graphdef))(params, xb, yb)
+        grads = jax.grad(mean_loss)(params, xb, yb)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    state = [params, tx.init(params)]
     n_batches = len(x) // batch_size
 
     def run(k):
         for i in range(k):
             j = i % n_batches
-            state[0], state[1] = train_step(state[0], state[1],
-                                            x[j * batch_size:(j + 1) * batch_size],
-                                            y[j * batch_size:(j + 1) * batch_size])
+            xb, yb = x[j * batch_size:(j + 1) * batch_size], y[j * batch_size:(j + 1) * batch_size]
+            if put is not None:
+                xb, yb = put(xb), put(yb)
+            state[0], state[1] = train_step(state[0], state[1], xb, yb)
+            if put is not None and i % 2 == 1:  # XLA:CPU: bound the multi-device queue
+                state[0] = jax.block_until_ready(state[0])
         jax.block_until_ready(state)
 
-    return _first_call("jit 1 device", run)
-
-
+    return _first_call("jit 1 device" if n is None else "jit sharded", run)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
-from dpax import models
+from dpax import gpt, losses, models
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +21,24 @@ class Workload:
     make: Callable[[], nnx.Module]
     flops_per_example: float | None = None  # forward + backward, for FLOP/s
     steps: int = 48  # per timed repeat: ~0.1-2 s, so scheduling noise averages out
+    task: str = "classification"  # or "lm": token windows (`dpax.text`)
+    optimizer: str = "sgd"  # what every method trains with
+
+    def loss(self):
+        """dpax's per-example loss_fn for this workload."""
+        return losses.for_task(self.task)[0]
+
+    def mean_loss(self, model, x, y):
+        """What a hand-written loop minimizes: the mean over the batch (the
+        mean over tokens for an LM; the bench's windows have no padding)."""
+        if self.task == "lm":
+            logits = model(x[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, x[:, 1:].astype(jnp.int32)).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    def tx(self):
+        return optax.adam(1e-3) if self.optimizer == "adam" else optax.sgd(0.01)
 
 
 def _dense_flops(sizes):
@@ -26,6 +46,22 @@ def _dense_flops(sizes):
 
 
 # Steps per repeat are multiples of 8, so --steps-per-call 8 runs whole calls only.
+# The GPT of issue 18's harness: 4 blocks of width 128, 4 heads, 64 tokens.
+GPT_SHAPE = {"layers": 4, "width": 128, "heads": 4}
+GPT_SEQ = 64
+
+
+def _gpt():
+    return gpt.GPT(256, GPT_SEQ, **GPT_SHAPE, rngs=nnx.Rngs(0))
+
+
+def _gpt_flops(vocab=256, d=128, layers=4):
+    """Per window of GPT_SEQ tokens; the weights counted from the shapes (a
+    block holds 12 d^2 + 13 d, test_gpt.py checks it), the position table left out."""
+    n = vocab * d + layers * (12 * d * d + 13 * d) + 2 * d
+    return gpt.flops_per_token(n, layers, d, GPT_SEQ) * GPT_SEQ
+
+
 WORKLOADS = {
     "tiny": Workload("tiny", (16,), 128,
                      lambda: models.MLP((16,), 10, hidden=(32,), rngs=nnx.Rngs(0)), steps=1024),
@@ -36,11 +72,16 @@ WORKLOADS = {
                     lambda: models.CNN((32, 32, 3), 10, rngs=nnx.Rngs(0)), steps=24),
     "digits": Workload("digits", (8, 8, 1), 128,
                        lambda: models.CNN((8, 8, 1), 10, rngs=nnx.Rngs(0)), steps=128),
+    "gpt": Workload("gpt", (GPT_SEQ + 1,), 32, _gpt, _gpt_flops(), steps=16, task="lm",
+                    optimizer="adam"),
 }
 
 
 def synthetic(w: Workload, batch_size: int, n_batches: int = 8):
     rng = np.random.default_rng(0)
     n = batch_size * n_batches
+    if w.task == "lm":  # random bytes, every window full length
+        x = rng.integers(0, 256, (n,) + w.input_shape).astype(np.uint8)
+        return x, np.full(n, w.input_shape[0], np.int32)
     x = rng.normal(size=(n,) + w.input_shape).astype(np.float32)
     return x, rng.integers(0, 10, n).astype(np.int32)
