@@ -69,6 +69,6 @@ def test_every_readme_command_runs(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["train", "launch", "eval", "predict", "plot", "check",
-                                     "bench", "devices"])
+                                     "bench", "devices", "sample"])
 def test_every_subcommand_is_documented(command):
     assert f"dpax {command}" in README

@@ -135,7 +135,8 @@ def test_bench_smoke(tmp_path, capsys):
     assert main(["bench", "--workloads", "tiny", "--devices", "1,2", "--repeats", "1",
                  "--steps", "5", "--no-sweep", "--out", str(out)]) == 0
     table = (out / "results.md").read_text()
-    for method in ("pmap loop", "jit 1 device", "dpax/shard_map", "dpax/pmap", "dpax/k=8"):
+    for method in ("pmap loop", "jit 1 device", "jit sharded", "dpax/shard_map", "dpax/pmap",
+                   "dpax/k=8"):
         assert f"| tiny | 2 | {method} |" in table
     assert (out / "steps_per_sec_vs_devices.png").stat().st_size > 10_000
     assert main(["bench", "--workloads", "resnet"]) == 2
