@@ -105,12 +105,13 @@ def residual_bytes(loss_fn, model: nnx.Module, batch: dict) -> int:
     for compute. Traced, never run. XLA's own memory analysis shows the saving
     on GPU and TPU; XLA:CPU schedules recomputation early and keeps
     activations live anyway (jax-ml/jax#19822)."""
+    from dpax.step import _losses_and_metrics  # the step's reading of what a loss returns
+
     graphdef, state = nnx.split(model)
 
     def total(state):
-        out = loss_fn(nnx.merge(graphdef, state), batch)
-        losses, weights = out[0], out[2] if isinstance(out, tuple) and len(out) == 3 else 1.0
-        return jnp.sum(losses * weights)
+        losses, _, weights = _losses_and_metrics(loss_fn, nnx.merge(graphdef, state), batch)
+        return jnp.sum(losses if weights is None else losses * weights)
 
     shapes = jax.eval_shape(lambda s: jax.tree.leaves(jax.vjp(total, s)[1]), state)
     return sum(s.size * s.dtype.itemsize for s in shapes)
