@@ -1,5 +1,6 @@
 """Several processes on JAX's own runtime (gloo on CPU) give one device's result."""
 
+import json
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import pytest
 import dpax
 from dpax.cli import main
 from dpax.launch import free_port
+from test_gpt import write_corpus
 
 pytestmark = pytest.mark.slow  # starts dpax processes or trains long
 
@@ -164,6 +166,34 @@ def test_launched_batchnorm_and_dropout_model_equals_one_process(tmp_path, capsy
     diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
     print(f"cnn-bn seed {seed} launched 2x2 vs 1x4: max |diff| {diff:.2e}")
     assert diff == 0.0  # the same sums in the same order: the same bits
+
+
+def test_launched_gpt_on_text_equals_one_device(tmp_path, capsys):
+    """The GPT on padded short documents, an uneven batch (13), dropout and an
+    EMA, its loss weighted by tokens: 2 processes x 2 devices give one device's
+    params and EMA."""
+    corpus = write_corpus(tmp_path / "corpus")
+    flags = ["--model", "gpt", "--data", f"text:{corpus}", "--seq-len", "16", "--layers", "2",
+             "--width", "32", "--heads", "2", "--dropout", "0.1", "--ema-decay", "0.9",
+             "--batch-size", "13", "--steps", "8", "--optimizer", "sgd", "--lr", "0.5",
+             "--log-every", "4"]
+    r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *flags,
+               "--out", str(tmp_path / "launched"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert main(["train", *flags, "--devices", "1", "--out", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    a, b = (dict(np.load(tmp_path / d / "params.npz")) for d in ("launched", "one"))
+    params = max(float(np.max(np.abs(a[k] - b[k]))) for k in b)
+    # The final eval runs on the EMA params: it compares the EMAs.
+    ev_a, ev_b = (final_eval(tmp_path / d) for d in ("launched", "one"))
+    print(f"gpt launched 2x2 vs 1 device: params {params:.2e}, EMA eval loss "
+          f"{ev_a:.6f} vs {ev_b:.6f}")
+    assert params <= 1e-5 and abs(ev_a - ev_b) <= 1e-5
+
+
+def final_eval(out):
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [r["eval_loss"] for r in rows if "eval_loss" in r][-1]
 
 
 RANK_ORDER_SCRIPT = """
