@@ -62,10 +62,18 @@ def test_every_readme_command_runs(tmp_path):
         r = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=600)
         assert r.returncode == 0, f"{line}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+        if line.startswith("dpax check"):  # test_batchnorm_dropout leaves cnn-bn to this one
+            assert "\nequivalent (tolerance" in r.stdout, r.stdout
         ran += 1
     assert ran >= 8
     assert (tmp_path / "preds.npz").exists()
     assert (tmp_path / "runs" / "compare-one-vs-eight.png").exists()
+    # The bench command is the bench's smoke test: every method has its row.
+    table = (tmp_path / "runs" / "bench" / "results.md").read_text()
+    for method in ("pmap loop", "jit 1 device", "jit sharded", "dpax/shard_map", "dpax/pmap",
+                   "dpax/k=8"):
+        assert f"| tiny | 8 | {method} |" in table, table
+    assert (tmp_path / "runs" / "bench" / "steps_per_sec_vs_devices.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("command", ["train", "launch", "eval", "predict", "plot", "check",
