@@ -168,25 +168,3 @@ def test_flops_per_token_counts_six_per_weight_plus_attention():
 
     assert flops_per_token(n, 2, 32, 64) == 6 * n + 12 * 2 * 32 * 64
     assert math.isclose(n, 256 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
-
-
-@pytest.mark.slow
-def test_cli_trains_a_gpt_logs_lm_metrics_and_samples_from_its_checkpoint(tmp_path, capsys):
-    import json
-
-    from dpax.cli import main
-
-    root, out, ck = write_corpus(tmp_path / "c"), tmp_path / "run", str(tmp_path / "ck")
-    assert main(["train", "--model", "gpt", "--data", f"text:{root}", "--seq-len", "16",
-                 "--layers", "1", "--width", "16", "--heads", "2", "--steps", "4",
-                 "--batch-size", "8", "--log-every", "2", "--devices", "2", "--ema-decay", "0.9",
-                 "--out", str(out), "--checkpoint-dir", ck]) == 0
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    train, last = rows[0], rows[-1]
-    assert train["tokens"] > 0 and train["tokens_per_sec"] > 0 and 0 < train["mfu"]
-    assert math.isclose(train["bpb"], train["loss"] / math.log(2))
-    assert math.isclose(last["eval_perplexity"], math.exp(last["eval_loss"]))
-    capsys.readouterr()
-    assert main(["sample", "--checkpoint", ck, "--prompt", "def ", "--tokens", "5",
-                 "--temperature", "0"]) == 0
-    assert capsys.readouterr().out.startswith("def ")

@@ -1,6 +1,7 @@
 """Several processes on JAX's own runtime (gloo on CPU) give one device's result."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -168,10 +169,11 @@ def test_launched_batchnorm_and_dropout_model_equals_one_process(tmp_path, capsy
     assert diff == 0.0  # the same sums in the same order: the same bits
 
 
-def test_launched_gpt_on_text_equals_one_device(tmp_path, capsys):
+def test_launched_gpt_on_text_equals_one_device_and_the_cli_samples_it(tmp_path, capsys):
     """The GPT on padded short documents, an uneven batch (13), dropout and an
     EMA, its loss weighted by tokens: 2 processes x 2 devices give one device's
-    params and EMA."""
+    params and EMA. The one-device run is the CLI's LM path: its metrics and
+    `dpax sample` from its checkpoint."""
     corpus = write_corpus(tmp_path / "corpus")
     flags = ["--model", "gpt", "--data", f"text:{corpus}", "--seq-len", "16", "--layers", "2",
              "--width", "32", "--heads", "2", "--dropout", "0.1", "--ema-decay", "0.9",
@@ -180,8 +182,19 @@ def test_launched_gpt_on_text_equals_one_device(tmp_path, capsys):
     r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *flags,
                "--out", str(tmp_path / "launched"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert main(["train", *flags, "--devices", "1", "--out", str(tmp_path / "one")]) == 0
+    ck = str(tmp_path / "ck")
+    assert main(["train", *flags, "--devices", "1", "--out", str(tmp_path / "one"),
+                 "--checkpoint-dir", ck]) == 0
+    # What an LM run logs, and sampling from its checkpoint.
+    rows = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")]
+    train, last = rows[0], rows[-1]
+    assert train["tokens"] > 0 and train["tokens_per_sec"] > 0 and 0 < train["mfu"]
+    assert math.isclose(train["bpb"], train["loss"] / math.log(2))
+    assert math.isclose(last["eval_perplexity"], math.exp(last["eval_loss"]))
     capsys.readouterr()
+    assert main(["sample", "--checkpoint", ck, "--prompt", "def ", "--tokens", "5",
+                 "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
     a, b = (dict(np.load(tmp_path / d / "params.npz")) for d in ("launched", "one"))
     params = max(float(np.max(np.abs(a[k] - b[k]))) for k in b)
     # The final eval runs on the EMA params: it compares the EMAs.
