@@ -168,3 +168,19 @@ def test_flops_per_token_counts_six_per_weight_plus_attention():
 
     assert flops_per_token(n, 2, 32, 64) == 6 * n + 12 * 2 * 32 * 64
     assert math.isclose(n, 256 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
+
+
+def test_machine_peak_counts_each_device_once(monkeypatch):
+    """With several processes the trainer's devices are already every
+    process's: an accelerator's peak is one device's times their number;
+    simulated CPU devices share their host's cores, one peak per process."""
+    from types import SimpleNamespace
+
+    from dpax import run
+    from dpax.bench import timing
+
+    monkeypatch.setattr(timing, "matmul_peak", lambda repeats: 10.0)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    gpus = [SimpleNamespace(platform="gpu")] * 8  # 2 processes x 4
+    assert run.machine_peak(gpus) == 80.0
+    assert run.machine_peak([SimpleNamespace(platform="cpu")] * 8) == 20.0

@@ -286,9 +286,10 @@ def _language_model(job: Job) -> hooks.LanguageModel | None:
 
 
 def machine_peak(devices) -> float:
-    """Peak f32 FLOP/s of the hardware under `devices`, measured: one device's
-    matmul rate, times the devices on accelerators; simulated CPU devices
-    share one host's cores, so there it counts once per process."""
+    """Peak f32 FLOP/s of the hardware under `devices` (the trainer's: every
+    process's), measured: one device's matmul rate, times the devices on
+    accelerators; simulated CPU devices share one host's cores, so there it
+    counts once per process."""
     import jax
 
     from dpax.bench.timing import matmul_peak
@@ -296,7 +297,7 @@ def machine_peak(devices) -> float:
     one = matmul_peak(repeats=3)
     if devices[0].platform == "cpu":
         return one * jax.process_count()
-    return one * len(devices) * jax.process_count()
+    return one * len(devices)
 
 
 @contextlib.contextmanager
