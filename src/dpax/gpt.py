@@ -97,21 +97,3 @@ def flops_per_token(n_params: int, layers: int, width: int, seq_len: int) -> flo
     backward; `n_params` leaves out the position table, which only adds) plus
     attention's 12 * layers * width * seq_len (PaLM's appendix B)."""
     return 6.0 * n_params + 12.0 * layers * width * seq_len
-
-
-def residual_bytes(loss_fn, model: nnx.Module, batch: dict) -> int:
-    """Bytes the forward pass of `loss_fn(model, batch)` keeps for the backward
-    (the buffers `jax.vjp` closes over, params included): what `remat` trades
-    for compute. Traced, never run. XLA's own memory analysis shows the saving
-    on GPU and TPU; XLA:CPU schedules recomputation early and keeps
-    activations live anyway (jax-ml/jax#19822)."""
-    from dpax.step import _losses_and_metrics  # the step's reading of what a loss returns
-
-    graphdef, state = nnx.split(model)
-
-    def total(state):
-        losses, _, weights = _losses_and_metrics(loss_fn, nnx.merge(graphdef, state), batch)
-        return jnp.sum(losses if weights is None else losses * weights)
-
-    shapes = jax.eval_shape(lambda s: jax.tree.leaves(jax.vjp(total, s)[1]), state)
-    return sum(s.size * s.dtype.itemsize for s in shapes)

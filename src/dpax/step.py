@@ -19,7 +19,7 @@ import optax
 from flax import nnx, struct
 
 from dpax.collectives import pmean_packed, psum_packed
-from dpax.kernel_grads import keep_untransposed
+from dpax.cpu_backward import for_xla_cpu
 from dpax.layers import BatchContext, batch_context
 from dpax.layout import AXIS, Replicated
 from dpax.metrics import Count, Last, Mean, Total
@@ -56,9 +56,9 @@ class StepOptions:
     average_state: bool = False  # pmean non-param model state (per-device batch stats)
     clip_norm: float | None = None  # clip the mean gradient to this global norm
     ema_decay: float | None = None  # keep an EMA of the params with this decay
-    # XLA:CPU: keep each weight gradient's dot apart from its transpose, so the
-    # dot runs on the fast kernels (`dpax.kernel_grads`); the same values.
-    untransposed_grads: bool = False
+    # XLA:CPU: the backward pass rewritten so that weight gradients run on the
+    # fast dot kernels and remat saves memory (`dpax.cpu_backward`).
+    cpu_backward: bool = False
     # Where the state lives and how the update runs (`dpax.layout`).
     layout: Replicated = dataclasses.field(default_factory=Replicated)
 
@@ -200,8 +200,8 @@ def make_train_step(
                 return loss_sum, (count, sums, new_state)
 
             grad_fn = jax.value_and_grad(local_loss_sum, has_aux=True)
-            if options.untransposed_grads:
-                grad_fn = keep_untransposed(grad_fn)
+            if options.cpu_backward:
+                grad_fn = for_xla_cpu(grad_fn)
             (loss_sum, (count, sums, model_state)), grads = grad_fn(wrt)
             return (loss_sum, count, sums, grads), model_state
 

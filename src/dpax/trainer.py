@@ -121,7 +121,7 @@ class Trainer:
                               allreduce_dtype=compute_dtype(allreduce_dtype, "allreduce_dtype"),
                               average_state=has_per_device_state(model), clip_norm=clip_norm,
                               ema_decay=ema_decay, layout=self.layout,
-                              untransposed_grads=self.backend.devices[0].platform == "cpu")
+                              cpu_backward=self.backend.devices[0].platform == "cpu")
         self._graphdef, state = init_state(model, optimizer, seed, self.layout,
                                            ema=ema_decay is not None)
         self._specs = self.layout.specs(state)

@@ -1,0 +1,117 @@
+"""The backward pass rewritten for what XLA:CPU compiles well; the same values.
+
+Two things in a JAX gradient make XLA:CPU slow or memory-hungry:
+
+- **Weight gradients.** JAX differentiates `y = x @ w` over [batch, tokens,
+  features] into `transpose(dot(dy, x))`. XLA's algebraic simplifier folds the
+  transpose into the dot, which leaves a dot contracting its lhs's first
+  dimension. YNNPACK, which runs XLA:CPU's other dots multi-threaded, refuses
+  that dot, so each weight gradient of a per-device (shard_map or pmap) step
+  ran as a plain Eigen dot. In a `jit` step that XLA partitions itself the
+  all-reduce sits between the dot and the transpose and the fold never
+  happens: that is why such a step was faster. Here an `optimization_barrier`
+  keeps each such pair apart, so the dot stays a YNNPACK dot.
+
+- **Checkpointed blocks** (`jax.checkpoint`, e.g. `GPT(remat=...)`). JAX keeps
+  XLA from merging a block's recomputation with its forward pass by an
+  `optimization_barrier`; XLA:CPU expands barriers before its last
+  common-subexpression passes, which then merge the two again, and every
+  activation stays live: remat saved no memory (jax-ml/jax#19822). Here the
+  recomputation runs in a conditional whose predicate XLA cannot know (JAX's
+  own earlier lowering of remat): it cannot be merged, and it cannot start
+  before the block's cotangent exists.
+
+Measurements: benchmarks/README.md ("The GPT against jit + NamedSharding",
+"Activation checkpointing on XLA:CPU").
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, subjaxprs
+
+
+def for_xla_cpu(f: Callable) -> Callable:
+    """`f` (a function that takes gradients) with both rewrites; the same
+    values. `f` is traced once more; where it has nothing to rewrite it runs
+    as it is, so its program stays exactly what it was."""
+
+    def wrapped(*args):
+        closed, out_shape = jax.make_jaxpr(f, return_shape=True)(*args)
+        if not _rewrites(closed.jaxpr):
+            return f(*args)
+        try:
+            outs = _eval(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+        except Exception as e:  # noqa: BLE001 - a speed-up must never block training
+            warnings.warn(f"dpax: the XLA:CPU backward-pass rewrite does not apply to this "
+                          f"model ({type(e).__name__}: {e}); training without it", stacklevel=2)
+            return f(*args)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return wrapped
+
+
+def _is_folded_pair(eqn, made_by: dict) -> bool:
+    return eqn.primitive.name == "transpose" and made_by.get(eqn.invars[0]) == "dot_general"
+
+
+def _is_recomputation(eqn) -> bool:
+    """A checkpointed block as differentiation leaves it: recomputed in the
+    backward pass (`remat2` is `jax.checkpoint`'s primitive)."""
+    sub = eqn.params.get("jaxpr")
+    return (eqn.primitive.name == "remat2" and eqn.params.get("differentiated", False)
+            and isinstance(sub, Jaxpr) and not sub.constvars)
+
+
+def _rewrites(jaxpr: Jaxpr) -> bool:
+    made_by = {v: e.primitive.name for e in jaxpr.eqns for v in e.outvars}
+    return any(_is_folded_pair(e, made_by) or _is_recomputation(e) for e in jaxpr.eqns) or any(
+        _rewrites(sub) for sub in subjaxprs(jaxpr))
+
+
+def _eval(jaxpr: Jaxpr, consts: list, args: list) -> list:
+    env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    made_by: dict[Var, str] = {}  # which primitive produced each value here
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name == "jit" and isinstance(eqn.params.get("jaxpr"), ClosedJaxpr):
+            # Inlined, so that its dots are rewritten too (XLA inlines it anyway).
+            sub = eqn.params["jaxpr"]
+            outs = _eval(sub.jaxpr, sub.consts, ins)
+        elif _is_recomputation(eqn):
+            outs = _recompute(eqn.params["jaxpr"], ins)
+        else:
+            if _is_folded_pair(eqn, made_by):
+                ins[0] = jax.lax.optimization_barrier(ins[0])
+            # The equation's own source info: op names in profiles stay the model's.
+            names = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with (source_info_util.user_context(eqn.source_info.traceback, name_stack=names),
+                  eqn.ctx.manager):
+                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        for v, out in zip(eqn.outvars, outs):
+            env[v] = out
+            made_by[v] = name
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _recompute(jaxpr: Jaxpr, ins: list) -> list:
+    """A checkpointed block's recomputation and backward pass, in a conditional
+    XLA cannot see through: a uniform draw in [0, 1) is always below 2."""
+    def branch(*a):
+        return _eval(jaxpr, [], list(a))
+
+    always = jax.lax.rng_uniform(0.0, 1.0, ()) < 2.0
+    return jax.lax.cond(always, branch, branch, *ins)

@@ -1,0 +1,76 @@
+"""`for_xla_cpu`: the same gradients as `jax.grad`, no weight-gradient dot left
+for XLA:CPU to fold into one its fast kernels refuse, and checkpointed blocks
+that XLA can no longer merge with their forward pass (the memory saving
+itself: test_gpt.py)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from dpax import gpt
+from dpax.cpu_backward import for_xla_cpu
+
+
+def _compiled(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def _lhs_first_dim_dots(hlo: str) -> int:
+    """Dots that contract their lhs's first dimension: what algsimp makes of
+    transpose(dot) (YNNPACK refuses them)."""
+    return len(re.findall(r" dot\(.*lhs_contracting_dims=\{0", hlo))
+
+
+def _dense_loss(ws, x):  # dense layers on [batch, tokens, features], as in a transformer
+    for w in ws:
+        x = jnp.tanh(x @ w)
+    return x.sum()
+
+
+def test_weight_gradients_keep_their_values_and_lose_the_folded_dots():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    ws = [jax.random.normal(k1, (24, 48)) / 5, jax.random.normal(k2, (48, 16)) / 7]
+    x = jax.random.normal(k3, (8, 12, 24))
+    plain, kept = jax.grad(_dense_loss), for_xla_cpu(jax.grad(_dense_loss))
+    for a, b in zip(plain(ws, x), kept(ws, x)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    assert _lhs_first_dim_dots(_compiled(plain, ws, x)) == 2  # one per kernel: folded
+    assert _lhs_first_dim_dots(_compiled(kept, ws, x)) == 0
+
+
+@pytest.mark.parametrize("remat", ["none", "block"])
+def test_a_gpt_gradient_is_unchanged_with_or_without_remat(remat):
+    """Nested jits and checkpointed blocks' backward passes are rewritten too:
+    a checkpointed block recomputes inside a conditional."""
+    model = gpt.GPT(256, 16, layers=2, width=32, heads=2, remat=remat, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, x):
+        m = nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))
+        return optax.softmax_cross_entropy_with_integer_labels(m(x[:, :-1]), x[:, 1:]).mean()
+
+    x = jax.random.randint(jax.random.key(1), (4, 17), 0, 256)
+    plain, kept = jax.grad(loss), for_xla_cpu(jax.grad(loss))
+    for a, b in zip(jax.tree.leaves(plain(params, x)), jax.tree.leaves(kept(params, x))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+    hlo = _compiled(kept, params, x)
+    assert _lhs_first_dim_dots(_compiled(plain, params, x)) > 0
+    assert _lhs_first_dim_dots(hlo) == 0
+    assert hlo.count(" conditional(") == (2 if remat == "block" else 0)  # one per block
+
+
+def test_a_model_the_rewrite_cannot_take_trains_without_it(monkeypatch):
+    def refuse(*args):
+        raise NotImplementedError("a primitive it does not know")
+
+    monkeypatch.setattr("dpax.cpu_backward._eval", refuse)
+    ws = [jnp.ones((4, 6)) / 3]
+    x = jnp.ones((2, 3, 4))
+    with pytest.warns(UserWarning, match="training without it"):
+        got = for_xla_cpu(jax.grad(_dense_loss))(ws, x)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(jax.grad(_dense_loss)(ws, x)[0]))
