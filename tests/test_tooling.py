@@ -133,3 +133,18 @@ def test_progress_bar_on_a_terminal_and_lines_without_one():
 def test_bench_refuses_an_unknown_workload():
     # The bench itself runs in test_readme (the README's bench command).
     assert main(["bench", "--workloads", "resnet"]) == 2
+    assert main(["bench", "--workloads", "tiny", "--optimizer", "lion"]) == 2
+
+
+def test_every_bench_optimizer_is_what_every_method_trains_with():
+    import dataclasses
+
+    from dpax.bench import OPTIMIZERS, WORKLOADS
+
+    for name in OPTIMIZERS:
+        w = dataclasses.replace(WORKLOADS["tiny"], optimizer=name)
+        params = {"w": np.ones(3, np.float32)}
+        tx = w.tx()
+        updates, _ = tx.update({"w": np.ones(3, np.float32)}, tx.init(params), params)
+        assert np.all(np.asarray(updates["w"]) < 0), name  # a descent step
+    assert WORKLOADS["mlp"].optimizer == "adam"  # the default: what users train with

@@ -283,7 +283,8 @@ def _bench(args) -> int:
     from dpax.bench import run_bench
 
     run_bench(config.names(), config.counts(), config.repeats, config.steps,
-              config.steps_per_call, config.sweep, config.out, config.layouts())
+              config.steps_per_call, config.sweep, config.out, config.layouts(),
+              optimizer=config.optimizer)
     print(f"wrote {config.out}/results.md")
     return 0
 

@@ -391,7 +391,9 @@ class BenchConfig:
     """`dpax bench`: dpax against the seeds' pmap loop and a 1-device jit loop."""
 
     workloads: str = _field("tiny,mlp,cnn,digits,gpt",
-                            "comma-separated: tiny, mlp, cnn, digits, gpt (Adam)")
+                            "comma-separated: tiny, mlp, cnn, digits, gpt")
+    optimizer: str = _field("adam", "what every method trains with: sgd, momentum, adam, "
+                            "adamw")
     devices: str = _field("1,2,4,8", "device counts, comma-separated", metavar="N,N")
     repeats: int = _field(5, "timed repeats")
     steps: int | None = _field(None, "steps per repeat (default: per workload)")
@@ -416,7 +418,7 @@ class BenchConfig:
                             f"{self.devices!r}") from None
 
     def validate(self) -> None:
-        from dpax.bench import WORKLOADS
+        from dpax.bench import OPTIMIZERS, WORKLOADS
 
         check_types(self)
         unknown = [w for w in self.names() if w not in WORKLOADS]
@@ -425,6 +427,9 @@ class BenchConfig:
                             f"from {', '.join(WORKLOADS)}")
         if any(n < 1 for n in self.counts()):
             raise DpaxError(f"`devices` must be counts >= 1, got {self.devices!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise DpaxError(f"unknown optimizer {self.optimizer!r}; choose from "
+                            f"{', '.join(OPTIMIZERS)}")
         for name in ("repeats", "steps", "steps_per_call"):
             check_whole(self, name)
         from dpax.layout import check_sharding

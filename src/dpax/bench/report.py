@@ -20,7 +20,7 @@ def _fmt_row(r: dict) -> str:
             f"{state} |{flops} |")
 
 
-def _write(rows, sweep_rows, peak, out_dir):
+def _write(rows, sweep_rows, peak, out_dir, optimizer):
     header = ("| workload | N | method | compile s | steps/s median | steps/s min | "
               "vs pmap loop | step MiB/device | state MiB/device | FLOP/s of peak |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -28,12 +28,13 @@ def _write(rows, sweep_rows, peak, out_dir):
     tunables = os.environ.get("GLIBC_TUNABLES") or "none"  # see dpax.hostenv
     text = [f"dpax bench, {time.strftime('%Y-%m-%d')}, {machine}, jax {jax.__version__}, "
             f"{jax.default_backend()}; matmul peak {peak / 1e9:.1f} GFLOP/s (f32, one device); "
-            f"GLIBC_TUNABLES {tunables}",
+            f"GLIBC_TUNABLES {tunables}; every method trains with {optimizer}",
             "", header] + [_fmt_row(r) for r in rows]
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(text) + "\n")
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"rows": rows, "sweep": sweep_rows, "matmul_peak": peak}, f, indent=1)
+        json.dump({"rows": rows, "sweep": sweep_rows, "matmul_peak": peak,
+                   "optimizer": optimizer}, f, indent=1)
     _plots(rows, sweep_rows, out_dir)
 
 
