@@ -73,3 +73,11 @@ def test_a_model_the_rewrite_cannot_take_trains_without_it(monkeypatch):
     with pytest.warns(UserWarning, match="training without it"):
         got = for_xla_cpu(jax.grad(_dense_loss))(ws, x)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(jax.grad(_dense_loss)(ws, x)[0]))
+
+
+def test_a_transposed_literal_is_left_as_it_is():
+    def f(w):  # a scalar constant transposed: a jaxpr Literal, not a dot's result
+        return jax.lax.transpose(2.0, ()) * jnp.sum(w)
+
+    w = jnp.arange(3.0)
+    assert float(for_xla_cpu(f)(w)) == float(f(w))

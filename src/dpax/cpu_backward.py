@@ -57,7 +57,10 @@ def for_xla_cpu(f: Callable) -> Callable:
 
 
 def _is_folded_pair(eqn, made_by: dict) -> bool:
-    return eqn.primitive.name == "transpose" and made_by.get(eqn.invars[0]) == "dot_general"
+    if eqn.primitive.name != "transpose":
+        return False
+    operand = eqn.invars[0]  # a Var, or an (unhashable) Literal no dot produced
+    return isinstance(operand, Var) and made_by.get(operand) == "dot_general"
 
 
 def _is_recomputation(eqn) -> bool:
