@@ -111,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
         "sample", help="continue a prompt with a trained language model",
         description="Print a language model's continuation of --prompt (dpax train "
                     "--model gpt --data text makes one)."), SampleConfig)
+    prep = sub.add_parser(
+        "prepare", help="write examples as ArrayRecord shards to stream with --data",
+        description="Convert an .npz, Parquet file(s) or a saved Hugging Face dataset to "
+                    "ArrayRecord shards in DEST (a new directory), read per batch by "
+                    "dpax train --data DEST.")
+    prep.add_argument("src", metavar="SRC", help=".npz, Parquet file or directory, or a "
+                      "datasets.save_to_disk directory")
+    prep.add_argument("dest", metavar="DEST", help="new directory for the shards")
+    prep.add_argument("--x-column", default="x", help="column of inputs (default: x)")
+    prep.add_argument("--y-column", default="y", help="column of labels (default: y)")
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
     launch = sub.add_parser(
         "launch", help="run `dpax train` as several local processes",
         description="Start P processes of one multi-process run: "
@@ -189,6 +200,14 @@ def _main(argv: list[str] | None) -> int:
             train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
             return launch(train_args, args.nprocs, args.devices_per_process, args.port,
                           args.verbose)
+        if args.command == "prepare":
+            from dpax.prepare import prepare
+
+            meta = prepare(args.src, args.dest, args.x_column, args.y_column,
+                           progress=not args.quiet)
+            print(f"wrote {meta['examples']} examples in {len(meta['shards'])} shard(s) "
+                  f"to {args.dest}")
+            return 0
         if args.command == "check":
             return _check(args)
         if args.command == "bench":

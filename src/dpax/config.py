@@ -40,7 +40,17 @@ class TrainConfig:
                       "(~100M params), or gpt (a transformer, for text data)")
     data: str = _field("digits", "data: regression, digits, random-images, a path to a .npz, "
                        "text (the Python standard library's sources) or text:PATH (a text "
-                       "file or a directory of them); text is byte tokens")
+                       "file or a directory of them; byte tokens), or examples streamed from "
+                       "disk: a directory or glob of ArrayRecord shards (dpax prepare), "
+                       "Parquet files, or a saved Hugging Face dataset")
+    x_column: str = _field("x", "streamed data: the column (feature) of inputs")
+    y_column: str = _field("y", "streamed data: the column (feature) of labels or targets")
+    augment: str | None = _field(
+        None, "images: crop, flip or crop,flip; each example's draw comes from the seed, the "
+        "step and its place in the global batch, so any device count trains the same")
+    data_workers: int = _field(
+        0, "Grain worker processes that read and decode batches (0: the training thread)",
+        how=True)
     seq_len: int = _field(128, "text: tokens per training window (gpt's context length)")
     layers: int = _field(4, "gpt: transformer blocks")
     width: int = _field(128, "gpt: embedding width")
@@ -172,7 +182,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise `DpaxError` for a value no run can use, before anything is written."""
-        from dpax import data, models, optim
+        from dpax import augment, data, models, optim
         from dpax.devices import MAX_SIMULATED_DEVICES
         from dpax.layout import check_sharding
         from dpax.trainer import compute_dtype
@@ -198,7 +208,7 @@ class TrainConfig:
                      "steps", "grad_accum", "steps_per_call", "max_bad_steps", "keep",
                      "timeout"):
             whole(name)
-        for name in ("seed", "warmup_steps", "eval_every", "checkpoint_every"):
+        for name in ("seed", "warmup_steps", "eval_every", "checkpoint_every", "data_workers"):
             whole(name, low=0)
         number("lr", 0, low_open=True)
         number("clip_norm", 0, low_open=True)
@@ -218,6 +228,7 @@ class TrainConfig:
             if value not in choices:
                 raise DpaxError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
         data.check_name(self.data)
+        augment.parse(self.augment)
         if data.is_text(self.data) != (self.model in models.TEXT_MODELS):
             raise DpaxError(f"--model {self.model} does not fit --data {self.data}: text data "
                             f"needs --model {' or '.join(models.TEXT_MODELS)}, and "

@@ -13,6 +13,7 @@ import zipfile
 
 import numpy as np
 
+from dpax import sources
 from dpax.errors import DpaxError, DpaxWarning
 
 # The data never depends on --seed: runs with different seeds see the same split.
@@ -43,7 +44,11 @@ def _split(name, x, y, task, n_out) -> Dataset:
     ev, tr = order[:n_eval], order[n_eval:]
     if n_eval == 0:  # too few examples to hold any out: evaluate on the training set
         ev = tr
-    return Dataset(name, x[tr], y[tr], x[ev], y[ev], task, n_out)
+
+    def rows(idx):  # inputs on disk (`sources.Column`) are split as views
+        return x.subset(idx) if isinstance(x, sources.Column) else x[idx]
+
+    return Dataset(name, rows(tr), y[tr], rows(ev), y[ev], task, n_out)
 
 
 def regression(n: int = 800, dim: int = 5) -> Dataset:
@@ -99,12 +104,23 @@ def _read_npz(path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
 
 
 def from_npz(path: str) -> Dataset:
-    """A user's `.npz` with arrays `x` (examples first) and `y` (labels or targets).
+    """A user's `.npz` with arrays `x` (examples first) and `y` (labels or targets)."""
+    arrays = _read_npz(path, ("x", "y"))
+    return labelled(path, arrays["x"], arrays["y"])
+
+
+def from_table(table) -> Dataset:
+    """Examples on disk (`dpax.sources`): inputs read per batch, labels in memory."""
+    return labelled(table.name, sources.Column(table), table.y)
+
+
+def labelled(path: str, x, y: np.ndarray) -> Dataset:
+    """Checked examples split into train and eval. `x` is an array, or a
+    `sources.Column` (then only what can be seen without reading it is checked).
 
     Integer `y` means classification with classes 0..max(y); float `y` regression.
+    uint8 `x` holds images: scaled to [0, 1] (`sources.decode`), per batch.
     """
-    arrays = _read_npz(path, ("x", "y"))
-    x, y = arrays["x"], arrays["y"]
     if x.ndim == 0 or len(x) == 0:
         raise DpaxError(f"{path} holds no examples; x needs at least one row")
     if y.ndim != 1 or len(y) != len(x):
@@ -112,7 +128,10 @@ def from_npz(path: str) -> Dataset:
             f"{path}: x has {len(x)} examples but y has shape {y.shape}; "
             "y needs one value per example"
         )
-    for k, a in (("x", x), ("y", y)):
+    if isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim > 1:
+        x = sources.Column(sources.ArrayTable(x, path))  # kept as uint8, decoded per batch
+    arrays = (("y", y),) if isinstance(x, sources.Column) else (("x", x), ("y", y))
+    for k, a in arrays:
         if np.iscomplexobj(a):
             raise DpaxError(f"{path}: array {k} is complex ({a.dtype}); dpax trains on real "
                             "numbers, so save the parts you mean as real arrays")
@@ -120,9 +139,10 @@ def from_npz(path: str) -> Dataset:
             raise DpaxError(f"{path}: array {k} has non-numeric dtype {a.dtype}; use numbers")
         if not np.all(np.isfinite(a)):
             raise DpaxError(f"{path}: {k} contains NaN or infinite values; clean the data first")
-    x = x.astype(np.float32)
-    if x.ndim == 1:
-        x = x[:, None]
+    if not isinstance(x, sources.Column):
+        x = sources.decode(x)
+        if x.ndim == 1:
+            x = x[:, None]
     if np.issubdtype(y.dtype, np.integer) or y.dtype == bool:
         y = y.astype(np.int64)
         if y.min() < 0:
@@ -156,18 +176,22 @@ DEFAULT_SEQ_LEN = 128
 
 def check_name(name: str) -> None:
     """Refuse a data name `load` cannot read, before anything runs."""
-    if not (name.endswith(".npz") or name in DATASETS or is_text(name)):
+    if not (name.endswith(".npz") or name in DATASETS or is_text(name)
+            or sources.is_streamed(name)):
         raise DpaxError(f"unknown data {name!r}; choose one of {', '.join(DATASETS)}, "
-                        "text, text:PATH or a path to a .npz")
+                        "text, text:PATH, a path to a .npz, or a directory (or glob) of "
+                        "ArrayRecord shards, Parquet files or a saved Hugging Face dataset")
 
 
 def is_text(name: str) -> bool:
     return name == TEXT or name.startswith(TEXT + ":")
 
 
-def load(name: str, seq_len: int = DEFAULT_SEQ_LEN) -> Dataset:
-    """A named dataset, a path ending in `.npz`, or text (`dpax.text`) cut into
-    windows of `seq_len` tokens."""
+def load(name: str, seq_len: int = DEFAULT_SEQ_LEN, x_column: str = "x",
+         y_column: str = "y") -> Dataset:
+    """A named dataset, a path ending in `.npz`, text (`dpax.text`) cut into
+    windows of `seq_len` tokens, or examples on disk (`dpax.sources`) with
+    inputs and labels in the named columns."""
     check_name(name)
     if is_text(name):
         from dpax import text
@@ -175,4 +199,6 @@ def load(name: str, seq_len: int = DEFAULT_SEQ_LEN) -> Dataset:
         return text.load(name.partition(":")[2] or None, seq_len)
     if name.endswith(".npz"):
         return from_npz(name)
+    if sources.is_streamed(name):
+        return from_table(sources.open_table(name, x_column, y_column))
     return DATASETS[name]()

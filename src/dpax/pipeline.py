@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import grain
 import numpy as np
 
+from dpax.augment import Augment
 from dpax.errors import DpaxError
 from dpax.sharding import Batch, pad_batch, padded_size
 
@@ -84,42 +85,61 @@ CHUNK_STEPS = 64
 
 
 def train_batches(
-    x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, int], start: int, stop: int
+    x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, int], start: int,
+    stop: int, augment: Augment | None = None, workers: int = 0,
 ) -> StepBatches:
     """This process's rows of the padded, masked global batches of steps
     `start..stop-1`, as a checkpointable iterator.
 
-    Built on the calling thread: the Trainer dispatches steps asynchronously, so
-    batch i+1 is already made while the device runs step i; a worker thread's
-    handoffs would cost more than a small model's whole step. Grain's own
-    bookkeeping is per element, so small batches come in chunks of several
-    steps (see benchmarks/README.md).
+    Built on the calling thread by default: the Trainer dispatches steps
+    asynchronously, so batch i+1 is already made while the device runs step i;
+    a worker thread's handoffs would cost more than a small model's whole step.
+    `workers` > 0 builds them in that many Grain worker processes instead, for
+    inputs read from disk and decoded (`dpax.sources`) faster than one thread
+    can. Grain's own bookkeeping is per element, so small batches come in
+    chunks of several steps (see benchmarks/README.md).
     """
     row_bytes = x[:1].nbytes + y[:1].nbytes
     per_chunk = int(np.clip(CHUNK_BYTES // max(row_bytes * (rows[1] - rows[0]), 1),
                             1, CHUNK_STEPS))
+    ds = grain.MapDataset.range(start, stop, per_chunk).map(
+        functools.partial(_chunk, x, y, plan, rows, stop, per_chunk, augment))
+    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    if workers:
+        from absl import flags
 
-    def make(first: int) -> list[Batch]:
-        return local_parts(x, y, plan, rows, range(first, min(first + per_chunk, stop)))
+        if not flags.FLAGS.is_parsed():  # Grain's workers read its absl flags: defaults
+            flags.FLAGS.mark_as_parsed()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return StepBatches(iter(ds))
 
-    ds = grain.MapDataset.range(start, stop, per_chunk).map(make)
-    return StepBatches(iter(ds.to_iter_dataset(
-        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))))
+
+def _chunk(x, y, plan: BatchPlan, rows: tuple[int, int], stop: int, per_chunk: int,
+           augment: Augment | None, first: int) -> list[Batch]:
+    """The batches of steps first..first+per_chunk-1 (a module-level function:
+    Grain workers get it pickled)."""
+    return local_parts(x, y, plan, rows, range(first, min(first + per_chunk, stop)), augment)
 
 
 def local_parts(x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, int],
-                steps: range) -> list[Batch]:
+                steps: range, augment: Augment | None = None) -> list[Batch]:
     """`local_part` of the global batches of `steps`: one gather when none of
-    them needs padding (then they share one mask array: read-only to callers)."""
+    them needs padding (then they share one mask array: read-only to callers).
+    `augment` changes each step's inputs by (seed, step, global position)."""
     lo, hi = rows
     mine = [plan.indices(s)[lo:hi] for s in steps]
     if any(len(m) != hi - lo for m in mine):
-        return [local_part(x, y, plan.indices(s), rows) for s in steps]
-    idx = np.concatenate(mine)
-    xs = x[idx].reshape((len(mine), hi - lo) + x.shape[1:])
-    ys = y[idx].reshape((len(mine), hi - lo) + y.shape[1:])
-    mask = np.ones(hi - lo, bool)
-    return [{"x": xs[i], "y": ys[i], "mask": mask} for i in range(len(mine))]
+        parts = [local_part(x, y, plan.indices(s), rows) for s in steps]
+    else:
+        idx = np.concatenate(mine)
+        xs = x[idx].reshape((len(mine), hi - lo) + x.shape[1:])
+        ys = y[idx].reshape((len(mine), hi - lo) + y.shape[1:])
+        mask = np.ones(hi - lo, bool)
+        parts = [{"x": xs[i], "y": ys[i], "mask": mask} for i in range(len(mine))]
+    if augment is not None:
+        parts = [dict(p, x=augment(p["x"], plan.seed, s, lo, plan.batch_size))
+                 for p, s in zip(parts, steps)]
+    return parts
 
 
 class StepBatches:
@@ -235,8 +255,10 @@ class TrainedPosition:
 
 
 def train_input(x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, int],
-                start: int, stop: int) -> TrainedPosition:
+                start: int, stop: int, augment: Augment | None = None,
+                workers: int = 0) -> TrainedPosition:
     """The input pipeline of a training run: this process's rows of the padded,
     masked global batches of steps `start..stop-1`, checkpointable at the last
     batch trained on. `Trainer.fit` takes it as `batches`."""
-    return TrainedPosition(iter(train_batches(x, y, plan, rows, start, stop)))
+    return TrainedPosition(iter(train_batches(x, y, plan, rows, start, stop, augment,
+                                              workers)))

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from dpax import data as data_mod
-from dpax import hooks, losses, models, optim
+from dpax import augment, hooks, losses, models, optim
 from dpax.backends import DEFAULT_BACKEND
 from dpax.checkpoint import Checkpointer, locate
 from dpax.config import DEFAULT_EPOCHS, TrainConfig
@@ -89,12 +89,13 @@ class Job:
     def input(self, start: int):
         """This process's training batches of steps `start..total-1`."""
         rows = self.trainer.backend.local_rows(self.trainer.padded(self.config.batch_size))
-        return train_input(self.ds.x_train, self.ds.y_train, self.plan, rows, start, self.total)
+        return train_input(self.ds.x_train, self.ds.y_train, self.plan, rows, start, self.total,
+                           augment.parse(self.config.augment), self.config.data_workers)
 
 
 def build(config: TrainConfig) -> Job:
     """Data, model, optimizer and Trainer for a validated config."""
-    ds = data_mod.load(config.data, config.seq_len)
+    ds = data_mod.load(config.data, config.seq_len, config.x_column, config.y_column)
     plan = BatchPlan(len(ds.x_train), config.batch_size, config.seed)
     total = plan.total_steps(config.steps, config.epochs, DEFAULT_EPOCHS)
     trainer = make_trainer(config, ds.task, ds.input_shape, ds.n_out, total)
@@ -422,7 +423,8 @@ def evaluate_checkpoint(path: str, data: str | None = None, devices: int | None 
     """Eval loss and accuracy of a checkpoint on the eval split of `data`
     (default: the data it was trained on)."""
     loaded = load_checkpoint(path, devices, backend)
-    ds = data_mod.load(data or loaded.config.data)
+    ds = data_mod.load(data or loaded.config.data, loaded.config.seq_len,
+                       loaded.config.x_column, loaded.config.y_column)
     _check_fits(ds, loaded.meta)
     return loaded.trainer.evaluate(ds.x_eval, ds.y_eval, batch_size)
 

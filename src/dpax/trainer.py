@@ -28,6 +28,7 @@ from dpax.devices import select_devices
 from dpax.errors import DpaxError, TooManyBadSteps
 from dpax.layers import has_per_device_state, synchronize
 from dpax.layout import make_layout
+from dpax.augment import Augment
 from dpax.pipeline import EVAL_BATCH, BatchPlan, bucketed, eval_batches, train_input
 from dpax.sharding import padded_size
 from dpax.step import LossFn, StepOptions, TrainState, init_state
@@ -174,6 +175,8 @@ class Trainer:
         log_every: int = 10,
         hooks: Iterable[loop.Hook] = (),
         batches: Iterator[dict] | None = None,
+        augment: Augment | None = None,
+        data_workers: int = 0,
     ) -> list[dict]:
         """Train on (x, y) with global batches of `batch_size` until the step
         counter reaches `until_step` (or `epochs` passes); returns the log rows.
@@ -186,13 +189,17 @@ class Trainer:
             checkpoints, evaluation, preemption checks; `loop.LogTo(fn)` for a callback).
           batches: this process's host batches from the current step on (from
             `pipeline.train_input`, e.g. restored from a checkpoint); default: made here.
+          augment: random image augmentation (`dpax.augment.parse("crop,flip")`),
+            the same for any device count; only with batches made here.
+          data_workers: Grain worker processes that make the batches (0: this thread).
         """
         plan = BatchPlan(len(x), batch_size, seed)
         total = plan.total_steps(until_step, epochs, steps_name="until_step")
         start = self.step
         size = self.padded(batch_size)
         if batches is None:
-            batches = train_input(x, y, plan, self.backend.local_rows(size), start, total)
+            batches = train_input(x, y, plan, self.backend.local_rows(size), start, total,
+                                  augment, data_workers)
         sized = ((size, b) for b in itertools.islice(batches, max(total - start, 0)))
         return loop.train(self._loop_steps(), sized, start=start, total=total,
                           log_every=log_every, hooks=hooks,

@@ -1,0 +1,324 @@
+"""Examples read by index from disk: ArrayRecord shards (what `dpax prepare`
+writes), Parquet files, and Hugging Face datasets saved with `save_to_disk`.
+
+Each is a random-access table in Grain's sense (a length, rows read by index),
+so a global shuffle never loads the dataset and a process reads only the rows
+of its part of each global batch. Labels are small and are read whole (they
+decide the task, the class count and the split); inputs stay on disk and are
+read per batch through `Column`, which looks like an array to the pipeline
+and decodes what it reads: uint8 images become float32 in [0, 1].
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+
+import numpy as np
+
+from dpax.errors import DpaxError
+
+FORMAT = "dpax-array-record/1"  # the `format` of the dpax.json `dpax prepare` writes
+META = "dpax.json"
+LABELS = "labels.npy"
+SUFFIX = ".array_record"
+
+
+def decode(x: np.ndarray) -> np.ndarray:
+    """Stored inputs as the model's float32: uint8 (images) scaled to [0, 1]."""
+    if x.dtype == np.uint8:
+        return x.astype(np.float32) * np.float32(1 / 255)
+    return x.astype(np.float32)
+
+
+class Column:
+    """The inputs of some rows of a table, as a read-only array: indexing with
+    an index array (or a slice) reads those rows and decodes them."""
+
+    def __init__(self, table, rows: np.ndarray | None = None):
+        self.table = table
+        self._rows = np.arange(len(table)) if rows is None else rows
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self._rows),) + tuple(self.table.x_shape)
+
+    dtype = np.dtype(np.float32)
+    ndim = property(lambda self: len(self.shape))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def subset(self, idx: np.ndarray) -> Column:
+        """A view of rows `idx` of this column; nothing is read."""
+        return Column(self.table, self._rows[idx])
+
+    def __getitem__(self, idx) -> np.ndarray:
+        rows = self._rows[idx]
+        if np.ndim(rows) != 1:
+            raise TypeError("a Column is read with an index array or a slice")
+        return decode(self.table.read(rows))
+
+
+class ArrayTable:
+    """Inputs in memory, kept as stored (uint8 images take a quarter of
+    float32's memory) and decoded per batch like the streamed formats."""
+
+    def __init__(self, x: np.ndarray, name: str, y: np.ndarray | None = None):
+        self.x, self.name, self.x_shape, self.y = x, name, x.shape[1:], y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def read(self, idx: np.ndarray) -> np.ndarray:
+        return self.x[idx]
+
+
+def _stack(arrays: list[np.ndarray], shape: tuple, where: str) -> np.ndarray:
+    for a in arrays:
+        if a.shape != shape:
+            raise DpaxError(f"{where}: an example has x of shape {a.shape}, the first has "
+                            f"{shape}; every example needs the same shape")
+    return np.stack(arrays) if arrays else np.zeros((0,) + shape)
+
+
+class ArrayRecordTable:
+    """ArrayRecord shards written by `dpax prepare`: one msgpack record
+    {"x": array, "y": label} per example, read through Grain's
+    `ArrayRecordDataSource` (parallel reads of a batch's records)."""
+
+    def __init__(self, paths: list[str], meta: dict, labels: np.ndarray, name: str):
+        import grain
+
+        self.name, self.x_shape = name, tuple(meta["x_shape"])
+        self.x_dtype = np.dtype(meta["x_dtype"])
+        try:
+            self._source = grain.sources.ArrayRecordDataSource(paths)
+        except Exception as e:  # the reader raises RuntimeError/ValueError on bad files
+            raise DpaxError(f"{name}: cannot open its ArrayRecord shards "
+                            f"({type(e).__name__}: {str(e)[:120]}); write them again with "
+                            "dpax prepare") from None
+        if len(self._source) != meta["examples"] or len(labels) != meta["examples"]:
+            raise DpaxError(f"{name}: {META} says {meta['examples']} examples, the shards hold "
+                            f"{len(self._source)} and {LABELS} {len(labels)}; a shard is "
+                            "missing or extra: write them again with dpax prepare")
+        self.y = labels
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def read(self, idx: np.ndarray) -> np.ndarray:
+        from flax import serialization
+
+        try:
+            records = self._source.__getitems__([int(i) for i in idx])
+            xs = [np.asarray(serialization.msgpack_restore(r)["x"]) for r in records]
+        except Exception as e:
+            raise DpaxError(f"{self.name}: a record cannot be read ({type(e).__name__}); "
+                            "a shard is damaged: write them again with dpax prepare") from None
+        return _stack(xs, self.x_shape, self.name).astype(self.x_dtype, copy=False)
+
+
+def _arrow_to_numpy(arr, where: str) -> np.ndarray:
+    """An Arrow column of numbers or (nested) lists of numbers as one numpy
+    array, examples first; every example must have the same shape."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    n, shape = len(arr), []
+    while True:
+        if isinstance(arr.type, pa.ExtensionType):  # e.g. datasets' Array3D
+            arr = arr.storage
+        if arr.null_count:
+            raise DpaxError(f"{where} has missing values; fill or drop them first")
+        if pa.types.is_fixed_size_list(arr.type):
+            shape.append(arr.type.list_size)
+        elif pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+            lengths = pc.list_value_length(arr)
+            lo, hi = pc.min(lengths).as_py(), pc.max(lengths).as_py()
+            if lo != hi:
+                raise DpaxError(f"{where} has examples of different sizes ({lo} to {hi} "
+                                "values); every example needs the same shape")
+            shape.append(lo or 0)
+        else:
+            break
+        arr = arr.flatten()
+    if not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)
+            or pa.types.is_boolean(arr.type)):
+        raise DpaxError(f"{where} holds {arr.type}, not numbers; store numbers "
+                        "(images as uint8 arrays)")
+    return arr.to_numpy(zero_copy_only=False).reshape((n, *shape))
+
+
+class _ArrowTable:
+    """Shared by the Arrow-backed formats: the label column read whole, the
+    input column read by rows (`_rows`)."""
+
+    def _setup(self, name: str, x_key: str, y_key: str, first_rows):
+        self.name, self.x_key, self.y_key = name, x_key, y_key
+        first = first_rows if isinstance(first_rows, np.ndarray) else _arrow_to_numpy(
+            first_rows, f"{name}: column {x_key!r}")
+        self.x_shape, self.x_dtype = first.shape[1:], first.dtype
+
+    def read(self, idx: np.ndarray) -> np.ndarray:
+        x = self._rows(idx)
+        if x.shape[1:] != self.x_shape:
+            raise DpaxError(f"{self.name}: examples of shape {x.shape[1:]} and "
+                            f"{self.x_shape}; every example needs the same shape")
+        return x
+
+
+def _check_columns(names, x_key: str, y_key: str, where: str, flags: str) -> None:
+    missing = [k for k in (x_key, y_key) if k not in names]
+    if missing:
+        raise DpaxError(f"{where} has no column {missing[0]!r} (it has {', '.join(names)}); "
+                        f"name the input and label columns with {flags}")
+
+
+class ParquetTable(_ArrowTable):
+    """Parquet files, read one row group at a time (a few kept decoded): small
+    row groups make random access cheap; `dpax prepare` converts to
+    ArrayRecord for the fastest reads."""
+
+    def __init__(self, paths: list[str], x_key: str, y_key: str, name: str):
+        import pyarrow.parquet as pq
+
+        self.x_key, groups, ys = x_key, [], []
+        for path in paths:
+            try:
+                f = pq.ParquetFile(path)
+            except Exception as e:
+                raise DpaxError(f"{path} is not a readable Parquet file ({type(e).__name__}); "
+                                "write it again") from None
+            _check_columns(f.schema_arrow.names, x_key, y_key, path, "--x-column/--y-column")
+            for g in range(f.num_row_groups):
+                groups.append((path, g, f.metadata.row_group(g).num_rows))
+            ys.append(_arrow_to_numpy(f.read(columns=[y_key])[y_key], f"{path}: {y_key!r}"))
+        self._groups = groups
+        self._starts = np.cumsum([0] + [n for _, _, n in groups])
+        if not groups:
+            raise DpaxError(f"{name} holds no examples")
+        self.y = np.concatenate(ys)
+        self._setup(name, x_key, y_key, self._group(0)[:1])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getstate__(self):  # for Grain workers: open files anew there
+        return {k: v for k, v in self.__dict__.items() if k != "_group_cache"}
+
+    def _group(self, g: int) -> np.ndarray:
+        cache = self.__dict__.setdefault("_group_cache", functools.lru_cache(maxsize=4)(
+            self._read_group))
+        return cache(g)
+
+    def _read_group(self, g: int) -> np.ndarray:
+        import pyarrow.parquet as pq
+
+        path, k, _ = self._groups[g]
+        col = pq.ParquetFile(path).read_row_group(k, columns=[self.x_key])[self.x_key]
+        return _arrow_to_numpy(col, f"{path}: column {self.x_key!r}")
+
+    def _rows(self, idx: np.ndarray) -> np.ndarray:
+        groups = np.searchsorted(self._starts, idx, side="right") - 1
+        out = None
+        for g in np.unique(groups):
+            mine = np.flatnonzero(groups == g)
+            part = self._group(int(g))[idx[mine] - self._starts[g]]
+            if out is None:
+                out = np.empty((len(idx),) + part.shape[1:], part.dtype)
+            if part.shape[1:] != out.shape[1:]:
+                raise DpaxError(f"{self.name}: examples of shape {part.shape[1:]} and "
+                                f"{out.shape[1:]}; every example needs the same shape")
+            out[mine] = part
+        return out
+
+
+class HuggingFaceTable(_ArrowTable):
+    """A `datasets.Dataset.save_to_disk` directory: memory-mapped Arrow,
+    rows read by index."""
+
+    def __init__(self, path: str, x_key: str, y_key: str):
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(path)
+        except Exception as e:
+            raise DpaxError(f"{path} is not a readable saved Hugging Face dataset "
+                            f"({type(e).__name__}); save it again with save_to_disk") from None
+        if isinstance(ds, datasets.DatasetDict):
+            raise DpaxError(f"{path} holds splits {', '.join(ds)}; give one split's "
+                            f"directory, e.g. {os.path.join(path, next(iter(ds)))}")
+        _check_columns(ds.column_names, x_key, y_key, path, "--x-column/--y-column")
+        self._ds = ds.with_format("arrow")
+        self.y = _arrow_to_numpy(self._ds.data.column(y_key), f"{path}: {y_key!r}")
+        self._setup(path, x_key, y_key, self._ds[:1][x_key])
+
+    def __len__(self) -> int:
+        return len(self._ds)
+
+    def _rows(self, idx: np.ndarray) -> np.ndarray:
+        return _arrow_to_numpy(self._ds[idx.tolist()][self.x_key],
+                               f"{self.name}: column {self.x_key!r}")
+
+
+def _array_record(paths: list[str], name: str) -> ArrayRecordTable:
+    """Shards and the dpax.json + labels.npy `dpax prepare` wrote beside them."""
+    where = os.path.dirname(paths[0])
+    meta_path = os.path.join(where, META)
+    if not os.path.isfile(meta_path):
+        raise DpaxError(f"{name}: no {META} beside the shards; write them with "
+                        "dpax prepare SRC DEST")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        labels = np.load(os.path.join(where, LABELS), allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise DpaxError(f"{name}: {META} or {LABELS} is unreadable ({type(e).__name__}); "
+                        "write the shards again with dpax prepare") from None
+    if meta.get("format") != FORMAT:
+        raise DpaxError(f"{meta_path} is not a {FORMAT} description; write the shards "
+                        "with dpax prepare")
+    expected = [os.path.join(where, s) for s in meta["shards"]]
+    missing = [s for s in expected if not os.path.isfile(s)]
+    if missing:
+        raise DpaxError(f"{name}: shard {missing[0]} is missing; copy it back or write the "
+                        "shards again with dpax prepare")
+    if set(paths) != set(expected):  # a glob naming some shards only
+        raise DpaxError(f"{name}: names {len(paths)} of the {len(expected)} shards in "
+                        f"{where}; give the directory")
+    return ArrayRecordTable(expected, meta, labels, name)
+
+
+def is_streamed(name: str) -> bool:
+    """Whether `name` names on-disk examples this module reads (not an .npz)."""
+    return (os.path.isdir(name) or any(ch in name for ch in "*?[")
+            or name.endswith((SUFFIX, ".parquet")))
+
+
+def open_table(name: str, x_key: str = "x", y_key: str = "y"):
+    """The table `name` names: a directory of ArrayRecord shards, of Parquet
+    files or a saved Hugging Face dataset; a glob; or one such file."""
+    if os.path.isdir(name):
+        if os.path.isfile(os.path.join(name, "state.json")):
+            return HuggingFaceTable(name, x_key, y_key)
+        paths = sorted(glob.glob(os.path.join(name, "*" + SUFFIX)))
+        paths = paths or sorted(glob.glob(os.path.join(name, "*.parquet")))
+        if not paths:
+            raise DpaxError(f"{name} holds no *{SUFFIX} shards, *.parquet files or saved "
+                            "Hugging Face dataset; give a directory of one of them")
+    else:
+        paths = sorted(glob.glob(name))
+        if not paths:
+            raise DpaxError(f"data {name!r} names no file; give an existing path")
+    kinds = {os.path.splitext(p)[1] for p in paths}
+    if kinds == {SUFFIX}:
+        return _array_record(paths, name)
+    if kinds == {".parquet"}:
+        return ParquetTable(paths, x_key, y_key, name)
+    raise DpaxError(f"data {name!r} names {', '.join(sorted(kinds))} files; give only "
+                    f"*{SUFFIX} shards or only *.parquet files")
