@@ -169,6 +169,31 @@ def test_launched_batchnorm_and_dropout_model_equals_one_process(tmp_path, capsy
     assert diff == 0.0  # the same sums in the same order: the same bits
 
 
+def test_launched_streamed_augmented_run_equals_one_device(tmp_path, capsys):
+    """ArrayRecord shards with crop+flip and an uneven batch (45): each of 2
+    processes x 2 devices reads and augments only its rows, and the params are
+    one device's."""
+    from test_sources import images
+
+    x, y = images(n=300)
+    shards = str(tmp_path / "shards")
+    dpax.prepare.write_shards(shards, [x], y, shard_bytes=64 * 192, progress=False)
+    flags = ["--model", "cnn", "--data", shards, "--augment", "crop,flip", "--steps", "15",
+             "--batch-size", "45", "--optimizer", "adam", "--lr", "0.001", "--log-every", "5"]
+    r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *flags,
+               "--out", str(tmp_path / "launched"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert main(["train", *flags, "--devices", "1", "--out", str(tmp_path / "one")]) == 0
+    assert main(["train", *flags[:4], *flags[6:], "--devices", "1",
+                 "--out", str(tmp_path / "plain")]) == 0
+    capsys.readouterr()
+    a, b, c = (dict(np.load(tmp_path / d / "params.npz")) for d in ("launched", "one", "plain"))
+    diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+    print(f"streamed + augmented, launched 2x2 vs 1 device: max |diff| {diff:.2e}")
+    assert diff <= 1e-5
+    assert max(float(np.max(np.abs(b[k] - c[k]))) for k in b) > 1e-4  # it did augment
+
+
 def test_launched_gpt_on_text_equals_one_device_and_the_cli_samples_it(tmp_path, capsys):
     """The GPT on padded short documents, an uneven batch (13), dropout and an
     EMA, its loss weighted by tokens: 2 processes x 2 devices give one device's

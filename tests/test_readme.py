@@ -43,6 +43,10 @@ def test_every_readme_command_runs(tmp_path):
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     digits_x = __import__("dpax").data.digits().x_eval
     np.savez(tmp_path / "x.npz", x=digits_x)  # the input the predict example names
+    from test_sources import images
+
+    x, y = images(n=400)
+    np.savez(tmp_path / "images.npz", x=x, y=y)  # what the streaming example prepares
     ran = 0
     for line in bash_lines():
         if NOT_RUN in line:
@@ -78,6 +82,6 @@ def test_every_readme_command_runs(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["train", "launch", "eval", "predict", "plot", "check",
-                                     "bench", "devices", "sample"])
+                                     "bench", "devices", "sample", "prepare"])
 def test_every_subcommand_is_documented(command):
     assert f"dpax {command}" in README

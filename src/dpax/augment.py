@@ -32,9 +32,7 @@ class Augment:
                  batch_size: int) -> np.ndarray:
         """Rows `first..first+len(x)` of global batch `step` (NHWC), augmented;
         rows past the batch (padding) are left as they are."""
-        if x.ndim != 4:
-            raise DpaxError(f"augmentation needs images (examples of shape HxWxC), got "
-                            f"examples of shape {x.shape[1:]}; drop `augment`")
+        self.check(x.shape[1:])
         rng = np.random.default_rng([seed, STREAM, step])
         side = x.shape[1:3]
         pad = self.pad if self.pad is not None else max(1, min(side) // 8)
@@ -51,6 +49,13 @@ class Augment:
             if self.flip and flips[g]:
                 out[i] = out[i, :, ::-1]
         return out
+
+
+    def check(self, input_shape: tuple[int, ...]) -> None:
+        """Refuse inputs that are not images, before a run starts."""
+        if len(input_shape) != 3:
+            raise DpaxError(f"augmentation needs images (examples of shape HxWxC), got "
+                            f"examples of shape {tuple(input_shape)}; drop `augment`")
 
 
 def parse(spec: str | None) -> Augment | None:

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import jax
+
 # XLA:CPU's cross-device rendezvous aborts ("Termination timeout for all
 # reduce") when too many multi-device steps are queued; two in flight keep the
 # device busy while the host prepares the next batch. Other platforms queue freely.
@@ -107,7 +109,7 @@ def _run(steps: Steps, batches, zero, start, total, log_every, hooks, steps_per_
     rows: list[dict] = []
     pending: list = []  # device metric sums since the last log, read at the next
     sums, summed = zero, 0  # the running sums and the steps in them
-    queue = _InFlight(steps.in_flight)
+    queue = InFlight(steps.in_flight)
     since = (time.perf_counter(), start)  # the last log's time and step
 
     def log(step):
@@ -130,7 +132,7 @@ def _run(steps: Steps, batches, zero, start, total, log_every, hooks, steps_per_
         prev, step = step, step + n
         sums = steps.run(n, batch, sums)
         summed += n
-        queue.add(sums)
+        queue.add(sums["scalars"])
         log_now = step // log_every > prev // log_every or step == total
         if log_now or summed >= STEPS_PER_SUM:
             pending.append(sums)
@@ -146,20 +148,21 @@ def _run(steps: Steps, batches, zero, start, total, log_every, hooks, steps_per_
     return rows
 
 
-class _InFlight:
+class InFlight:
     """Waits for the oldest call once more than `limit` are queued (a wait,
-    not a transfer)."""
+    not a transfer). Training, evaluation and prediction all bound their queue."""
 
     def __init__(self, limit: int | None):
         self.limit = limit
         self._queue: collections.deque = collections.deque()
 
-    def add(self, sums) -> None:
+    def add(self, result) -> None:
+        """`result`: an output (pytree) of the call just dispatched."""
         if self.limit is None:
             return
-        self._queue.append(sums["scalars"])
+        self._queue.append(result)
         if len(self._queue) > self.limit:
-            self._queue.popleft().block_until_ready()
+            jax.block_until_ready(self._queue.popleft())
 
 
 def device_calls(sized_batches: Iterator, put_batch, put_batches,

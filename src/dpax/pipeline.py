@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import functools
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grain
@@ -82,6 +83,7 @@ def local_part(x: np.ndarray, y: np.ndarray, idx: np.ndarray, rows: tuple[int, i
 # (one gather, one Grain element), large ones one at a time.
 CHUNK_BYTES = 1 << 20
 CHUNK_STEPS = 64
+READ_THREADS = 2  # Grain threads that read ahead from disk (see `train_batches`)
 
 
 def train_batches(
@@ -94,24 +96,38 @@ def train_batches(
     Built on the calling thread by default: the Trainer dispatches steps
     asynchronously, so batch i+1 is already made while the device runs step i;
     a worker thread's handoffs would cost more than a small model's whole step.
-    `workers` > 0 builds them in that many Grain worker processes instead, for
-    inputs read from disk and decoded (`dpax.sources`) faster than one thread
-    can. Grain's own bookkeeping is per element, so small batches come in
-    chunks of several steps (see benchmarks/README.md).
+    Inputs on disk (`dpax.sources`) are read ahead by `READ_THREADS` Grain
+    threads, which wait for storage while the steps run; `workers` > 0 builds
+    the batches in that many Grain worker processes instead, for reads and
+    decoding one process cannot keep up with. Grain's own bookkeeping is per
+    element, so small batches come in chunks of several steps (see
+    benchmarks/README.md).
     """
-    row_bytes = x[:1].nbytes + y[:1].nbytes
-    per_chunk = int(np.clip(CHUNK_BYTES // max(row_bytes * (rows[1] - rows[0]), 1),
+    # From shapes: reading a row of inputs on disk (`dpax.sources`) costs a read.
+    row_bytes = sum(a.dtype.itemsize * math.prod(a.shape[1:]) for a in (x, y))
+    # Sized by the GLOBAL batch, never by this process's rows: the same chunks
+    # for any device count.
+    per_chunk = int(np.clip(CHUNK_BYTES // max(row_bytes * plan.batch_size, 1),
                             1, CHUNK_STEPS))
-    ds = grain.MapDataset.range(start, stop, per_chunk).map(
-        functools.partial(_chunk, x, y, plan, rows, stop, per_chunk, augment))
-    ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-    if workers:
-        from absl import flags
 
-        if not flags.FLAGS.is_parsed():  # Grain's workers read its absl flags: defaults
-            flags.FLAGS.mark_as_parsed()
-        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
-    return StepBatches(iter(ds))
+    # Inputs on disk wait for reads (the GIL released): threads read ahead,
+    # overlapping the wait with the steps. Arrays in memory need no wait.
+    threads = READ_THREADS if getattr(x, "on_disk", False) else 0
+
+    def chunks(first: int):
+        ds = grain.MapDataset.range(first, stop, per_chunk).map(
+            functools.partial(_chunk, x, y, plan, rows, stop, per_chunk, augment))
+        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads,
+                                                  prefetch_buffer_size=threads * 2))
+        if workers:
+            from absl import flags
+
+            if not flags.FLAGS.is_parsed():  # Grain's workers read its absl flags: defaults
+                flags.FLAGS.mark_as_parsed()
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+        return iter(ds)
+
+    return StepBatches(chunks, start, per_chunk)
 
 
 def _chunk(x, y, plan: BatchPlan, rows: tuple[int, int], stop: int, per_chunk: int,
@@ -145,13 +161,16 @@ def local_parts(x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, 
 class StepBatches:
     """One batch per step from a Grain iterator of chunks (lists of batches).
 
-    Its state is the Grain state before the current chunk plus the offset in
-    it, so a restored iterator resumes mid-chunk at exactly the next step.
+    Its state holds the step of the next batch (and Grain's state before the
+    current chunk, with the offset in it); a restore starts the chunks anew
+    at that step. Batches depend on the step alone, so this is exact whatever
+    the device count, chunk size or Grain worker count of the saving run.
     """
 
-    def __init__(self, chunks):
-        self._chunks = chunks
-        self._chunk_state = chunks.get_state()  # before `_chunk`
+    def __init__(self, chunks: Callable[[int], Iterator], start: int, per_chunk: int):
+        self._make, self._step, self._per_chunk = chunks, start, per_chunk  # `_step`: next
+        self._chunks = chunks(start)
+        self._chunk_state = self._chunks.get_state()  # before `_chunk`
         self._chunk: list[Batch] = []
         self._offset = 0
 
@@ -163,17 +182,25 @@ class StepBatches:
             self._chunk_state = self._chunks.get_state()
             self._chunk, self._offset = next(self._chunks), 0
         self._offset += 1
+        self._step += 1
         return self._chunk[self._offset - 1]
 
     def get_state(self) -> dict:
-        return {"chunks": self._chunk_state, "offset": self._offset}
+        return {"chunks": self._chunk_state, "offset": self._offset, "step": self._step}
 
     def set_state(self, state: dict) -> None:
-        self._chunks.set_state(state["chunks"])
-        self._chunk_state, self._chunk = state["chunks"], []
-        if state["offset"]:
-            self._chunk = next(self._chunks)
-        self._offset = state["offset"]
+        # dpax 0.1 saved no step: its chunks started at step 0 (`run` checks the
+        # step against the checkpoint's and starts from the latter if they differ).
+        step = state.get("step", state["chunks"].get("next_index", 0) * self._per_chunk
+                         + state["offset"])
+        self.close()
+        self.__init__(self._make, step, self._per_chunk)
+
+    def close(self) -> None:
+        """Stop Grain's worker processes, if any."""
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
 
 
 def bucketed(batches: Iterable[dict], unit: int, buckets: Sequence[int] | None,
@@ -243,11 +270,19 @@ class TrainedPosition:
     def get_state(self) -> bytes:
         return json.dumps(self._trained).encode()
 
+    @property
+    def next_step(self) -> int | None:
+        """The step of the next batch to train on, if the iterator says."""
+        return self._trained.get("step") if isinstance(self._trained, dict) else None
+
     def set_state(self, state: bytes) -> None:
         """Go to a saved position."""
         saved = json.loads(state)
         self._it.set_state(saved)
         self._trained, self._read = saved, collections.deque()
+
+    def close(self) -> None:
+        self._it.close()
 
     def start_prefetch(self) -> None:
         """Called by Grain's `CheckpointRestore` handler after `set_state`. Batches

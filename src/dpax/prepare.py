@@ -79,7 +79,9 @@ def write_shards(dest: str, x_chunks: Iterable[np.ndarray], y: np.ndarray,
                 count = math.ceil(n / per_shard)
                 names = [f"data-{k:05d}-of-{count:05d}{sources.SUFFIX}" for k in range(count)]
                 meta = {"format": sources.FORMAT, "examples": n, "x_shape": list(shape),
-                        "x_dtype": dtype.str, "y_dtype": y.dtype.str, "shards": names}
+                        "x_dtype": dtype.str, "y_dtype": y.dtype.str, "shards": names,
+                        "shard_examples": [min(per_shard, n - k * per_shard)
+                                           for k in range(count)]}
             if chunk.shape[1:] != shape or chunk.dtype != dtype:
                 raise DpaxError(f"examples of shape {chunk.shape[1:]} {chunk.dtype} after "
                                 f"{shape} {dtype}; every example needs one shape and dtype")

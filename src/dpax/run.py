@@ -13,8 +13,8 @@ import warnings
 import numpy as np
 from flax import nnx, traverse_util
 
-from dpax import data as data_mod
 from dpax import augment, hooks, losses, models, optim
+from dpax import data as data_mod
 from dpax.backends import DEFAULT_BACKEND
 from dpax.checkpoint import Checkpointer, locate
 from dpax.config import DEFAULT_EPOCHS, TrainConfig
@@ -96,6 +96,9 @@ class Job:
 def build(config: TrainConfig) -> Job:
     """Data, model, optimizer and Trainer for a validated config."""
     ds = data_mod.load(config.data, config.seq_len, config.x_column, config.y_column)
+    aug = augment.parse(config.augment)
+    if aug is not None:
+        aug.check(ds.input_shape)
     plan = BatchPlan(len(ds.x_train), config.batch_size, config.seed)
     total = plan.total_steps(config.steps, config.epochs, DEFAULT_EPOCHS)
     trainer = make_trainer(config, ds.task, ds.input_shape, ds.n_out, total)
@@ -240,6 +243,7 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer, log
         finally:
             if profile is not None:
                 profile.close()
+            data_iter.close()  # stops Grain worker processes, if any
     speed = write.steady_speed(total)
     if speed is None:
         speed = history[-1]["steps_per_sec"] if history else 0.0
@@ -360,7 +364,8 @@ def _resume(config: TrainConfig, ckpt: Checkpointer | None, trainer: Trainer,
         trainer.state_template(), data_iter, step,
         check=lambda meta: _check_same_meaning(meta["config"], config))
     trainer.load_state_dict(state)
-    return step, meta["data_restored"]
+    restored = meta["data_restored"] and data_iter.next_step == step
+    return step, restored  # else the caller starts the batches at `step`
 
 
 @dataclasses.dataclass

@@ -24,12 +24,13 @@ FORMAT = "dpax-array-record/1"  # the `format` of the dpax.json `dpax prepare` w
 META = "dpax.json"
 LABELS = "labels.npy"
 SUFFIX = ".array_record"
+HF_MARKERS = ("state.json", "dataset_dict.json")  # what save_to_disk writes (one split, all)
 
 
 def decode(x: np.ndarray) -> np.ndarray:
     """Stored inputs as the model's float32: uint8 (images) scaled to [0, 1]."""
     if x.dtype == np.uint8:
-        return x.astype(np.float32) * np.float32(1 / 255)
+        return x.astype(np.float32) / np.float32(255)
     return x.astype(np.float32)
 
 
@@ -48,6 +49,11 @@ class Column:
     dtype = np.dtype(np.float32)
     ndim = property(lambda self: len(self.shape))
 
+    @property
+    def on_disk(self) -> bool:
+        """Whether a read waits for storage (worth reading ahead)."""
+        return not isinstance(self.table, ArrayTable)
+
     def __len__(self) -> int:
         return len(self._rows)
 
@@ -59,6 +65,8 @@ class Column:
         rows = self._rows[idx]
         if np.ndim(rows) != 1:
             raise TypeError("a Column is read with an index array or a slice")
+        if len(rows) == 0:  # e.g. a process whose part of a short batch is all padding
+            return np.zeros((0,) + tuple(self.table.x_shape), np.float32)
         return decode(self.table.read(rows))
 
 
@@ -94,12 +102,9 @@ class ArrayRecordTable:
 
         self.name, self.x_shape = name, tuple(meta["x_shape"])
         self.x_dtype = np.dtype(meta["x_dtype"])
-        try:
-            self._source = grain.sources.ArrayRecordDataSource(paths)
-        except Exception as e:  # the reader raises RuntimeError/ValueError on bad files
-            raise DpaxError(f"{name}: cannot open its ArrayRecord shards "
-                            f"({type(e).__name__}: {str(e)[:120]}); write them again with "
-                            "dpax prepare") from None
+        for path, count in zip(paths, meta["shard_examples"]):
+            _check_shard(path, count)
+        self._source = grain.sources.ArrayRecordDataSource(paths)
         if len(self._source) != meta["examples"] or len(labels) != meta["examples"]:
             raise DpaxError(f"{name}: {META} says {meta['examples']} examples, the shards hold "
                             f"{len(self._source)} and {LABELS} {len(labels)}; a shard is "
@@ -119,6 +124,30 @@ class ArrayRecordTable:
             raise DpaxError(f"{self.name}: a record cannot be read ({type(e).__name__}); "
                             "a shard is damaged: write them again with dpax prepare") from None
         return _stack(xs, self.x_shape, self.name).astype(self.x_dtype, copy=False)
+
+
+def _check_shard(path: str, count: int) -> None:
+    """A shard holds the records dpax.json says, and its first and last read:
+    what a truncated copy or a damaged header breaks (damage inside is found
+    when that record is read)."""
+    from array_record.python.array_record_module import ArrayRecordReader
+    from flax import serialization
+
+    try:
+        reader = ArrayRecordReader(path)
+        try:
+            n = reader.num_records()
+            if n == count:
+                for r in reader.read([0, n - 1]):
+                    serialization.msgpack_restore(r)
+        finally:
+            reader.close()
+    except Exception as e:  # the reader raises RuntimeError/ValueError on bad files
+        raise DpaxError(f"shard {path} is damaged ({type(e).__name__}); copy it again or "
+                        "write the shards again with dpax prepare") from None
+    if n != count:
+        raise DpaxError(f"shard {path} holds {n} examples, dpax.json says {count}; copy it "
+                        "again or write the shards again with dpax prepare")
 
 
 def _arrow_to_numpy(arr, where: str) -> np.ndarray:
@@ -304,7 +333,7 @@ def open_table(name: str, x_key: str = "x", y_key: str = "y"):
     """The table `name` names: a directory of ArrayRecord shards, of Parquet
     files or a saved Hugging Face dataset; a glob; or one such file."""
     if os.path.isdir(name):
-        if os.path.isfile(os.path.join(name, "state.json")):
+        if any(os.path.isfile(os.path.join(name, f)) for f in HF_MARKERS):
             return HuggingFaceTable(name, x_key, y_key)
         paths = sorted(glob.glob(os.path.join(name, "*" + SUFFIX)))
         paths = paths or sorted(glob.glob(os.path.join(name, "*.parquet")))

@@ -22,13 +22,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpax import loop, metrics
+from dpax.augment import Augment
 from dpax.backends import DEFAULT_BACKEND, make_backend
 from dpax.compiled import CompiledSteps
 from dpax.devices import select_devices
 from dpax.errors import DpaxError, TooManyBadSteps
 from dpax.layers import has_per_device_state, synchronize
 from dpax.layout import make_layout
-from dpax.augment import Augment
 from dpax.pipeline import EVAL_BATCH, BatchPlan, bucketed, eval_batches, train_input
 from dpax.sharding import padded_size
 from dpax.step import LossFn, StepOptions, TrainState, init_state
@@ -197,13 +197,20 @@ class Trainer:
         total = plan.total_steps(until_step, epochs, steps_name="until_step")
         start = self.step
         size = self.padded(batch_size)
-        if batches is None:
+        made_here = batches is None
+        if made_here:
+            if augment is not None:
+                augment.check(x.shape[1:])
             batches = train_input(x, y, plan, self.backend.local_rows(size), start, total,
                                   augment, data_workers)
         sized = ((size, b) for b in itertools.islice(batches, max(total - start, 0)))
-        return loop.train(self._loop_steps(), sized, start=start, total=total,
-                          log_every=log_every, hooks=hooks,
-                          steps_per_epoch=plan.steps_per_epoch)
+        try:
+            return loop.train(self._loop_steps(), sized, start=start, total=total,
+                              log_every=log_every, hooks=hooks,
+                              steps_per_epoch=plan.steps_per_epoch)
+        finally:
+            if made_here:
+                batches.close()  # stops Grain worker processes, if any
 
     def fit_stream(
         self,
@@ -225,14 +232,18 @@ class Trainer:
         return loop.train(self._loop_steps(), sized, start=self.step, total=None,
                           log_every=log_every, hooks=hooks)
 
-    def _loop_steps(self) -> loop.Steps:
-        # XLA:CPU aborts when too many multi-device steps queue (`loop.CPU_MAX_IN_FLIGHT`).
+    def _in_flight(self) -> int | None:
+        """Calls that may queue: XLA:CPU aborts when too many multi-device calls
+        do (`loop.CPU_MAX_IN_FLIGHT`); other platforms queue freely."""
         cpu_multi = self.n_devices > 1 and self.backend.devices[0].platform == "cpu"
+        return loop.CPU_MAX_IN_FLIGHT if cpu_multi else None
+
+    def _loop_steps(self) -> loop.Steps:
         return loop.Steps(
             run=self._run, zero_sums=self._zero_sums, read=self._read,
             place=lambda sized: loop.device_calls(sized, self._input, self.backend.put_batches,
                                                   self.steps_per_call),
-            in_flight=loop.CPU_MAX_IN_FLIGHT if cpu_multi else None)
+            in_flight=self._in_flight())
 
     def _input(self, host_batch: dict, size: int | None) -> dict:
         return self.backend.step_input(host_batch, size)
@@ -261,8 +272,10 @@ class Trainer:
         """Mean loss and metrics over every example of (x, y), each counted once."""
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
-        sums = [self._steps.eval(self._leaves, self._input(b, size))
-                for b in eval_batches(x, y, batch_size, rows)]
+        sums, queue = [], loop.InFlight(self._in_flight())
+        for b in eval_batches(x, y, batch_size, rows):
+            sums.append(self._steps.eval(self._leaves, self._input(b, size)))
+            queue.add(sums[-1])
         return metrics.summarize(self.backend.host(sums))  # sync point
 
     def predict(self, x: np.ndarray, batch_size: int = EVAL_BATCH) -> np.ndarray:
@@ -272,8 +285,10 @@ class Trainer:
                             "e.g. `predict_fn=dpax.classification_predict`")
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
-        outs = [self._steps.predict(self._leaves, self._input(b, size))
-                for b in eval_batches(x, np.zeros(len(x), np.int32), batch_size, rows)]
+        outs, queue = [], loop.InFlight(self._in_flight())
+        for b in eval_batches(x, np.zeros(len(x), np.int32), batch_size, rows):
+            outs.append(self._steps.predict(self._leaves, self._input(b, size)))
+            queue.add(outs[-1])
         flat = [self.backend.host_examples(o) for o in outs]  # sync point
         # Batch i holds examples i*batch_size.. in order, then padding: cut it off.
         sizes = [min(batch_size, len(x) - lo) for lo in range(0, len(x), batch_size)]
