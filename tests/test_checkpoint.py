@@ -76,9 +76,19 @@ def test_save_on_8_resume_on_4_then_on_1(tmp_path, capsys):
     assert diff <= 1e-5
 
 
+def children(pid):
+    """Processes started by any thread of `pid`."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
 def test_kill_9_mid_epoch_on_streamed_augmented_data_resumes_on_2_devices(tmp_path, capsys):
     """ArrayRecord shards, crop+flip, an uneven batch: killed on 4 devices at
-    step 30 (mid-epoch 4), resumed on 2, it ends where an uninterrupted run does."""
+    step 30 (mid-epoch 4) with a Grain worker, resumed on 2 without one, it ends
+    where an uninterrupted run does; the worker does not outlive the kill."""
     from test_sources import images
 
     x, y = images(n=500)
@@ -89,12 +99,18 @@ def test_kill_9_mid_epoch_on_streamed_augmented_data_resumes_on_2_devices(tmp_pa
     assert main(["train", *flags, "--devices", "2", "--out", str(tmp_path / "ref")]) == 0
     ck, out = str(tmp_path / "ck"), str(tmp_path / "run")
     p = start(*flags, "--devices", "4", "--checkpoint-dir", ck, "--checkpoint-every", "10",
-              "--out", out)
+              "--out", out, "--data-workers", "1")
     wait_for(os.path.join(ck, "30"), p)
+    workers = children(p.pid)  # Grain's worker (and multiprocessing's resource tracker)
+    assert workers
     p.send_signal(signal.SIGKILL)
     p.communicate()
+    t0 = time.monotonic()  # the worker sees its parent gone within a second or so
+    while any(os.path.exists(f"/proc/{w}") for w in workers):
+        assert time.monotonic() - t0 < 10, "a Grain worker outlived its killed run"
+        time.sleep(0.1)
     assert main(["train", *flags, "--devices", "2", "--checkpoint-dir", ck, "--out", out,
-                 "--resume"]) == 0
+                 "--resume"]) == 0  # on the training thread: no workers this time
     assert "resumed at step" in capsys.readouterr().out
     diff = max_diff(params(out), params(tmp_path / "ref"))
     print(f"streamed + augmented, killed on 4, resumed on 2 vs uninterrupted: {diff:.2e}")

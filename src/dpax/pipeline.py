@@ -13,6 +13,9 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import grain
@@ -124,10 +127,22 @@ def train_batches(
 
             if not flags.FLAGS.is_parsed():  # Grain's workers read its absl flags: defaults
                 flags.FLAGS.mark_as_parsed()
-            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+            ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers),
+                                worker_init_fn=functools.partial(_exit_with, os.getpid()))
         return iter(ds)
 
     return StepBatches(chunks, start, per_chunk)
+
+
+def _exit_with(parent: int, *_) -> None:
+    """Runs in each Grain worker: exit once the training process is gone, so a
+    `kill -9` of a run leaves no worker behind."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _chunk(x, y, plan: BatchPlan, rows: tuple[int, int], stop: int, per_chunk: int,
