@@ -80,8 +80,11 @@ def children(pid):
     """Processes started by any thread of `pid`."""
     found = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(c) for c in f.read().split()]
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
     return found
 
 
