@@ -176,8 +176,7 @@ def local_parts(x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, 
 class StepBatches:
     """One batch per step from a Grain iterator of chunks (lists of batches).
 
-    Its state holds the step of the next batch (and Grain's state before the
-    current chunk, with the offset in it); a restore starts the chunks anew
+    Its state is the step of the next batch; a restore starts the chunks anew
     at that step. Batches depend on the step alone, so this is exact whatever
     the device count, chunk size or Grain worker count of the saving run.
     """
@@ -185,7 +184,6 @@ class StepBatches:
     def __init__(self, chunks: Callable[[int], Iterator], start: int, per_chunk: int):
         self._make, self._step, self._per_chunk = chunks, start, per_chunk  # `_step`: next
         self._chunks = chunks(start)
-        self._chunk_state = self._chunks.get_state()  # before `_chunk`
         self._chunk: list[Batch] = []
         self._offset = 0
 
@@ -194,20 +192,20 @@ class StepBatches:
 
     def __next__(self) -> Batch:
         if self._offset == len(self._chunk):
-            self._chunk_state = self._chunks.get_state()
             self._chunk, self._offset = next(self._chunks), 0
         self._offset += 1
         self._step += 1
         return self._chunk[self._offset - 1]
 
     def get_state(self) -> dict:
-        return {"chunks": self._chunk_state, "offset": self._offset, "step": self._step}
+        return {"step": self._step}
 
     def set_state(self, state: dict) -> None:
-        # dpax 0.1 saved no step: its chunks started at step 0 (`run` checks the
-        # step against the checkpoint's and starts from the latter if they differ).
-        step = state.get("step", state["chunks"].get("next_index", 0) * self._per_chunk
-                         + state["offset"])
+        # dpax 0.1 saved Grain's chunk index and the offset in the chunk, its
+        # chunks starting at step 0 (`run` checks the step against the
+        # checkpoint's and starts from the latter if they differ).
+        step = state["step"] if "step" in state else (
+            state["chunks"].get("next_index", 0) * self._per_chunk + state["offset"])
         self.close()
         self.__init__(self._make, step, self._per_chunk)
 

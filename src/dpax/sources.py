@@ -84,11 +84,15 @@ class ArrayTable:
         return self.x[idx]
 
 
+def _check_shape(got: tuple, want: tuple, where: str) -> None:
+    if tuple(got) != tuple(want):
+        raise DpaxError(f"{where}: examples of shape {tuple(got)} and {tuple(want)}; every "
+                        "example needs the same shape")
+
+
 def _stack(arrays: list[np.ndarray], shape: tuple, where: str) -> np.ndarray:
     for a in arrays:
-        if a.shape != shape:
-            raise DpaxError(f"{where}: an example has x of shape {a.shape}, the first has "
-                            f"{shape}; every example needs the same shape")
+        _check_shape(a.shape, shape, where)
     return np.stack(arrays) if arrays else np.zeros((0,) + shape)
 
 
@@ -187,17 +191,19 @@ class _ArrowTable:
     """Shared by the Arrow-backed formats: the label column read whole, the
     input column read by rows (`_rows`)."""
 
-    def _setup(self, name: str, x_key: str, y_key: str, first_rows):
+    def _setup(self, name: str, x_key: str, y_key: str):
+        """Names, and the shape and dtype of an example (from the first)."""
         self.name, self.x_key, self.y_key = name, x_key, y_key
-        first = first_rows if isinstance(first_rows, np.ndarray) else _arrow_to_numpy(
-            first_rows, f"{name}: column {x_key!r}")
+        self.x_shape = None  # `_rows` of the first example checks nothing yet
+        first = self._rows(np.arange(1))
         self.x_shape, self.x_dtype = first.shape[1:], first.dtype
 
     def read(self, idx: np.ndarray) -> np.ndarray:
-        x = self._rows(idx)
-        if x.shape[1:] != self.x_shape:
-            raise DpaxError(f"{self.name}: examples of shape {x.shape[1:]} and "
-                            f"{self.x_shape}; every example needs the same shape")
+        return self._rows(idx)
+
+    def _checked(self, x: np.ndarray) -> np.ndarray:
+        if self.x_shape is not None:
+            _check_shape(x.shape[1:], self.x_shape, self.name)
         return x
 
 
@@ -216,7 +222,7 @@ class ParquetTable(_ArrowTable):
     def __init__(self, paths: list[str], x_key: str, y_key: str, name: str):
         import pyarrow.parquet as pq
 
-        self.x_key, groups, ys = x_key, [], []
+        groups, ys = [], []
         for path in paths:
             try:
                 f = pq.ParquetFile(path)
@@ -232,7 +238,7 @@ class ParquetTable(_ArrowTable):
         if not groups:
             raise DpaxError(f"{name} holds no examples")
         self.y = np.concatenate(ys)
-        self._setup(name, x_key, y_key, self._group(0)[:1])
+        self._setup(name, x_key, y_key)
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -255,15 +261,12 @@ class ParquetTable(_ArrowTable):
     def _rows(self, idx: np.ndarray) -> np.ndarray:
         groups = np.searchsorted(self._starts, idx, side="right") - 1
         out = None
-        for g in np.unique(groups):
+        for g in np.unique(groups):  # one row group at a time: checked, then gathered
+            rows = self._checked(self._group(int(g)))
             mine = np.flatnonzero(groups == g)
-            part = self._group(int(g))[idx[mine] - self._starts[g]]
             if out is None:
-                out = np.empty((len(idx),) + part.shape[1:], part.dtype)
-            if part.shape[1:] != out.shape[1:]:
-                raise DpaxError(f"{self.name}: examples of shape {part.shape[1:]} and "
-                                f"{out.shape[1:]}; every example needs the same shape")
-            out[mine] = part
+                out = np.empty((len(idx),) + rows.shape[1:], rows.dtype)
+            out[mine] = rows[idx[mine] - self._starts[g]]
         return out
 
 
@@ -285,14 +288,14 @@ class HuggingFaceTable(_ArrowTable):
         _check_columns(ds.column_names, x_key, y_key, path, "--x-column/--y-column")
         self._ds = ds.with_format("arrow")
         self.y = _arrow_to_numpy(self._ds.data.column(y_key), f"{path}: {y_key!r}")
-        self._setup(path, x_key, y_key, self._ds[:1][x_key])
+        self._setup(path, x_key, y_key)
 
     def __len__(self) -> int:
         return len(self._ds)
 
     def _rows(self, idx: np.ndarray) -> np.ndarray:
-        return _arrow_to_numpy(self._ds[idx.tolist()][self.x_key],
-                               f"{self.name}: column {self.x_key!r}")
+        return self._checked(_arrow_to_numpy(self._ds[idx.tolist()][self.x_key],
+                                             f"{self.name}: column {self.x_key!r}"))
 
 
 def _array_record(paths: list[str], name: str) -> ArrayRecordTable:
