@@ -10,7 +10,9 @@ Two things in a JAX gradient make XLA:CPU slow or memory-hungry:
   ran as a plain Eigen dot. In a `jit` step that XLA partitions itself the
   all-reduce sits between the dot and the transpose and the fold never
   happens: that is why such a step was faster. Here an `optimization_barrier`
-  keeps each such pair apart, so the dot stays a YNNPACK dot.
+  keeps each such pair apart, so the dot stays a YNNPACK dot. Only where the
+  dot contracts several dimensions: on [batch, features] (a 2-D dense layer)
+  the folded dot is the faster one.
 
 - **Checkpointed blocks** (`jax.checkpoint`, e.g. `GPT(remat=...)`). JAX keeps
   XLA from merging a block's recomputation with its forward pass by an
@@ -60,7 +62,14 @@ def _is_folded_pair(eqn, made_by: dict) -> bool:
     if eqn.primitive.name != "transpose":
         return False
     operand = eqn.invars[0]  # a Var, or an (unhashable) Literal no dot produced
-    return isinstance(operand, Var) and made_by.get(operand) == "dot_general"
+    dot = made_by.get(operand) if isinstance(operand, Var) else None
+    if dot is None or dot.primitive.name != "dot_general":
+        return False
+    # Only a dot that contracts several dimensions (batch and tokens): a 2-D
+    # dense layer's folded dot runs faster than the dot plus the transpose the
+    # barrier leaves (the mlp: 8-15% a step, benchmarks/README.md).
+    (contracting, _), _ = dot.params["dimension_numbers"]
+    return len(contracting) > 1
 
 
 def _is_recomputation(eqn) -> bool:
@@ -72,7 +81,7 @@ def _is_recomputation(eqn) -> bool:
 
 
 def _rewrites(jaxpr: Jaxpr) -> bool:
-    made_by = {v: e.primitive.name for e in jaxpr.eqns for v in e.outvars}
+    made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
     return any(_is_folded_pair(e, made_by) or _is_recomputation(e) for e in jaxpr.eqns) or any(
         _rewrites(sub) for sub in subjaxprs(jaxpr))
 
@@ -80,7 +89,7 @@ def _rewrites(jaxpr: Jaxpr) -> bool:
 def _eval(jaxpr: Jaxpr, consts: list, args: list) -> list:
     env: dict[Var, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    made_by: dict[Var, str] = {}  # which primitive produced each value here
+    made_by: dict[Var, Any] = {}  # the equation that produced each value here
 
     def read(v):
         return v.val if isinstance(v, Literal) else env[v]
@@ -106,7 +115,7 @@ def _eval(jaxpr: Jaxpr, consts: list, args: list) -> list:
                 outs = [outs]
         for v, out in zip(eqn.outvars, outs):
             env[v] = out
-            made_by[v] = name
+            made_by[v] = eqn
     return [read(v) for v in jaxpr.outvars]
 
 
