@@ -244,12 +244,14 @@ class Sharded(Replicated):
         # A non-finite new param on any device (e.g. a NaN hyperparameter)
         # skips the step too: its slice is the only copy.
         bad = psum_packed(sum(jnp.sum(~jnp.isfinite(x)) for x in jax.tree.leaves(new)), AXIS)
-        if not self.full:
-            new = self._gathered(new)  # ZeRO-1: every device gets the whole params
         finite = jnp.isfinite(sq) & (bad == 0) & jnp.isfinite(loss_sum)
         if skip_nonfinite:
+            # On this device's slices (1/N of the state), before ZeRO-1's gather:
+            # not a pass over the whole params.
             new, opt_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b),
-                                          (new, opt_state), (state.params, state.opt_state))
+                                          (new, opt_state), (params, state.opt_state))
+        if not self.full:
+            new = self._gathered(new)  # ZeRO-1: every device gets the whole params
         return loss_sum, count, sums, new, opt_state, norm, finite
 
     def _slice(self, p):
