@@ -33,11 +33,23 @@ def _trainer(model, **kw):
     return dpax.Trainer(model, losses.classification_loss, optax.sgd(0.1), devices=8, **kw)
 
 
+class OverlapPoolCNN(nnx.Module):
+    """3x3 windows at stride 2 overlap: the gradient stays a select-and-scatter
+    (`dpax.cpu_backward` rewrites only pools whose windows do not overlap)."""
+
+    def __init__(self, rngs):
+        self.conv = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
+        self.dense = nnx.Linear(8 * 3 * 3, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.max_pool(nnx.relu(self.conv(x)), (3, 3), strides=(2, 2))
+        return self.dense(x.reshape(x.shape[0], -1))
+
+
 def test_the_chosen_options_change_no_number():
     ds = data.digits()
-    chosen = _trainer(models.CNN(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)))
-    default = _trainer(models.CNN(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)),
-                       compile_options={})
+    chosen = _trainer(OverlapPoolCNN(nnx.Rngs(0)))
+    default = _trainer(OverlapPoolCNN(nnx.Rngs(0)), compile_options={})
     rows = {}
     for name, t in (("chosen", chosen), ("default", default)):
         rows[name] = t.fit(ds.x_train, ds.y_train, batch_size=61, until_step=3, log_every=1)
@@ -50,6 +62,17 @@ def test_the_chosen_options_change_no_number():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
     for a, b in zip(rows["chosen"], rows["default"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+def test_a_training_step_whose_pools_are_rewritten_keeps_xla_defaults():
+    """2x2 pools at stride 2 (the built-in CNN): the training step holds no
+    windowed op after `dpax.cpu_backward`; evaluation still pools."""
+    ds = data.digits()
+    t = _trainer(models.CNN(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)))
+    t.fit(ds.x_train, ds.y_train, batch_size=64, until_step=1)
+    t.evaluate(ds.x_eval[:100], ds.y_eval[:100])
+    assert t._steps.train.options == {}
+    assert t._steps.eval.options == compile_options.OLD_FUSION_EMITTERS
 
 
 def test_a_model_without_pooling_keeps_xla_defaults():

@@ -31,6 +31,12 @@ def _instructions(hlo: str) -> list[str]:
     return re.findall(r"= (\S+) ([a-z-]+)\(", hlo)
 
 
+def _windowed_ops(hlo: str) -> set[str]:
+    """HLO ops over windows or scattering into them (XLA expands a
+    select-and-scatter into a reduce-window and a scatter)."""
+    return set(re.findall(r" ([a-z-]*(?:window|scatter)[a-z-]*)\(", hlo))
+
+
 def _dense_loss(ws, x):  # dense layers on [batch, tokens, features], as in a transformer
     for w in ws:
         x = jnp.tanh(x @ w)
@@ -97,3 +103,36 @@ def test_a_2d_dense_gradient_is_left_to_xla():
     # The same instructions; the barrier would have left each weight gradient
     # in a transposed layout and added a copy of it after its dot.
     assert _instructions(_compiled(kept, ws, x)) == _instructions(_compiled(plain, ws, x))
+
+
+@pytest.mark.parametrize("shape,window,kind", [
+    ((4, 9, 7, 3), (1, 2, 2, 1), "max"),  # odd sides: the last row/column is in no window
+    ((2, 6, 6, 2), (1, 3, 2, 1), "max"),
+    ((3, 10, 4), (1, 3, 1), "min"),
+    ((5, 12), (1, 4), "max")])
+def test_non_overlapping_pools_and_their_gradients_keep_their_bits(shape, window, kind):
+    """Rewritten into reshapes and a one-hot choice: the same outputs and
+    gradients as `reduce_window` and `select_and_scatter_add`, ties (integer
+    inputs) going to the first element of the window, as XLA defines it."""
+    init, op = (-jnp.inf, jax.lax.max) if kind == "max" else (jnp.inf, jax.lax.min)
+
+    def loss(x):
+        y = jax.lax.reduce_window(x, init, op, window, window, "VALID")
+        return jnp.sum(y * jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)), y
+
+    rng = np.random.default_rng(0)
+    for x in (rng.integers(-2, 3, shape).astype(np.float32),
+              rng.normal(size=shape).astype(np.float32)):
+        plain, kept = jax.grad(loss, has_aux=True), for_xla_cpu(jax.grad(loss, has_aux=True))
+        for a, b in zip(plain(x), kept(x)):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+        assert not _windowed_ops(_compiled(kept, x))
+        assert _windowed_ops(_compiled(plain, x))  # XLA's own: a windowed loop and a scatter
+
+
+def test_an_overlapping_pool_is_left_to_xla():
+    def loss(x):
+        return nnx.max_pool(x, (3, 3), strides=(2, 2)).sum()
+
+    x = jnp.ones((2, 9, 9, 1))
+    assert _windowed_ops(_compiled(for_xla_cpu(jax.grad(loss)), x)) == {"reduce-window", "scatter"}

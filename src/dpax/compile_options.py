@@ -4,7 +4,10 @@ XLA:CPU emits each fusion with its newer MLIR "fusion emitters" by default.
 For windowed reductions (max and average pooling, and the select-and-scatter
 of max pooling's gradient) the older emitters are faster, and give the same
 bits; elsewhere the new ones win. So only a step that pools gets the old ones
-(the measurements: benchmarks/README.md, "XLA:CPU options").
+(the measurements: benchmarks/README.md, "XLA:CPU options"). A training step's
+2x2-style pools (windows that do not overlap) are rewritten without windowed
+ops by `dpax.cpu_backward`, so it keeps XLA's defaults; evaluation, and
+overlapping or average pools, get the old emitters.
 """
 
 from __future__ import annotations

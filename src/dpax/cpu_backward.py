@@ -1,6 +1,6 @@
 """The backward pass rewritten for what XLA:CPU compiles well; the same values.
 
-Two things in a JAX gradient make XLA:CPU slow or memory-hungry:
+Three things in a JAX gradient make XLA:CPU slow or memory-hungry:
 
 - **Weight gradients.** JAX differentiates `y = x @ w` over [batch, tokens,
   features] into `transpose(dot(dy, x))`. XLA's algebraic simplifier folds the
@@ -23,8 +23,16 @@ Two things in a JAX gradient make XLA:CPU slow or memory-hungry:
   own earlier lowering of remat): it cannot be merged, and it cannot start
   before the block's cotangent exists.
 
+- **Max pooling.** The gradient of `reduce_window_max` is a
+  `select_and_scatter_add`, which XLA:CPU runs as a loop over windows: 23-35 ms
+  for a 2x2 pool of 128x32x32x32, most of the benchmark cnn's step. Where
+  windows do not overlap (the usual 2x2 stride 2), each element belongs to one
+  window, and the scatter is a choice: a one-hot of each window's first max
+  times its cotangent (1.8 ms, the same bits). The pool itself becomes a max
+  over the window axes of a reshape, so the step keeps no windowed op.
+
 Measurements: benchmarks/README.md ("The GPT against jit + NamedSharding",
-"Activation checkpointing on XLA:CPU").
+"Activation checkpointing on XLA:CPU", "Max pooling's gradient").
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, subjaxprs
 
@@ -80,10 +90,65 @@ def _is_recomputation(eqn) -> bool:
             and isinstance(sub, Jaxpr) and not sub.constvars)
 
 
+def _is_pool_gradient(eqn) -> bool:
+    """Max (or min) pooling's gradient over windows that do not overlap and
+    need no padding: each input element gets the cotangent of at most one
+    window, so scattering is just choosing."""
+    p = eqn.params
+    return (eqn.primitive.name == "select_and_scatter_add"
+            and p["select_prim"] in (lax.ge_p, lax.le_p)
+            and tuple(p["window_dimensions"]) == tuple(p["window_strides"])
+            and all(lo == hi == 0 for lo, hi in p["padding"]))
+
+
+_POOLS = {"reduce_window_max": jnp.max, "reduce_window_min": jnp.min}
+
+
+def _is_pool(eqn) -> bool:
+    p = eqn.params
+    return (eqn.primitive.name in _POOLS
+            and tuple(p["window_dimensions"]) == tuple(p["window_strides"])
+            and all(lo == hi == 0 for lo, hi in p["padding"])
+            and set(p["base_dilation"]) | set(p["window_dilation"]) == {1})
+
+
+def _pool(operand, *, name, window_dimensions, **_):
+    """A max (min) pool over windows that do not overlap: a reduction over the
+    window axes of a reshape, the same values (max picks, it does not round)."""
+    win = tuple(window_dimensions)
+    out = tuple(d // w for d, w in zip(operand.shape, win))
+    covered = operand[tuple(slice(0, o * w) for o, w in zip(out, win))]
+    split = covered.reshape([d for o, w in zip(out, win) for d in (o, w)])
+    return _POOLS[name](split, axis=tuple(range(1, 2 * len(win), 2)))
+
+
+def _pool_gradient(source, operand, *, select_prim, window_dimensions, **_):
+    """`select_and_scatter_add` for non-overlapping windows, as XLA defines it:
+    each window's cotangent goes to its first max (min for `le`) in row-major
+    order, the rest get zero; elements no window covers get zero. Exact: one
+    product by 1 or 0 per element and no sums. XLA:CPU ran the scatter as a
+    loop, 13-20x slower (benchmarks/README.md)."""
+    win = tuple(window_dimensions)
+    out = source.shape  # whole windows per dimension
+    rank = len(win)
+    covered = operand[tuple(slice(0, o * w) for o, w in zip(out, win))]
+    # [o0, w0, o1, w1, ...] -> [o0, o1, ..., w0, w1, ...] -> [o..., prod(w)]
+    split = covered.reshape([d for o, w in zip(out, win) for d in (o, w)])
+    to_windows = [2 * i for i in range(rank)] + [2 * i + 1 for i in range(rank)]
+    windows = split.transpose(to_windows).reshape(out + (-1,))
+    pick = jnp.argmax if select_prim is lax.ge_p else jnp.argmin  # the first on ties
+    chosen = jax.nn.one_hot(pick(windows, axis=-1), windows.shape[-1], dtype=source.dtype)
+    grads = (chosen * source[..., None]).reshape(out + win)
+    grads = grads.transpose([i for pair in zip(range(rank), range(rank, 2 * rank))
+                             for i in pair]).reshape(covered.shape)
+    return jnp.pad(grads, [(0, d - c) for d, c in zip(operand.shape, covered.shape)])
+
+
 def _rewrites(jaxpr: Jaxpr) -> bool:
     made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
-    return any(_is_folded_pair(e, made_by) or _is_recomputation(e) for e in jaxpr.eqns) or any(
-        _rewrites(sub) for sub in subjaxprs(jaxpr))
+    here = any(_is_folded_pair(e, made_by) or _is_recomputation(e) or _is_pool_gradient(e)
+               or _is_pool(e) for e in jaxpr.eqns)
+    return here or any(_rewrites(sub) for sub in subjaxprs(jaxpr))
 
 
 def _eval(jaxpr: Jaxpr, consts: list, args: list) -> list:
@@ -110,7 +175,12 @@ def _eval(jaxpr: Jaxpr, consts: list, args: list) -> list:
             names = source_info_util.current_name_stack() + eqn.source_info.name_stack
             with (source_info_util.user_context(eqn.source_info.traceback, name_stack=names),
                   eqn.ctx.manager):
-                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+                if _is_pool_gradient(eqn):
+                    outs = _pool_gradient(*ins, **eqn.params)
+                elif _is_pool(eqn):
+                    outs = _pool(*ins, name=name, **eqn.params)
+                else:
+                    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
             if not eqn.primitive.multiple_results:
                 outs = [outs]
         for v, out in zip(eqn.outvars, outs):
