@@ -11,12 +11,23 @@ in 2 MiB.
 glibc reads tunables once, at start-up, so the `dpax` command restarts itself
 with the tunable set (`restart_with_hugepages`, before JAX is imported), but
 only where JAX will compute on the CPU: an accelerator's steps do not run
-through malloc. Library users on CPU export
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` before starting Python.
+through malloc.
+
+A library cannot restart its user's process. Since dpax rewrites max
+pooling's gradient (`dpax.cpu_backward`), its steps' temporaries mostly stay
+under 32 MiB per device, which glibc serves from its heap by itself after the
+first step, and the tunable no longer changes their speed (benchmarks/README.md,
+"Host allocator"). A step with more (the cnn at batch 128 on one device: 46
+MiB) still faults its temporaries in every step; a Python script can call
+`tune_malloc()` first thing instead of exporting the tunable: no mmap for
+large blocks, and the heap's top kept up to 1 GiB when freed. Not the default:
+it costs steps with small temporaries on many devices up to 14%, and the
+process keeps up to 1 GiB it freed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import platform
@@ -25,6 +36,9 @@ from collections.abc import Mapping
 
 HUGETLB = "glibc.malloc.hugetlb=1"
 OPT_OUT = "DPAX_NO_RESTART"  # set to anything: never restart the process
+# mallopt's parameters (malloc.h) and the values tune_malloc gives them.
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+KEEP_FREED = 1 << 30
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 _DETECT = object()  # look at this machine (tests pass the answers instead)
 
@@ -96,3 +110,15 @@ def restart_with_hugepages() -> None:
     sys.stderr.flush()
     # orig_argv is the command line as given: a console script's path or `-m dpax`.
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], hugepages_env())
+
+
+def tune_malloc(environ: Mapping[str, str] = os.environ) -> bool:
+    """Serve large blocks from the heap and keep its freed top (see the
+    module's docstring), where JAX computes on the CPU with glibc; True when
+    applied. Opt-in, for a script whose steps have large temporaries: call it
+    first thing."""
+    if not (computes_on_cpu(environ) and sys.platform.startswith("linux") and _glibc_version()):
+        return False
+    mallopt = ctypes.CDLL(None).mallopt  # this process's libc
+    return all(mallopt(param, value) == 1
+               for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, KEEP_FREED)))
