@@ -94,31 +94,35 @@ def _is_pool_gradient(eqn) -> bool:
     """Max (or min) pooling's gradient over windows that do not overlap and
     need no padding: each input element gets the cotangent of at most one
     window, so scattering is just choosing."""
-    p = eqn.params
     return (eqn.primitive.name == "select_and_scatter_add"
-            and p["select_prim"] in (lax.ge_p, lax.le_p)
-            and tuple(p["window_dimensions"]) == tuple(p["window_strides"])
-            and all(lo == hi == 0 for lo, hi in p["padding"]))
+            and eqn.params["select_prim"] in (lax.ge_p, lax.le_p) and _tiles(eqn.params))
+
+
+def _tiles(p) -> bool:
+    """Windows that do not overlap, need no padding and are not dilated."""
+    return (tuple(p["window_dimensions"]) == tuple(p["window_strides"])
+            and all(lo == hi == 0 for lo, hi in p["padding"])
+            and set(p.get("base_dilation", (1,))) | set(p.get("window_dilation", (1,))) == {1})
+
+
+def _split(operand, out, win):
+    """The part of `operand` that whole windows cover, as [o0, w0, o1, w1, ...]."""
+    covered = operand[tuple(slice(0, o * w) for o, w in zip(out, win))]
+    return covered, covered.reshape([d for o, w in zip(out, win) for d in (o, w)])
 
 
 _POOLS = {"reduce_window_max": jnp.max, "reduce_window_min": jnp.min}
 
 
 def _is_pool(eqn) -> bool:
-    p = eqn.params
-    return (eqn.primitive.name in _POOLS
-            and tuple(p["window_dimensions"]) == tuple(p["window_strides"])
-            and all(lo == hi == 0 for lo, hi in p["padding"])
-            and set(p["base_dilation"]) | set(p["window_dilation"]) == {1})
+    return eqn.primitive.name in _POOLS and _tiles(eqn.params)
 
 
 def _pool(operand, *, name, window_dimensions, **_):
     """A max (min) pool over windows that do not overlap: a reduction over the
     window axes of a reshape, the same values (max picks, it does not round)."""
     win = tuple(window_dimensions)
-    out = tuple(d // w for d, w in zip(operand.shape, win))
-    covered = operand[tuple(slice(0, o * w) for o, w in zip(out, win))]
-    split = covered.reshape([d for o, w in zip(out, win) for d in (o, w)])
+    _, split = _split(operand, tuple(d // w for d, w in zip(operand.shape, win)), win)
     return _POOLS[name](split, axis=tuple(range(1, 2 * len(win), 2)))
 
 
@@ -131,9 +135,8 @@ def _pool_gradient(source, operand, *, select_prim, window_dimensions, **_):
     win = tuple(window_dimensions)
     out = source.shape  # whole windows per dimension
     rank = len(win)
-    covered = operand[tuple(slice(0, o * w) for o, w in zip(out, win))]
+    covered, split = _split(operand, out, win)
     # [o0, w0, o1, w1, ...] -> [o0, o1, ..., w0, w1, ...] -> [o..., prod(w)]
-    split = covered.reshape([d for o, w in zip(out, win) for d in (o, w)])
     to_windows = [2 * i for i in range(rank)] + [2 * i + 1 for i in range(rank)]
     windows = split.transpose(to_windows).reshape(out + (-1,))
     pick = jnp.argmax if select_prim is lax.ge_p else jnp.argmin  # the first on ties
