@@ -109,11 +109,27 @@ class ShardMapBackend:
 
         return {k: put(*(b[k] for b in batches)) for k in batches[0]}
 
+    def per_device(self, fn: Callable, in_specs, out_specs, check: bool = False) -> Callable:
+        """`fn` mapped over the mesh (shard_map): each device runs it on its part."""
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=check)
+
+    def _compile(self, fn: Callable, in_specs: tuple, donate: bool,
+                 out_specs=None) -> Callable:
+        """`fn` under jit, its inputs (and, with `out_specs`, its outputs) laid
+        out by PartitionSpecs over the mesh; the first argument donated."""
+        out = None if out_specs is None else self._shardings(out_specs)
+        return ChosenJit(
+            lambda options: jax.jit(fn, in_shardings=self._shardings(in_specs),
+                                    out_shardings=out, donate_argnums=(0,) if donate else (),
+                                    compiler_options=options),
+            self.devices[0].platform, self.compile_options)
+
     def _wrap(self, fn: Callable, out_specs, donate: bool, batch_spec=None,
               state_spec=None, carries_metrics: bool = False) -> Callable:
-        """`fn(state, [metrics,] batch)`: the optional middle argument is the
-        replicated running metric sums of a training step (not donated: the
-        host waits on earlier ones to bound the steps in flight)."""
+        """`fn(state, [metrics,] batch)` run per device: the optional middle
+        argument is the replicated running metric sums of a training step (not
+        donated: the host waits on earlier ones to bound the steps in flight)."""
         batch_spec = P(AXIS) if batch_spec is None else batch_spec
         # A sharded state (`dpax.layout`) rebuilds the params with all_gather, whose result
         # JAX 0.10 cannot type as replicated; the check is off for that step only,
@@ -122,24 +138,16 @@ class ShardMapBackend:
         # (`psum_packed`): XLA keeps a one-device all-reduce as a kernel launch.
         check = state_spec is None and self.n > 1
         state_spec = P() if state_spec is None else state_spec
-        metrics = (P(),) if carries_metrics else ()
-        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=(state_spec, *metrics, batch_spec),
-                               out_specs=out_specs, check_vma=check)
-        in_shardings = (self._shardings(state_spec), *(self._replicated for _ in metrics),
-                        NamedSharding(self.mesh, batch_spec))
-        return ChosenJit(
-            lambda options: jax.jit(mapped, in_shardings=in_shardings,
-                                    donate_argnums=(0,) if donate else (),
-                                    compiler_options=options),
-            self.devices[0].platform, self.compile_options)
+        in_specs = (state_spec, *((P(),) if carries_metrics else ()), batch_spec)
+        return self._compile(self.per_device(fn, in_specs, out_specs, check), in_specs, donate)
 
     def _shardings(self, specs: Any) -> Any:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
                             is_leaf=lambda x: isinstance(x, P))
 
     def train(self, fn: Callable, state_spec=None) -> Callable:
-        """`fn(state, metric sums, shard) -> (state, metric sums)`; `state_spec`
-        lays out a state that is not fully replicated (`dpax.layout`'s slices)."""
+        """`fn(state, metric sums, shard) -> (state, metric sums)`, per device;
+        `state_spec` lays out a state that is not fully replicated."""
         out_state = P() if state_spec is None else state_spec
         return self._wrap(fn, (out_state, P()), donate=True, state_spec=state_spec,
                           carries_metrics=True)
@@ -150,10 +158,20 @@ class ShardMapBackend:
         return self._wrap(fn, (out_state, P()), donate=True, batch_spec=P(None, AXIS),
                           state_spec=state_spec, carries_metrics=True)
 
+    def train_global(self, fn: Callable, state_spec, steps_axis: bool = False) -> Callable:
+        """`fn(state, metric sums, batch) -> (state, metric sums)` of the whole
+        stored state and batch, under jit (it maps its own per-device part);
+        `steps_axis`: batches stacked along a leading step axis."""
+        batch_spec = P(None, AXIS) if steps_axis else P(AXIS)
+        return self._compile(fn, (state_spec, P(), batch_spec), donate=True,
+                             out_specs=(state_spec, P()))
+
     def reduce(self, fn: Callable, state_spec=None) -> Callable:
+        """`fn(state, shard) -> replicated result`, per device."""
         return self._wrap(fn, P(), donate=False, state_spec=state_spec)
 
     def per_example(self, fn: Callable, state_spec=None) -> Callable:
+        """`fn(state, shard) -> one output per example of the shard`, per device."""
         return self._wrap(fn, P(AXIS), donate=False, state_spec=state_spec)
 
     def host(self, tree: Any) -> Any:

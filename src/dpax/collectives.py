@@ -79,13 +79,17 @@ def rank_order_sum(x: jax.Array, axis: str) -> jax.Array:
     return jax.lax.psum(placed, axis)[: x.size].reshape(x.shape)
 
 
-def reduce_scatter(x: jax.Array, axis: str) -> jax.Array:
-    """`jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)` of a
-    1-D `x` whose length is a multiple of the device count, in rank order
-    across processes on CPU."""
+def reduce_scatter(x: jax.Array, axis: str, dim: int = 0) -> jax.Array:
+    """`jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)` of an
+    `x` whose size along `dim` is a multiple of the device count, in rank
+    order across processes on CPU."""
     if not rank_ordered():
-        return jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
-    return _rank_order_chunks(x, axis)[0]
+        return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+    # Rows of `dim` first: then each device's block of rows is one flat chunk.
+    moved = jnp.moveaxis(x, dim, 0)
+    rows = moved.shape[0] // jax.lax.axis_size(axis)
+    chunk = _rank_order_chunks(moved, axis)[0].reshape((rows,) + moved.shape[1:])
+    return jnp.moveaxis(chunk, 0, dim)
 
 
 def _sum(leaves: list, axis: str) -> list:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dpax import metrics
+from dpax.layout import Layout, Replicated, specs
 from dpax.step import (
     StepOptions,
     TrainState,
@@ -34,32 +34,41 @@ class CompiledSteps:
     traces (compilations) of each kind.
     """
 
-    def __init__(self, backend, graphdef, state: TrainState, state_specs, loss_fn, tx,
+    def __init__(self, backend, graphdef, state: TrainState, layout: Layout, loss_fn, tx,
                  schedule, options: StepOptions, predict_fn: Callable | None):
         self.backend = backend
         self.state_def = jax.tree.structure(state)
         self.traces: collections.Counter = collections.Counter()
-        leaf_specs = None if state_specs is None else _leaf_specs(state_specs, state)
-        train_step = make_train_step(graphdef, loss_fn, tx, schedule, options)
+        leaf_specs = None if isinstance(layout, Replicated) else jax.tree.leaves(
+            specs(layout), is_leaf=lambda x: isinstance(x, P))
+        train_step = make_train_step(graphdef, loss_fn, tx, layout, schedule, options,
+                                     getattr(backend, "per_device", None))
 
         def summing(state, sums, batch):
             state, step_metrics = train_step(state, batch)
             return state, metrics.accumulate(step_metrics, sums)
 
-        self.train = backend.train(self._flat("train", summing, True), leaf_specs)
-        self.train_multi = backend.train_multi(
-            self._flat("train_multi", make_multi_step(summing), True), leaf_specs)
-        # Traced (never compiled), for the shapes of the metrics.
-        self._metrics_only = backend.reduce(
-            self._flat("metrics_only", lambda state, batch: train_step(state, batch)[1]),
-            leaf_specs)
+        def metrics_only(state, batch):  # traced (never compiled), for the metrics' shapes
+            return train_step(state, batch)[1]
+
+        train, multi = self._flat("train", summing, True), self._flat(
+            "train_multi", make_multi_step(summing), True)
+        metrics_only = self._flat("metrics_only", metrics_only)
+        if layout.per_device_update:  # the whole step runs per device
+            self.train = backend.train(train, leaf_specs)
+            self.train_multi = backend.train_multi(multi, leaf_specs)
+            self._metrics_only = backend.reduce(metrics_only, leaf_specs)
+        else:  # the update runs on the logical state under jit
+            self.train = backend.train_global(train, leaf_specs)
+            self.train_multi = backend.train_global(multi, leaf_specs, steps_axis=True)
+            self._metrics_only = metrics_only
         self.packing: metrics.Packing | None = None
         self._zero_sums = None
-        eval_step = make_eval_step(graphdef, loss_fn, options.layout)
+        eval_step = make_eval_step(graphdef, loss_fn, layout)
         self.eval = backend.reduce(self._flat("eval", eval_step), leaf_specs)
         self.predict = None
         if predict_fn is not None:
-            predict_step = make_predict_step(graphdef, predict_fn, options.layout)
+            predict_step = make_predict_step(graphdef, predict_fn, layout)
             self.predict = backend.per_example(self._flat("predict", predict_step), leaf_specs)
 
     def _flat(self, kind: str, fn: Callable, returns_state: bool = False) -> Callable:
@@ -85,11 +94,3 @@ class CompiledSteps:
                 self.backend.host(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)))
             self._zero_sums = self.backend.put_state(self.packing.zeros())
         return self._zero_sums
-
-
-def _leaf_specs(specs: Any, state: TrainState) -> list:
-    """One PartitionSpec per leaf of `state` from a tree prefix of specs."""
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    full = jax.tree.map(lambda spec, sub: jax.tree.map(lambda _: spec, sub), specs, state,
-                        is_leaf=is_spec)
-    return jax.tree.leaves(full, is_leaf=is_spec)

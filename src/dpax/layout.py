@@ -1,322 +1,318 @@
-"""How the training state lives on the devices, and how a step updates it.
+"""How the training state lives on the devices, and where its update runs.
 
-A layout owns what must agree: the PartitionSpec of every state leaf, the
-params the model runs on inside a step, the per-device update that turns
-gradient sums into new params and optimizer state, and the translation to and
-from the device-count-independent `state_dict` that checkpoints hold.
-
-  replicated  every device holds the whole state (plain data parallelism)
-  optimizer   ZeRO-1: each device keeps 1/N of the optimizer state; the
-              gradients are reduce-scattered, each device updates its slice
-              of the params, and the params are all-gathered
+  replicated  every device holds the whole state; the whole step runs per
+              device and ends in one all-reduce of the gradients
+  optimizer   ZeRO-1: every device holds the params and 1/N of the optimizer
+              state; the gradients are reduce-scattered, the update runs on
+              1/N of the state, the new params are all-gathered
   full        FSDP (ZeRO-3): params, gradients and optimizer state 1/N per
-              device; the params are all-gathered for the forward and
-              backward pass, the gradients reduce-scattered in the backward
+              device; each param is all-gathered where the model uses it and
+              its gradient reduce-scattered as the backward pass produces it
 
-Sharded leaves are flattened and zero-padded to a multiple of N, so any
-device count splits any shape. The padding stays zero (its gradient is zero,
-and every elementwise optimizer maps a zero param with zero gradient and zero
-moments to zero), adds nothing to the gradient norm, and never reaches a
-checkpoint: `state_dict` holds the logical shapes, the same for every layout
+A sharded leaf is split along one of its dimensions (`Split`), zero-padded to
+a multiple of N there, so any device count splits any shape.
+
+The update of a sharded layout runs on the params, gradients and optimizer
+state in their logical shapes and tree, outside the per-device function: jit
+partitions it over the mesh, and XLA adds whatever collectives the optimizer's
+math needs (a global norm, a per-layer trust ratio, a factored moment). So any
+optax transformation computes what it computes on one device, and nothing in
+the optimizer ever sees the padding.
+
+Checkpoints hold the logical state (`state_dict`): the same for every layout
 and device count.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpax.collectives import psum_packed, reduce_scatter
 from dpax.errors import DpaxError
-from dpax.sharding import is_key, padded_size
+from dpax.sharding import is_key
 
 AXIS = "data"  # the one mesh axis: devices, each with its rows of the batch
 SHARDINGS = ("replicated", "optimizer", "full")
 
 
-def sum_of_squares(tree) -> jax.Array:
-    """Sum of every squared element in f32: non-finite if any element is (or if
-    the norm overflows f32, a gradient no step should apply either). One
-    reduction per leaf: a concatenation of the leaves would be copied first."""
-    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree))
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How one state leaf of logical `shape` lives on n devices: split along
+    `dim` (None: replicated), zero-padded there to a multiple of n."""
+
+    shape: tuple[int, ...]
+    n: int
+    dim: int | None = None
+
+    @classmethod
+    def best(cls, shape: tuple[int, ...], n: int) -> Split:
+        """Split along the dimension that needs the least padding (the
+        largest one on a tie): a dimension n divides needs none."""
+        if not shape:
+            return cls(shape, n)
+        padded = [math.prod(shape) // s * _round_up(s, n) for s in shape]
+        dim = min(range(len(shape)), key=lambda d: (padded[d], -shape[d], d))
+        return cls(tuple(shape), n, dim)
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.shape
+        d = self.dim
+        return self.shape[:d] + (_round_up(self.shape[d], self.n),) + self.shape[d + 1:]
+
+    @property
+    def spec(self) -> P:
+        if self.dim is None:
+            return P()
+        return P(*([None] * self.dim), AXIS)
+
+    def pad(self, x):
+        """The stored (padded) leaf from a logical one; numpy stays numpy."""
+        if self.dim is None or self.padded_shape == self.shape:
+            return x
+        widths = [(0, 0)] * len(self.shape)
+        widths[self.dim] = (0, self.padded_shape[self.dim] - self.shape[self.dim])
+        return (np.pad if isinstance(x, np.ndarray) else jnp.pad)(x, widths)
+
+    def unpad(self, x):
+        """The logical leaf from a stored one."""
+        if self.dim is None or self.padded_shape == self.shape:
+            return x
+        return x[tuple(slice(0, s) for s in self.shape)]
+
+    # -- in the per-device step: this device's slice along `dim` -----------------
+    def gather(self, local: jax.Array) -> jax.Array:
+        """The whole logical leaf from every device's slice."""
+        return self.unpad(jax.lax.all_gather(local, AXIS, axis=self.dim, tiled=True))
+
+    def scatter_sum(self, whole: jax.Array) -> jax.Array:
+        """This device's slice of the sum over devices of a logical leaf."""
+        return reduce_scatter(self.pad(whole), AXIS, self.dim)
 
 
-def _apply(tx, grad_sums, count, norm, opt_state, params, clip_norm):
-    """The optimizer step on mean gradients, clipped to `clip_norm` by the
-    global norm (optax.clip_by_global_norm's formula, with the norm of the
-    whole gradient even where this device holds a slice of it)."""
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32) / count, grad_sums)
-    if clip_norm is not None:
-        small = norm < clip_norm
-        grads = jax.tree.map(lambda g: jax.lax.select(small, g, g / norm * clip_norm), grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+def _round_up(size: int, n: int) -> int:
+    return -(-size // n) * n
+
+
+class Layout(Protocol):
+    """Where each state leaf lives (`splits`, one `Split` per leaf of the
+    state) and the few things the step asks of it. The step owns the update."""
+
+    name: str
+    # True: the whole step runs per device (the state is one replica);
+    # False: the update runs on the logical state under jit (`dpax.step`).
+    per_device_update: bool
+    splits: Any
+
+    def grad_target(self, params, dtypes) -> tuple[Any, Callable]:
+        """Per device: (what to differentiate, how the model's params come from it)."""
+
+    def reduce(self, loss_sum, count, sums, grad_sums) -> tuple:
+        """Per device: every sum over the devices; the gradients as the update takes them."""
+
+    def full_params(self, params):
+        """Per device: the whole params, from this device's part of them."""
 
 
 class Replicated:
     """Every field of the state on every device; one all-reduce per step."""
 
     name = "replicated"
+    per_device_update = True
 
-    def physical(self, state, tx):
-        """The state as it lives on the devices, from a logical one whose
-        opt_state is still to be made (`tx.init`)."""
-        return state.replace(opt_state=tx.init(state.params))
+    def __init__(self, state, n: int = 1):
+        self.splits = jax.tree.map(lambda x: Split(tuple(np.shape(x)), n), state)
 
-    def specs(self, state) -> Any:
-        """A PartitionSpec tree prefix of `state`; None: all replicated."""
-        return None
-
-    def grad_target(self, params, compute_dtype, allreduce_dtype):
-        """In the step: (what to differentiate, the function that turns it into
-        the params the model runs on)."""
+    def grad_target(self, params, dtypes):
         # Differentiate this device's own loss sum. Without the cast, shard_map
         # would transpose the replicated params into an implicit psum, and the
-        # explicit one in reduce_and_update would count every gradient N times.
+        # explicit one in `reduce` would count every gradient N times.
         return jax.lax.pcast(params, AXIS, to="varying"), lambda p: p
 
-    grads_reduced = False  # True: grad_target's gradients arrive already summed
-
-    def full_params(self, params):
-        """In the step: the whole params, from this device's part of them."""
-        return params
-
-    def reduce_and_update(self, tx, state, loss_sum, count, grad_sums, sums, clip_norm=None,
-                          skip_nonfinite=True):
-        """Per device: all-reduce this shard's sums and apply the update.
-
-        Returns (loss_sum, count, sums, params, opt_state, grad_norm, finite),
-        the sums global; `finite` is False when the step must be skipped, and
-        then (with `skip_nonfinite`) params and opt_state are the old ones.
-        """
+    def reduce(self, loss_sum, count, sums, grad_sums):
         # One all-reduce for everything (sums add up exactly across devices),
         # packed into as few buffers as possible.
         loss_sum, count, grad_sums, sums = psum_packed((loss_sum, count, grad_sums, sums), AXIS)
-        # One pass over the summed gradients gives the norm and the finiteness
-        # test (a NaN or inf anywhere makes the sum of squares non-finite); the
-        # division then fuses into the update instead of being stored and read
-        # twice more.
-        sq = sum_of_squares(grad_sums)
-        norm = jnp.sqrt(sq) / count
-        finite = jnp.isfinite(sq) & jnp.isfinite(loss_sum)
-
-        def update():
-            return _apply(tx, grad_sums, count, norm, state.opt_state, state.params, clip_norm)
-
-        if skip_nonfinite:
-            # A branch, not a select of new against old: the good path writes
-            # the update once instead of making one more pass over params and
-            # moments (and the donated buffers are updated in place).
-            params, opt_state = jax.lax.cond(finite, update,
-                                             lambda: (state.params, state.opt_state))
-        else:
-            params, opt_state = update()
-        return loss_sum, count, sums, params, opt_state, norm, finite
-
-    def logical_params(self, params):
-        """The params in their model shapes (outside the step), replicated."""
-        return params
-
-    def to_logical(self, key: str, leaf):
-        """A state_dict entry from a state leaf (the same here)."""
-        return leaf
-
-    def from_logical(self, key: str, value, like):
-        """A state leaf from a state_dict entry (the same here)."""
-        return value
-
-    def state_dict(self, state) -> dict[str, Any]:
-        """{path: array} of one logical copy of `state`: what checkpoints hold,
-        the same for every device count and layout."""
-        out = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-            key = _key(path)
-            if is_key(leaf):  # saved as raw data; from_state_dict wraps it again
-                leaf = jax.random.key_data(leaf)
-            out[key] = self.to_logical(key, leaf)
-        return out
-
-    def from_state_dict(self, flat: dict[str, Any], template):
-        """A state shaped like `template` from a `state_dict` (of any device
-        count and layout)."""
-        paths, treedef = jax.tree_util.tree_flatten_with_path(template)
-        missing = [_key(p) for p, _ in paths if _key(p) not in flat]
-        if missing:
-            raise DpaxError(f"checkpoint lacks {len(missing)} state entries, e.g. {missing[0]}; "
-                            "it was saved for another model or optimizer")
-
-        def leaf(path, like):
-            value = flat[_key(path)]
-            if is_key(like):
-                return jax.random.wrap_key_data(np.asarray(value), impl=jax.random.key_impl(like))
-            return self.from_logical(_key(path), value, like)
-
-        return jax.tree.unflatten(treedef, [leaf(p, t) for p, t in paths])
-
-
-class Sharded(Replicated):
-    """ZeRO-1 (`full=False`) or FSDP (`full=True`) over flat, padded leaves.
-
-    Exact for elementwise optimizers (SGD, momentum, Adam, AdamW): each element
-    sees the same gradient and state as when replicated. With `grad_accum` > 1
-    the full params are gathered once per step and the summed gradients
-    reduce-scattered once, whatever the number of micro-batches; with one
-    micro-batch each param is gathered where the model uses it and its
-    gradient reduce-scattered as the backward pass produces it.
-    """
-
-    def __init__(self, mesh, full: bool, grad_accum: int = 1):
-        self.n, self.full = mesh.size, full
-        self.name = "full" if full else "optimizer"
-        self.grads_reduced = full and grad_accum == 1
-        self._param_shapes: list[tuple[int, ...]] = []
-        self._logical: dict[str, tuple[int, ...]] = {}  # sharded key -> logical shape
-        self._unpad = jax.jit(_unpad, static_argnums=1,
-                              out_shardings=NamedSharding(mesh, P()))
-
-    def _flat(self, x):
-        x = np.asarray(x).reshape(-1)
-        return np.pad(x, (0, padded_size(x.size, self.n) - x.size))
-
-    def physical(self, state, tx):
-        self._param_shapes = [np.shape(x) for x in jax.tree.leaves(state.params)]
-        flat = jax.tree.map(self._flat, state.params)
-        logical = state.replace(opt_state=jax.eval_shape(tx.init, state.params))
-        out = state.replace(params=flat if self.full else state.params, opt_state=tx.init(flat))
-        if self.full and state.ema is not None:  # the EMA lives like the params
-            out = out.replace(ema=jax.tree.map(self._flat, state.ema))
-        for (path, leaf), like in zip(jax.tree_util.tree_flatten_with_path(out)[0],
-                                      jax.tree.leaves(logical)):
-            key = _key(path)
-            # Every param and EMA leaf (when full) and every optimizer vector;
-            # scalars (step counts) stay replicated.
-            if (key.startswith(("params", "ema")) and self.full) or (
-                    key.startswith("opt_state") and np.ndim(leaf)):
-                self._logical[key] = tuple(np.shape(like))
-        return out
-
-    def specs(self, state) -> Any:
-        return jax.tree_util.tree_map_with_path(
-            lambda path, _: P(AXIS) if _key(path) in self._logical else P(), state)
-
-    def grad_target(self, params, compute_dtype, allreduce_dtype):
-        if not self.grads_reduced:  # ZeRO-1, or FSDP with micro-batches: gather
-            # once, and reduce(-scatter) the summed gradients once
-            return super().grad_target(self.full_params(params), compute_dtype, allreduce_dtype)
-
-        return params, lambda shards: self._per_param(
-            lambda x, s: _gather_reducing(x, s, (x.dtype, compute_dtype, allreduce_dtype)),
-            shards)
+        return loss_sum, count, sums, grad_sums
 
     def full_params(self, params):
-        return self._gathered(params) if self.full else params
-
-    def _gathered(self, slices):
-        """In the step: whole params from every device's slice."""
-        return self._per_param(_gather, slices)
-
-    def _per_param(self, fn, tree):
-        """`fn(leaf, logical shape)` over a params-shaped tree."""
-        leaves, treedef = jax.tree.flatten(tree)
-        return jax.tree.unflatten(treedef, [fn(x, s) for x, s in zip(leaves, self._param_shapes)])
-
-    def reduce_and_update(self, tx, state, loss_sum, count, grad_sums, sums, clip_norm=None,
-                          skip_nonfinite=True):
-        if self.grads_reduced:
-            grads = grad_sums  # reduce-scattered in the backward pass (`_gather_reducing`)
-        else:
-            grads = jax.tree.map(lambda g: reduce_scatter(_padded(g, self.n), AXIS), grad_sums)
-        # The norm of the whole gradient from each device's slice: one more
-        # scalar in the all-reduce the step makes anyway.
-        loss_sum, count, sums, sq = psum_packed(
-            (loss_sum, count, sums, sum_of_squares(grads)), AXIS)
-        norm = jnp.sqrt(sq) / count
-        params = state.params if self.full else jax.tree.map(self._slice, state.params)
-        new, opt_state = _apply(tx, grads, count, norm, state.opt_state, params, clip_norm)
-        # A non-finite new param on any device (e.g. a NaN hyperparameter)
-        # skips the step too: its slice is the only copy.
-        bad = psum_packed(sum(jnp.sum(~jnp.isfinite(x)) for x in jax.tree.leaves(new)), AXIS)
-        finite = jnp.isfinite(sq) & (bad == 0) & jnp.isfinite(loss_sum)
-        if skip_nonfinite:
-            # On this device's slices (1/N of the state), before ZeRO-1's gather:
-            # not a pass over the whole params.
-            new, opt_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b),
-                                          (new, opt_state), (params, state.opt_state))
-        if not self.full:
-            new = self._gathered(new)  # ZeRO-1: every device gets the whole params
-        return loss_sum, count, sums, new, opt_state, norm, finite
-
-    def _slice(self, p):
-        shard = padded_size(p.size, self.n) // self.n
-        start = jax.lax.axis_index(AXIS) * shard
-        return jax.lax.dynamic_slice(_padded(p, self.n), (start,), (shard,))
-
-    def logical_params(self, params):
-        return self._per_param(self._whole, params) if self.full else params
-
-    def _whole(self, x, shape):
-        """A sharded leaf in its logical shape: on the host with one process
-        (one copy, not one per device); else replicated over the mesh."""
-        if jax.process_count() == 1:
-            return _unpad(np.asarray(x), shape)
-        return self._unpad(x, shape)
-
-    def to_logical(self, key, leaf):
-        if key in self._logical:
-            return self._whole(leaf, self._logical[key])
-        return leaf
-
-    def from_logical(self, key, value, like):
-        if key in self._logical:
-            return self._flat(value)
-        return value
+        return params
 
 
-def _padded(x: jax.Array, n: int) -> jax.Array:
-    """`x` flattened and zero-padded to a multiple of n (in the step)."""
-    flat = x.reshape(-1)
-    return jnp.pad(flat, (0, padded_size(flat.size, n) - flat.size))
+class _Sharded:
+    """What ZeRO-1 and FSDP share: split leaves, and gradients reduce-scattered
+    along each param's split (`grad_splits`)."""
+
+    per_device_update = False
+    grads_in_backward = False  # FSDP: reduce-scattered as the backward pass runs
+
+    def __init__(self, state, n: int, split_params: bool):
+        self.n = n
+        self.grad_splits = jax.tree.map(lambda x: Split.best(np.shape(x), n), state.params)
+
+        def split(x):
+            if is_key(x) or not np.ndim(x):
+                return Split(tuple(np.shape(x)), n)  # scalars (step counts) stay replicated
+            return Split.best(np.shape(x), n)
+
+        def replicated(tree):
+            return jax.tree.map(lambda x: Split(tuple(np.shape(x)), n), tree)
+
+        self.splits = state.replace(
+            step=Split((), n), bad_in_a_row=Split((), n), rng=replicated(state.rng),
+            model_state=replicated(state.model_state),
+            params=self.grad_splits if split_params else replicated(state.params),
+            opt_state=jax.tree.map(split, state.opt_state),
+            ema=None if state.ema is None else (
+                self.grad_splits if split_params else replicated(state.ema)))
+
+    def reduce(self, loss_sum, count, sums, grad_sums):
+        if not self.grads_in_backward:
+            grad_sums = jax.tree.map(lambda s, g: s.scatter_sum(g), self.grad_splits, grad_sums)
+        loss_sum, count, sums = psum_packed((loss_sum, count, sums), AXIS)
+        return loss_sum, count, sums, grad_sums
 
 
-def _gather(shard: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """A whole leaf from every device's slice, without the padding (in the step)."""
-    return jax.lax.all_gather(shard, AXIS, tiled=True)[:math.prod(shape)].reshape(shape)
+class ZeRO1(_Sharded):
+    """The params on every device; gradients and optimizer state 1/N per device."""
+
+    name = "optimizer"
+
+    def __init__(self, state, n: int):
+        super().__init__(state, n, split_params=False)
+
+    grad_target = Replicated.grad_target
+    full_params = Replicated.full_params
 
 
-def _unpad(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    return x[:math.prod(shape)].reshape(shape)
+class FSDP(_Sharded):
+    """Params, gradients and optimizer state 1/N per device.
+
+    With one micro-batch each param is gathered where the model uses it and
+    its gradient reduce-scattered as the backward pass produces it; with
+    `grad_accum` > 1 the params are gathered once per step and the summed
+    gradients reduce-scattered once, whatever the number of micro-batches.
+    """
+
+    name = "full"
+
+    def __init__(self, state, n: int, grad_accum: int = 1):
+        super().__init__(state, n, split_params=True)
+        self.grads_in_backward = grad_accum == 1
+
+    def grad_target(self, params, dtypes):
+        if not self.grads_in_backward:  # gather once; `reduce` scatters the summed gradients
+            return Replicated.grad_target(self, self.full_params(params), dtypes)
+        return params, lambda slices: jax.tree.map(
+            lambda s, x: _gather_reducing(x, s, (x.dtype, *dtypes)), self.grad_splits, slices)
+
+    def full_params(self, params):
+        return jax.tree.map(lambda s, x: s.gather(x), self.grad_splits, params)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather_reducing(shard, shape, dtypes):
-    """`_gather` in the compute dtype (bf16 halves the bytes gathered), whose
-    gradient is this device's slice of the sum over devices: the reduce-scatter
-    runs as the backward pass reaches each param, in the all-reduce dtype.
-    `dtypes`: (the param dtype, the compute dtype, the all-reduce dtype)."""
-    return _gather(shard.astype(dtypes[1] or dtypes[0]), shape)
+def _gather_reducing(local, split: Split, dtypes):
+    """`split.gather` in the compute dtype (bf16 halves the bytes gathered),
+    whose gradient is this device's slice of the sum over devices: the
+    reduce-scatter runs as the backward pass reaches each param, in the
+    all-reduce dtype. `dtypes`: (the param dtype, the compute dtype, the
+    all-reduce dtype), None: as stored."""
+    return split.gather(local.astype(dtypes[1] or dtypes[0]))
 
 
-def _gather_reducing_fwd(shard, shape, dtypes):
-    return _gather_reducing(shard, shape, dtypes), None
+def _gather_reducing_fwd(local, split, dtypes):
+    return _gather_reducing(local, split, dtypes), None
 
 
-def _gather_reducing_bwd(shape, dtypes, _, cotangent):
+def _gather_reducing_bwd(split, dtypes, _, cotangent):
     # As replicated: the per-device gradient in the param dtype, then summed
     # over the devices in the all-reduce dtype.
     dtype, _, allreduce_dtype = dtypes
     g = cotangent.astype(dtype).astype(allreduce_dtype or dtype)
-    return (reduce_scatter(_padded(g, jax.lax.axis_size(AXIS)), AXIS).astype(dtype),)
+    return (split.scatter_sum(g).astype(dtype),)
 
 
 _gather_reducing.defvjp(_gather_reducing_fwd, _gather_reducing_bwd)
+
+
+# -- the state as stored, and as checkpoints hold it ----------------------------------
+def specs(layout: Layout):
+    """A PartitionSpec per state leaf."""
+    return jax.tree.map(lambda s: s.spec, layout.splits)
+
+
+def stored(layout: Layout, state):
+    """The stored (padded) state from a logical one (host or traced)."""
+    return jax.tree.map(lambda s, x: s.pad(x), layout.splits, state)
+
+
+def logical(layout: Layout, state):
+    """The logical state from a stored one, traced under jit: XLA keeps every
+    leaf split as it is stored (the padding is implicit)."""
+    return jax.tree.map(lambda s, x: s.unpad(x), layout.splits, state)
+
+
+def host_logical(split: Split, leaf, mesh) -> Any:
+    """A stored leaf in its logical shape, outside the step: on the host with
+    one process (one copy, not one per device); else replicated over the mesh."""
+    if split.dim is None:
+        return leaf
+    if jax.process_count() == 1:
+        return split.unpad(np.asarray(leaf))
+    return _replicated_unpad(split, mesh)(leaf)
+
+
+@functools.cache
+def _replicated_unpad(split: Split, mesh):
+    return jax.jit(split.unpad, out_shardings=NamedSharding(mesh, P()))
+
+
+def state_dict(layout: Layout, state, mesh=None) -> dict[str, Any]:
+    """{path: array} of one logical copy of a stored state: what checkpoints
+    hold, the same for every device count and layout."""
+    out = {}
+    paths = jax.tree_util.tree_flatten_with_path(state)[0]
+    for (path, leaf), split in zip(paths, jax.tree.leaves(layout.splits)):
+        if is_key(leaf):  # saved as raw data; from_state_dict wraps it again
+            leaf = jax.random.key_data(leaf)
+        out[_key(path)] = host_logical(split, leaf, mesh)
+    return out
+
+
+def from_state_dict(layout: Layout, flat: dict[str, Any], template):
+    """A stored state shaped like `template` from a `state_dict` (of any device
+    count and layout)."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+    missing = [_key(p) for p, _ in paths if _key(p) not in flat]
+    if missing:
+        raise DpaxError(f"checkpoint lacks {len(missing)} state entries, e.g. {missing[0]}; "
+                        "it was saved for another model or optimizer")
+
+    def leaf(path, like, split):
+        value = flat[_key(path)]
+        if is_key(like):
+            return jax.random.wrap_key_data(np.asarray(value), impl=jax.random.key_impl(like))
+        return split.pad(np.asarray(value))
+
+    return jax.tree.unflatten(treedef, [leaf(p, t, s) for (p, t), s in
+                                        zip(paths, jax.tree.leaves(layout.splits))])
+
+
+def host_params(layout: Layout, params, mesh=None):
+    """The params (or EMA) in their model shapes, outside the step."""
+    splits = layout.splits.params
+    return jax.tree.map(lambda s, x: host_logical(s, x, mesh), splits, params)
 
 
 def _key(path) -> str:
@@ -332,8 +328,11 @@ def check_sharding(sharding: str, backend: str) -> None:
                         "every array)")
 
 
-def make_layout(sharding: str, backend, grad_accum: int = 1) -> Replicated:
+def make_layout(sharding: str, backend, state, grad_accum: int = 1) -> Layout:
+    """The layout named `sharding` for a logical `state` on the backend's devices."""
     check_sharding(sharding, backend.name)
     if sharding == "replicated":
-        return Replicated()
-    return Sharded(backend.mesh, full=sharding == "full", grad_accum=grad_accum)
+        return Replicated(state, backend.n)
+    if sharding == "optimizer":
+        return ZeRO1(state, backend.n)
+    return FSDP(state, backend.n, grad_accum)

@@ -1,10 +1,15 @@
-"""The per-device step functions: plain functions of ONE device's shard.
+"""The step functions: the training step, evaluation and prediction.
 
-Each takes the replicated `TrainState` and a masked shard and calls collectives
-on the named axis `AXIS`; a backend (`pmap` or `jit(shard_map)`) only wraps them.
-The training step sums masked per-example losses and gradients, all-reduces
-the sums and the example count in one `psum`, and divides once: the global-batch
-mean exactly, even when shards hold different numbers of real examples.
+The per-device parts are plain functions of ONE device's shard that call
+collectives on the named axis `AXIS`; a backend (`pmap` or `jit(shard_map)`)
+only wraps them. The training step sums masked per-example losses and
+gradients, all-reduces the sums and the example count together, and divides
+once: the global-batch mean exactly, even when shards hold different numbers
+of real examples.
+
+Where the update runs is the layout's (`dpax.layout`): per device for a
+replicated state, or on the logical state under jit for a sharded one (then
+only the gradients are computed per device).
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
 
+from dpax import layout as layouts
 from dpax.collectives import pmean_packed, psum_packed
 from dpax.cpu_backward import for_xla_cpu
+from dpax.errors import DpaxError
 from dpax.layers import BatchContext, batch_context
-from dpax.layout import AXIS, Replicated
+from dpax.layout import AXIS, Layout
 from dpax.metrics import Count, Last, Mean, Total
 
 # loss_fn(model, batch) -> per-example losses, or (losses, {name: per-example values}),
@@ -32,7 +40,7 @@ LossFn = Callable[[nnx.Module, dict], Any]
 
 @struct.dataclass
 class TrainState:
-    """Everything a step changes: one logical copy, replicated on every device."""
+    """Everything a step changes, laid out on the devices by a `Layout`."""
 
     step: jax.Array
     params: nnx.State  # nnx.Param variables: what the optimizer updates
@@ -44,10 +52,21 @@ class TrainState:
     ema: nnx.State | None = None
 
 
+@struct.dataclass
+class Reduced:
+    """One step's sums over the global batch, as the update takes them."""
+
+    loss_sum: jax.Array
+    count: jax.Array  # examples, or the loss's weights, summed
+    sums: dict  # {metric: sum}
+    grads: Any  # gradient sums, laid out as the layout's update takes them
+    model_state: Any  # the model's new non-param state (e.g. running averages)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
-    """How the training step computes; none of these change what it computes
-    beyond float rounding (bf16 compute and bf16 all-reduce round more)."""
+    """How the training step computes. bf16 compute and a bf16 all-reduce round
+    more; clipping, EMA and skipping non-finite steps are part of the result."""
 
     grad_accum: int = 1  # micro-batches per device shard, summed inside the step
     compute_dtype: Any = None  # e.g. jnp.bfloat16 for forward/backward; params stay f32
@@ -59,23 +78,19 @@ class StepOptions:
     # XLA:CPU: the backward pass rewritten so that weight gradients run on the
     # fast dot kernels and remat saves memory (`dpax.cpu_backward`).
     cpu_backward: bool = False
-    # Where the state lives and how the update runs (`dpax.layout`).
-    layout: Replicated = dataclasses.field(default_factory=Replicated)
 
 
 def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 0,
-               layout: Replicated | None = None, ema: bool = False):
-    """Split a model into its static graph and a `TrainState`, laid out by
-    `layout` (default: replicated); `ema`: with an EMA of the params, which
-    starts as a copy of them."""
-    layout = layout or Replicated()
+               ema: bool = False):
+    """Split a model into its static graph and a logical `TrainState` (one
+    copy, in the model's shapes; `dpax.layout` lays it out); `ema`: with an
+    EMA of the params, which starts as a copy of them."""
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
     # Separate buffers: one buffer in two donated fields would be donated twice.
     step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
     rng = jax.random.key_data(jax.random.key(seed))
     average = jax.tree.map(lambda a: jnp.array(a, copy=True), params) if ema else None
-    state = TrainState(step, params, model_state, None, bad, rng, average)
-    return graphdef, layout.physical(state, tx)
+    return graphdef, TrainState(step, params, model_state, tx.init(params), bad, rng, average)
 
 
 def ema_update(ema, params, step, decay: float):
@@ -162,24 +177,24 @@ def _cast_floats(tree, dtype):
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-def make_train_step(
-    graphdef: nnx.GraphDef,
-    loss_fn: LossFn,
-    tx: optax.GradientTransformation,
-    schedule: optax.Schedule | None = None,
-    options: StepOptions = StepOptions(),
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """The per-device training step: `(state, shard) -> (state, metrics)`, the
-    metrics typed (`dpax.metrics`) and the same on every replica."""
-    n_micro = options.grad_accum
-    layout = options.layout
+def _cast_inputs(batch: dict, dtype) -> dict:
+    """The batch the model sees in the compute dtype: every floating-point
+    entry but the targets `y` (a bf16 target would round the loss)."""
+    return {k: v if k == "y" else _cast_floats(v, dtype) for k, v in batch.items()}
 
-    def train_step(state: TrainState, batch: dict):
+
+def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
+                   options: StepOptions = StepOptions()) -> Callable[[TrainState, dict], Reduced]:
+    """The per-device part of a training step: `(state, shard) -> Reduced`,
+    the sums over the global batch (the same on every device) and the
+    gradient sums as `layout.reduce` leaves them. `state.opt_state` is unused."""
+    n_micro = options.grad_accum
+    dtypes = (options.compute_dtype, options.allreduce_dtype)
+
+    def grad_step(state: TrainState, batch: dict) -> Reduced:
         # What this device's loss sum is differentiated by, and how the model's
         # params come from it (the layout's: e.g. all-gathered slices).
-        wrt, use = layout.grad_target(state.params, options.compute_dtype,
-                                      options.allreduce_dtype)
-
+        wrt, use = layout.grad_target(state.params, dtypes)
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         batch = _with_index(batch)
 
@@ -191,7 +206,7 @@ def make_train_step(
                 model = nnx.merge(graphdef, _cast_floats(use(params), options.compute_dtype),
                                   fresh)
                 model.train()  # batch statistics and dropout on
-                micro_in = {**micro, "x": _cast_floats(micro["x"], options.compute_dtype)}
+                micro_in = _cast_inputs(micro, options.compute_dtype)
                 with batch_context(_context(micro_in, step_key)):
                     loss_sum, count, sums = _sums(loss_fn, model, micro_in)
                 _, _, new_state = nnx.split(model, nnx.Param, ...)
@@ -231,22 +246,92 @@ def make_train_step(
             for i, mean in zip(floats, pmean_packed([leaves[i] for i in floats], AXIS)):
                 leaves[i] = mean
             model_state = jax.tree.unflatten(treedef, leaves)
-        if not layout.grads_reduced:
+        if not getattr(layout, "grads_in_backward", False):
             grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
-        # A non-finite step leaves the state as it was, the counters aside: the
-        # layout keeps the old params and optimizer state, the rest is kept here.
-        # `finite` is reduced: the same on every replica.
-        loss_sum, count, sums, params, opt_state, grad_norm, finite = (
-            layout.reduce_and_update(tx, state, loss_sum, count, grad_sums, sums,
-                                     options.clip_norm, options.skip_nonfinite))
+        loss_sum, count, sums, grads = layout.reduce(loss_sum, count, sums, grad_sums)
+        return Reduced(loss_sum, count, sums, grads, model_state)
+
+    return grad_step
+
+
+def sum_of_squares(tree) -> jax.Array:
+    """Sum of every squared element in f32: non-finite if any element is (or if
+    the norm overflows f32, a gradient no step should apply either). One
+    reduction per leaf: a concatenation of the leaves would be copied first."""
+    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree))
+
+
+def _tx_update(tx, grads, opt_state, params, loss):
+    """`tx.update` with the global batch's mean loss as `value` for the
+    transformations that take extra arguments (e.g. reduce_on_plateau)."""
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+        return tx.update(grads, opt_state, params, value=loss)
+    return tx.update(grads, opt_state, params)
+
+
+def check_optimizer(tx: optax.GradientTransformation, state: TrainState) -> None:
+    """Refuse, before training, a transformation the step cannot call: one
+    that wants more than the gradients, params and the loss (a line search's
+    `value_fn` evaluates the loss at trial params)."""
+    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32),
+                         state.params)
+    try:
+        jax.eval_shape(lambda g, s, p: _tx_update(tx, g, s, p, jnp.float32(0)),
+                       grads, state.opt_state, state.params)
+    except TypeError as e:
+        if "required keyword-only argument" not in str(e):
+            raise
+        wanted = str(e).rpartition("argument")[2].strip(": s")
+        raise DpaxError(
+            f"the optimizer's update needs {wanted}: dpax gives an optax update the "
+            "gradients, params and the batch's mean loss (`value`), not a loss function "
+            "(e.g. a line search: optax.scale_by_backtracking_linesearch, optax.lbfgs); "
+            "use an optimizer without one") from None
+
+
+def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | None = None,
+                options: StepOptions = StepOptions()
+                ) -> Callable[[TrainState, Reduced], tuple[TrainState, dict]]:
+    """The update from a step's global sums: `(state, reduced) -> (state,
+    metrics)`. The same math wherever it runs: per device on a replica of the
+    state, or under jit on the logical state of a sharded layout (XLA then
+    partitions it, collectives included)."""
+
+    def update(state: TrainState, r: Reduced):
+        # One pass over the summed gradients gives the norm and the finiteness
+        # test (a NaN or inf anywhere makes the sum of squares non-finite); the
+        # division then fuses into the update instead of being stored and read
+        # twice more.
+        sq = sum_of_squares(r.grads)
+        norm = jnp.sqrt(sq) / r.count
+        finite = jnp.isfinite(sq) & jnp.isfinite(r.loss_sum)
+
+        def apply():
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32) / r.count, r.grads)
+            if options.clip_norm is not None:  # optax.clip_by_global_norm's formula
+                small = norm < options.clip_norm
+                grads = jax.tree.map(
+                    lambda g: jax.lax.select(small, g, g / norm * options.clip_norm), grads)
+            updates, opt_state = _tx_update(tx, grads, state.opt_state, state.params,
+                                            r.loss_sum / r.count)
+            return optax.apply_updates(state.params, updates), opt_state
+
+        model_state = r.model_state
         if options.skip_nonfinite:
+            # A branch, not a select of new against old: the good path writes
+            # the update once instead of making one more pass over params and
+            # moments (and the donated buffers are updated in place). A
+            # non-finite step leaves the state as it was, the counters aside.
+            params, opt_state = jax.lax.cond(finite, apply,
+                                             lambda: (state.params, state.opt_state))
             model_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), model_state,
                                        state.model_state)
             bad = jnp.where(finite, 0, state.bad_in_a_row + 1)
         else:
+            params, opt_state = apply()
             bad = jnp.zeros_like(state.bad_in_a_row)
         ema = state.ema
-        if options.ema_decay is not None:  # elementwise: any layout's slices
+        if options.ema_decay is not None:
             ema = ema_update(ema, params, state.step, options.ema_decay)
             if options.skip_nonfinite:
                 ema = jax.tree.map(lambda a, b: jnp.where(finite, a, b), ema, state.ema)
@@ -254,14 +339,55 @@ def make_train_step(
                             opt_state=opt_state, bad_in_a_row=bad, ema=ema)
         # A skipped step adds nothing to the logged means; it is counted instead.
         loss_sum, count, sums = jax.tree.map(lambda v: jnp.where(finite, v, 0.0),
-                                             (loss_sum, count, sums))
+                                             (r.loss_sum, r.count, r.sums))
         metrics = _example_metrics(loss_sum, count, sums)
         metrics["skipped"] = Total(1.0 - finite.astype(jnp.float32))
         metrics["bad_in_a_row"] = Last(new.bad_in_a_row)
-        metrics["grad_norm"] = Last(grad_norm)
+        metrics["grad_norm"] = Last(norm)
         if schedule is not None:
             metrics["lr"] = Last(jnp.asarray(schedule(state.step), jnp.float32))
         return new, metrics
+
+    return update
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    layout: Layout,
+    schedule: optax.Schedule | None = None,
+    options: StepOptions = StepOptions(),
+    per_device: Callable | None = None,
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """The training step `(state, batch) -> (state, metrics)`, the metrics
+    typed (`dpax.metrics`).
+
+    With a per-device update (`layout.per_device_update`) it is a per-device
+    function of one shard, for a backend to wrap. Otherwise it is a function
+    of the whole stored state and batch, for jit: `per_device(fn, in_specs,
+    out_specs)` maps the gradient part over the devices (shard_map), and the
+    update runs on the logical state.
+    """
+    grad_step = make_grad_step(graphdef, loss_fn, layout, options)
+    update = make_update(tx, schedule, options)
+    if layout.per_device_update:
+        return lambda state, batch: update(state, grad_step(state, batch))
+
+    # The gradient part reads neither the optimizer state nor the EMA.
+    def inputs(tree):
+        return tree.replace(opt_state=None, ema=None)
+
+    rows, whole = P(AXIS), P()
+    grads_of = per_device(
+        grad_step, (inputs(layouts.specs(layout)), rows),
+        Reduced(whole, whole, whole, jax.tree.map(lambda s: s.spec, layout.grad_splits), whole))
+
+    def train_step(state: TrainState, batch: dict):
+        r = grads_of(inputs(state), batch)
+        r = r.replace(grads=jax.tree.map(lambda s, g: s.unpad(g), layout.grad_splits, r.grads))
+        new, metrics = update(layouts.logical(layout, state), r)
+        return layouts.stored(layout, new), metrics
 
     return train_step
 
@@ -304,7 +430,7 @@ def eval_params(state: TrainState):
     return state.params if state.ema is None else state.ema
 
 
-def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Replicated):
+def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout):
     """The per-device eval step: `(state, shard) -> metrics` of the global
     batch, with `eval_params`."""
 
@@ -319,7 +445,7 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Replicated):
     return eval_step
 
 
-def make_predict_step(graphdef: nnx.GraphDef, predict_fn: Callable, layout: Replicated):
+def make_predict_step(graphdef: nnx.GraphDef, predict_fn: Callable, layout: Layout):
     """The per-device predict step: one output per example of the shard, with
     `eval_params`."""
 

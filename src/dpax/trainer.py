@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpax import layout as layouts
 from dpax import loop, metrics
 from dpax.augment import Augment
 from dpax.backends import DEFAULT_BACKEND, make_backend
@@ -30,8 +31,8 @@ from dpax.errors import DpaxError, TooManyBadSteps
 from dpax.layers import has_per_device_state, synchronize
 from dpax.layout import make_layout
 from dpax.pipeline import EVAL_BATCH, BatchPlan, bucketed, eval_batches, train_input
-from dpax.sharding import padded_size
-from dpax.step import LossFn, StepOptions, TrainState, init_state
+from dpax.sharding import is_key, padded_size
+from dpax.step import LossFn, StepOptions, TrainState, check_optimizer, init_state
 
 PRECISIONS = {"fp32": None, "bf16": jnp.bfloat16}  # name -> compute dtype (None: as stored)
 
@@ -64,12 +65,12 @@ class Trainer:
       sharding: where the state lives (`dpax.layout`): "replicated" (every
         device holds all of it), "optimizer" (ZeRO-1: the optimizer state 1/N
         per device) or "full" (FSDP: params, gradients and optimizer state 1/N
-        per device, params all-gathered where the model uses them). Any N; the
-        sharded modes need the shard_map backend and an elementwise optimizer
-        (SGD, momentum, Adam, AdamW: exact). Checkpoints resume in any mode.
-      clip_norm: clip the mean gradient to this global norm (the norm of the
-        whole gradient in every mode). Use this, not `optax.clip_by_global_norm`
-        in the chain: under a sharded mode the chain sees only a slice.
+        per device, params all-gathered where the model uses it). Any N, and
+        any optax transformation: the sharded modes run the optimizer on the
+        logical params and gradients under jit (shard_map backend).
+        Checkpoints resume in any mode.
+      clip_norm: clip the mean gradient to this global norm (the same as
+        `optax.clip_by_global_norm` first in the chain).
       ema_decay: keep an exponential moving average of the params with this
         decay (in (0, 1); it ramps up from 0.1 over the first steps), laid out
         like the params, in checkpoints, and used by `evaluate` and `predict`.
@@ -116,18 +117,19 @@ class Trainer:
             raise DpaxError(f"`ema_decay` must be in (0, 1), e.g. 0.999; got {ema_decay!r}")
         synchronize(model, batchnorm=sync_batchnorm)
         self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        self.layout = make_layout(sharding, self.backend, grad_accum)
         options = StepOptions(grad_accum=grad_accum,
                               compute_dtype=compute_dtype(precision, "precision"),
                               allreduce_dtype=compute_dtype(allreduce_dtype, "allreduce_dtype"),
                               average_state=has_per_device_state(model), clip_norm=clip_norm,
-                              ema_decay=ema_decay, layout=self.layout,
+                              ema_decay=ema_decay,
                               cpu_backward=self.backend.devices[0].platform == "cpu")
-        self._graphdef, state = init_state(model, optimizer, seed, self.layout,
-                                           ema=ema_decay is not None)
-        self._specs = self.layout.specs(state)
-        self.state = self.backend.put_state(state, self._specs)
-        self._steps = CompiledSteps(self.backend, self._graphdef, state, self._specs, loss_fn,
+        self._graphdef, state = init_state(model, optimizer, seed, ema=ema_decay is not None)
+        check_optimizer(optimizer, state)
+        self.layout = make_layout(sharding, self.backend, state, grad_accum)
+        self._specs = layouts.specs(self.layout)
+        self.state = self.backend.put_state(layouts.stored(self.layout, _on_host(state)),
+                                            self._specs)
+        self._steps = CompiledSteps(self.backend, self._graphdef, state, self.layout, loss_fn,
                                     optimizer, schedule, options, predict_fn)
         self.traces = self._steps.traces  # compilations per step kind
 
@@ -297,7 +299,8 @@ class Trainer:
     # -- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The state as {path: array}, one logical copy whatever the device count."""
-        return self.layout.state_dict(self.backend.logical(self.state))
+        return layouts.state_dict(self.layout, self.backend.logical(self.state),
+                                  self.backend.mesh)
 
     def state_template(self) -> dict[str, Any]:
         """Shapes and dtypes of `state_dict()`, placed replicated on this Trainer's
@@ -308,21 +311,23 @@ class Trainer:
 
     def load_state_dict(self, flat: dict[str, Any]) -> None:
         """Replace the state with one from `state_dict()` (of any device count)."""
-        state = self.layout.from_state_dict(flat, self.backend.logical(self.state))
+        state = layouts.from_state_dict(self.layout, flat, self.backend.logical(self.state))
         self.state = self.backend.put_state(state, self._specs)
 
     # -- results ---------------------------------------------------------------------
     @property
     def params(self) -> nnx.State:
         """Host copy of the parameters in their model shapes (whatever the layout)."""
-        return self.backend.host(self.layout.logical_params(self.state.params))
+        return self.backend.host(layouts.host_params(self.layout, self.state.params,
+                                                     self.backend.mesh))
 
     @property
     def ema_params(self) -> nnx.State | None:
         """Host copy of the EMA of the params (None without `ema_decay`)."""
         if self.state.ema is None:
             return None
-        return self.backend.host(self.layout.logical_params(self.state.ema))
+        return self.backend.host(layouts.host_params(self.layout, self.state.ema,
+                                                     self.backend.mesh))
 
     def model(self, ema: bool | None = None) -> nnx.Module:
         """The trained model on the host, ready for single-device use; with the
@@ -340,3 +345,8 @@ def compute_dtype(name: str, argument: str = "precision"):
     if name not in PRECISIONS:
         raise DpaxError(f"`{argument}` must be one of {', '.join(PRECISIONS)}, got {name!r}")
     return PRECISIONS[name]
+
+
+def _on_host(tree):
+    """Host copies of a tree's arrays (typed PRNG keys stay keys)."""
+    return jax.tree.map(lambda x: x if is_key(x) else np.asarray(x), tree)
