@@ -48,8 +48,8 @@ def max_diff(a, b) -> float:
     """The largest absolute difference of two trees of arrays (lists, dicts), in float64."""
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb), (len(la), len(lb))
-    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-               for x, y in zip(la, lb))
+    return max((float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+                for x, y in zip(la, lb)), default=0.0)
 
 
 def small_mlp():

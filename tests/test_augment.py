@@ -44,8 +44,8 @@ def test_two_epochs_see_different_crops_of_the_same_example():
     plan = pipeline.BatchPlan(len(ds.x_train), 64, seed=0)
     seen = {}
     for step in range(2 * plan.steps_per_epoch):
-        b = pipeline.local_parts(ds.x_train, ds.y_train, plan, (0, 64), range(step, step + 1),
-                                 CROP_FLIP)[0]
+        data = {"x": ds.x_train, "y": ds.y_train}
+        b = pipeline.local_parts(data, plan, (0, 64), range(step, step + 1), CROP_FLIP)[0]
         for pos, i in enumerate(plan.indices(step)):
             seen.setdefault(int(i), []).append(b["x"][pos])
     changed = [not np.array_equal(a, b) for a, b in seen.values()]

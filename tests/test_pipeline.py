@@ -17,7 +17,7 @@ def test_chunked_batches_equal_per_step_batches_and_resume_mid_chunk(batch_size,
     x = np.random.default_rng(0).random((300, 5), np.float32)
     y = np.arange(300)
     plan = dpax.BatchPlan(300, batch_size, seed=3)
-    want = [local_part(x, y, plan.indices(s), rows) for s in range(7, 50)]
+    want = [local_part({"x": x, "y": y}, plan.indices(s), rows) for s in range(7, 50)]
 
     def same(got, expected):
         assert len(got) == len(expected)
@@ -26,12 +26,12 @@ def test_chunked_batches_equal_per_step_batches_and_resume_mid_chunk(batch_size,
             for k in w:
                 np.testing.assert_array_equal(g[k], w[k])
 
-    same(list(train_batches(x, y, plan, rows, 7, 50)), want)
-    read = TrainedPosition(iter(train_batches(x, y, plan, rows, 7, 50)))
+    same(list(train_batches({"x": x, "y": y}, plan, rows, 7, 50)), want)
+    read = TrainedPosition(iter(train_batches({"x": x, "y": y}, plan, rows, 7, 50)))
     for _ in range(13):  # read ahead of training, as the Trainer does
         next(read)
     read.trained(11)
-    resumed = TrainedPosition(iter(train_batches(x, y, plan, rows, 7, 50)))
+    resumed = TrainedPosition(iter(train_batches({"x": x, "y": y}, plan, rows, 7, 50)))
     resumed.set_state(read.get_state())
     same(list(resumed), want[11:])
 
@@ -44,14 +44,14 @@ def test_grains_checkpoint_handler_restores_the_trained_position(tmp_path):
 
     x, y = np.arange(80, dtype=np.float32).reshape(40, 2), np.arange(40)
     plan = dpax.BatchPlan(40, 8, seed=1)
-    read = train_input(x, y, plan, (0, 8), 0, 9)
+    read = train_input({"x": x, "y": y}, plan, (0, 8), 0, 9)
     for _ in range(4):
         next(read)
     read.trained(3)
     handler = grain.checkpoint.CheckpointHandler()
     handler.save(epath.Path(tmp_path), args=grain.checkpoint.CheckpointSave(read))
     resumed = handler.restore(epath.Path(tmp_path), args=grain.checkpoint.CheckpointRestore(
-        train_input(x, y, plan, (0, 8), 0, 9)))
+        train_input({"x": x, "y": y}, plan, (0, 8), 0, 9)))
     assert [b["y"].tolist() for b in resumed] == [y[plan.indices(s)].tolist()
                                                   for s in range(3, 9)]
 
@@ -59,9 +59,9 @@ def test_grains_checkpoint_handler_restores_the_trained_position(tmp_path):
 def test_train_input_is_the_pipeline_fit_builds():
     x, y = np.arange(80, dtype=np.float32).reshape(40, 2), np.arange(40)
     plan = dpax.BatchPlan(40, 8, seed=1)
-    got = list(train_input(x, y, plan, (0, 8), 2, 7))
+    got = list(train_input({"x": x, "y": y}, plan, (0, 8), 2, 7))
     assert [b["y"].tolist() for b in got] == [y[plan.indices(s)].tolist() for s in range(2, 7)]
-    assert isinstance(train_input(x, y, plan, (0, 8), 0, 1), TrainedPosition)
+    assert isinstance(train_input({"x": x, "y": y}, plan, (0, 8), 0, 1), TrainedPosition)
 
 
 @pytest.mark.parametrize("steps,epochs,default,want", [

@@ -135,7 +135,7 @@ def test_a_process_reads_only_the_rows_of_its_part_of_each_batch(stored):
     x, y = sources.Column(table), table.y
     plan = pipeline.BatchPlan(len(y), 37, seed=3)
     rows = (20, 40)  # process 1 of 2, padded global batch of 40
-    batches = list(pipeline.train_batches(x, y, plan, rows, 0, plan.steps_per_epoch))
+    batches = list(pipeline.train_batches({"x": x, "y": y}, plan, rows, 0, plan.steps_per_epoch))
     expected = [i for s in range(plan.steps_per_epoch) for i in plan.indices(s)[20:40]]
     assert sorted(table.read_rows) == sorted(expected)  # nothing else was read
     assert sum(b["mask"].sum() for b in batches) == len(expected)
@@ -145,7 +145,8 @@ def test_grain_workers_give_the_same_batches(stored):
     x = sources.Column(sources.open_table(stored[2]["array_record"]))
     y = np.arange(len(x))
     plan = pipeline.BatchPlan(len(x), 32, seed=0)
-    same = [pipeline.train_batches(x, y, plan, (8, 24), 0, 12, workers=w) for w in (0, 2)]
+    data = {"x": x, "y": y}
+    same = [pipeline.train_batches(data, plan, (8, 24), 0, 12, workers=w) for w in (0, 2)]
     for a, b in zip(*same):
         np.testing.assert_array_equal(a["x"], b["x"])
         np.testing.assert_array_equal(a["y"], b["y"])
@@ -156,11 +157,11 @@ def test_workers_resume_at_the_saved_position(stored):
     x = sources.Column(sources.open_table(stored[2]["array_record"]))
     y = np.arange(len(x))
     plan = pipeline.BatchPlan(len(x), 32, seed=0)
-    it = pipeline.train_input(x, y, plan, (0, 32), 0, 20, workers=2)
+    it = pipeline.train_input({"x": x, "y": y}, plan, (0, 32), 0, 20, workers=2)
     for _ in range(5):
         next(it)
     it.trained(3)
-    fresh = pipeline.train_input(x, y, plan, (0, 32), 0, 20, workers=2)
+    fresh = pipeline.train_input({"x": x, "y": y}, plan, (0, 32), 0, 20, workers=2)
     fresh.set_state(it.get_state())
     np.testing.assert_array_equal(next(fresh)["y"], plan.indices(3))
 

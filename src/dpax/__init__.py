@@ -5,7 +5,8 @@ import importlib
 # Exports load on first use: `import dpax` (and the `dpax` command, which may
 # restart its process before JAX starts) stays cheap.
 _EXPORTS = {
-    "check_equivalence": "dpax.check", "TrainConfig": "dpax.config", "Dataset": "dpax.data",
+    "check_equivalence": "dpax.check", "from_function": "dpax.bridge",
+    "from_linen": "dpax.bridge", "TrainConfig": "dpax.config", "Dataset": "dpax.data",
     "MAX_SIMULATED_DEVICES": "dpax.devices", "describe": "dpax.devices",
     "select_devices": "dpax.devices", "simulate_devices": "dpax.devices",
     "DpaxError": "dpax.errors", "DpaxWarning": "dpax.errors", "RunFailed": "dpax.errors",
@@ -41,7 +42,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MAX_SIMULATED_DEVICES", "BatchPlan", "Dataset", "DpaxError", "DpaxWarning", "RunFailed",
-    "TrainConfig", "Trainer", "check_equivalence", "classification_loss",
+    "TrainConfig", "Trainer", "check_equivalence", "classification_loss", "from_function",
+    "from_linen",
     "classification_predict", "data", "describe", "make_model", "make_optimizer",
     "make_schedule", "pad_batch", "regression_loss", "regression_predict", "replicas_in_sync",
     "replicate", "scaled_lr", "select_devices", "shard_batch", "simulate_devices", "spmd",

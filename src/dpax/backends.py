@@ -93,21 +93,21 @@ class ShardMapBackend:
             shape = ((size or len(v)),) + v.shape[1:]
             return jax.make_array_from_process_local_data(self._rows, v, shape)
 
-        return {k: put(v) for k, v in batch.items()}
+        return jax.tree.map(put, batch)
 
     def put_batches(self, batches: list[dict], size: int) -> dict:
         """K host batches -> one array per key of shape (K, size, ...), rows split
         over devices: the input of a K-steps-per-call step."""
         sharding = NamedSharding(self.mesh, P(None, AXIS))
         if jax.process_count() == 1:
-            return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+            return jax.tree.map(lambda *vs: np.stack(vs), *batches)
 
         def put(*vs):
             local = np.stack(vs)
             shape = (len(vs), size) + local.shape[2:]
             return jax.make_array_from_process_local_data(sharding, local, shape)
 
-        return {k: put(*(b[k] for b in batches)) for k in batches[0]}
+        return jax.tree.map(put, *batches)
 
     def per_device(self, fn: Callable, in_specs, out_specs, check: bool = False) -> Callable:
         """`fn` mapped over the mesh (shard_map): each device runs it on its part."""
@@ -218,7 +218,7 @@ class PmapBackend:
     def step_input(self, batch: dict, size: int | None = None) -> dict:
         # Host arrays with a leading device axis: pmap splits them on its own
         # transfer path, cheaper than a device_put first (as for shard_map).
-        return {k: v.reshape((self.n, -1) + v.shape[1:]) for k, v in batch.items()}
+        return jax.tree.map(lambda v: v.reshape((self.n, -1) + v.shape[1:]), batch)
 
     def put_batches(self, batches: list[dict], size: int) -> dict:
         """K host batches -> (n, K, size / n, ...) per key: device axis first."""
@@ -226,7 +226,7 @@ class PmapBackend:
             x = np.stack(vs)  # (K, size, ...)
             return x.reshape((len(vs), self.n, -1) + x.shape[2:]).swapaxes(0, 1)
 
-        return {k: put(*(b[k] for b in batches)) for k in batches[0]}
+        return jax.tree.map(put, *batches)
 
     def _wrap(self, fn: Callable, donate: bool) -> Callable:
         return jax.pmap(

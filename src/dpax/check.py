@@ -19,7 +19,10 @@ import optax
 from flax import nnx
 
 from dpax.backends import DEFAULT_BACKEND
+from dpax.bridge import LinenModel
 from dpax.layers import SyncBatchNorm
+from dpax.pipeline import examples
+from dpax.sharding import batch_rows
 from dpax.trainer import Trainer
 
 TOLERANCE = 1e-5
@@ -28,7 +31,8 @@ CAUSES = {
     "loss-mean": "the loss averages per device: return one loss per example, dpax does the "
                  "global mean",
     "batchnorm": "unsynchronized batch statistics: {layers} normalize with per-device "
-                 "statistics; use nnx.BatchNorm (dpax converts it) or dpax.layers.SyncBatchNorm",
+                 "statistics; use nnx.BatchNorm or Linen's nn.BatchNorm (dpax converts them) "
+                 "or dpax.layers.SyncBatchNorm",
     "batchnorm-off": "unsynchronized batch statistics: {layers} normalize with per-device "
                      "statistics because synchronization is off (`sync_batchnorm=False`); "
                      "drop that (`sync_batchnorm=True` is the default) for one device's numbers",
@@ -81,10 +85,18 @@ def _max_diff(a, b) -> float:
     return max(diffs, default=0.0)
 
 
-def _per_device_batchnorm(model: nnx.Module) -> list[str]:
-    return [".".join(map(str, path)) or type(m).__name__
-            for path, m in nnx.iter_modules(model)
-            if isinstance(m, nnx.BatchNorm) and not isinstance(m, SyncBatchNorm)]
+def _per_device_batchnorm(model: nnx.Module, sync_batchnorm: bool) -> list[str]:
+    """The BatchNorm layers that normalize per device: NNX ones not converted,
+    and those of a Linen model (`dpax.from_linen`) when synchronization is off."""
+    names = [".".join(map(str, path)) or type(m).__name__
+             for path, m in nnx.iter_modules(model)
+             if isinstance(m, nnx.BatchNorm) and not isinstance(m, SyncBatchNorm)]
+    if not sync_batchnorm:
+        for path, m in nnx.iter_modules(model):
+            if isinstance(m, LinenModel):
+                stats = nnx.to_flat_state(nnx.state(m, nnx.BatchStat))
+                names += sorted({".".join(map(str, path + p[:-1])) for p, _ in stats})
+    return names
 
 
 def _uses_rng_streams(before: nnx.State, after: nnx.State) -> bool:
@@ -99,8 +111,8 @@ def _uses_rng_streams(before: nnx.State, after: nnx.State) -> bool:
 def check_equivalence(
     make_model: Callable[[], nnx.Module],
     loss_fn: Callable,
-    x: np.ndarray,
-    y: np.ndarray,
+    data,
+    y=None,
     *,
     devices: int = 8,
     batch_size: int | None = None,
@@ -115,8 +127,9 @@ def check_equivalence(
     Args:
       make_model: builds a fresh, identically initialised model on each call.
       loss_fn: the loss as given to `Trainer` (one loss per example).
-      x, y: training data.
+      data, y: training examples, as `Trainer.fit` takes them.
     """
+    data = examples(data, y)
     # Uneven: with N = 8, 43 rows pad to 48, and the last device holds 1 real row.
     batch_size = batch_size or 5 * devices + 3
     runs = []
@@ -126,25 +139,26 @@ def check_equivalence(
                     sync_batchnorm=sync_batchnorm, max_bad_steps=None)
         before = t.backend.host(t.state.model_state)
         try:
-            rows = t.fit(x, y, batch_size=batch_size, until_step=steps, log_every=1)
+            rows = t.fit(data, batch_size=batch_size, until_step=steps, log_every=1)
         except ValueError as e:
             if "one loss per example" in str(e):
                 return CheckResult(devices, batch_size, steps, None, None, None, "loss-mean")
             raise
-        runs.append((t, [r["loss"] for r in rows], before, model))
-    (t1, loss1, before, model1), (tn, lossn, _, modeln) = runs
+        runs.append((t, [r["loss"] for r in rows], before))
+    (t1, loss1, before), (tn, lossn, _) = runs
     result = CheckResult(devices, batch_size, steps, _max_diff(t1.params, tn.params),
                          _max_diff(loss1, lossn),
                          _max_diff(t1.backend.host(t1.state.model_state),
                                    tn.backend.host(tn.state.model_state)))
     if max(result.param_diff, result.loss_diff, result.state_diff) <= TOLERANCE:
         return result
-    result.cause, result.detail = _diagnose(modeln, t1, loss_fn, x, y, before, sync_batchnorm)
+    result.cause, result.detail = _diagnose(tn.model(), t1, loss_fn, data, before,
+                                            sync_batchnorm)
     return result
 
 
-def _diagnose(model, trainer, loss_fn, x, y, rest_before, sync_batchnorm) -> tuple[str, str]:
-    unsynced = _per_device_batchnorm(model)
+def _diagnose(model, trainer, loss_fn, data, rest_before, sync_batchnorm) -> tuple[str, str]:
+    unsynced = _per_device_batchnorm(model, sync_batchnorm)
     if unsynced:
         cause = "batchnorm" if sync_batchnorm else "batchnorm-off"
         return cause, CAUSES[cause].format(layers=", ".join(unsynced))
@@ -154,12 +168,12 @@ def _diagnose(model, trainer, loss_fn, x, y, rest_before, sync_batchnorm) -> tup
     # output, then its loss, depend on which other examples share its batch?
     host = trainer.model()
     host.eval()
-    b = min(len(x), 16)
-    batch = {"x": jnp.asarray(x[:b]), "y": jnp.asarray(y[:b]), "mask": jnp.ones(b, bool)}
-    half = {k: v[: b // 2] for k, v in batch.items()}
+    b = min(batch_rows(data), 16)
+    batch = {**jax.tree.map(lambda v: jnp.asarray(v[:b]), data), "mask": jnp.ones(b, bool)}
+    half = jax.tree.map(lambda v: v[: b // 2], batch)
     try:
         outputs = np.asarray(host(batch["x"]))[: b // 2], np.asarray(host(half["x"]))
-    except TypeError:  # a model not called as model(x): only the loss can tell
+    except (TypeError, KeyError):  # a model not called as model(x): only the loss can tell
         outputs = None
     if outputs is not None and not _same(*outputs):
         return "model-mixes", CAUSES["model-mixes"]

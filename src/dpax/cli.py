@@ -274,8 +274,9 @@ def _check(args) -> int:
     factory = _load(config.factory, "--factory") if config.factory else models.MODELS[config.model]
     user_loss = _load(config.loss, "--loss") if config.loss else None
     _start_devices(TrainConfig(devices=config.devices))
-    from flax import nnx
+    from flax import linen, nnx
 
+    from dpax.bridge import from_linen, takes
     from dpax.check import check_equivalence
 
     ds = data_mod.load(config.data)
@@ -287,8 +288,15 @@ def _check(args) -> int:
                         f"FN(input_shape, n_out, rngs=nnx.Rngs): {e}") from None
     except ValueError:  # no signature to inspect (a builtin): let the call say
         pass
+    def make_model():
+        model = factory(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0))
+        if isinstance(model, linen.Module):  # Linen: initialised on one example
+            return from_linen(model, ds.x_train[:1],
+                              train_kwarg="train" if takes(model, "train") else None)
+        return model
+
     result = check_equivalence(
-        lambda: factory(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)), loss_fn,
+        make_model, loss_fn,
         ds.x_train, ds.y_train, devices=config.devices, batch_size=config.batch_size,
         steps=config.steps, sync_batchnorm=config.sync_batchnorm, backend=config.backend)
     print(as_flags(result.report()))

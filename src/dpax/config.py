@@ -364,7 +364,8 @@ class CheckConfig:
 
     model: str = _field("cnn-bn", "a built-in model")
     factory: str | None = _field(
-        None, "your model: FN(input_shape, n_out, rngs=nnx.Rngs) -> nnx.Module",
+        None, "your model: FN(input_shape, n_out, rngs=nnx.Rngs) -> nnx.Module (or a Linen "
+              "module, initialised on one example; its flag `train`, if it takes one)",
         metavar="MODULE:FN")
     loss: str | None = _field(
         None, "your loss: FN(model, batch) -> per-example losses (default: the data's "

@@ -16,16 +16,46 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import grain
+import jax
 import numpy as np
 
 from dpax.augment import Augment
 from dpax.errors import DpaxError
-from dpax.sharding import Batch, pad_batch, padded_size
+from dpax.sharding import INDEX, MASK, Batch, batch_rows, pad_batch, padded_size
 
 EVAL_BATCH = 256  # global batch of evaluation and prediction, unless given
+
+
+def examples(data: Any, y: Any = None) -> dict:
+    """The examples as a dict of arrays that share a leading example axis:
+    `data` itself (values may be nested dicts, or `dpax.sources` columns read
+    from disk per batch), or `{"x": data, "y": y}` for an array `data`."""
+    if not isinstance(data, Mapping):
+        data = {"x": data} if y is None else {"x": data, "y": y}
+    elif y is not None:
+        raise DpaxError("give `y` only with an array of inputs; a dict of examples holds "
+                        "its targets under a key of its own")
+    for key in (MASK, INDEX):
+        if key in data:
+            raise DpaxError(f"the examples have a key {key!r}, which dpax adds to every batch "
+                            f"(the {'real rows' if key == MASK else 'global positions'}); "
+                            "rename yours, e.g. 'attention_mask'")
+    if not data:
+        raise DpaxError("the examples are an empty dict; give at least one array")
+    lengths = {jax.tree_util.keystr(p): len(v)
+               for p, v in jax.tree_util.tree_flatten_with_path(dict(data))[0]}
+    if len(set(lengths.values())) > 1:
+        raise DpaxError(f"the example arrays differ in length: {lengths}; every array needs "
+                        "one row per example")
+    if not next(iter(lengths.values())):
+        raise DpaxError("no examples: the arrays have 0 rows")
+    return dict(data)
+
+
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
@@ -74,12 +104,12 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     return order
 
 
-def local_part(x: np.ndarray, y: np.ndarray, idx: np.ndarray, rows: tuple[int, int]) -> Batch:
+def local_part(data: dict, idx: np.ndarray, rows: tuple[int, int]) -> Batch:
     """Rows [lo, hi) of the padded global batch whose examples are `idx`: only
     this process's examples are read; positions past len(idx) are padding."""
     lo, hi = rows
     mine = idx[lo:hi]
-    return pad_batch({"x": x[mine], "y": y[mine]}, hi - lo)
+    return pad_batch(jax.tree.map(lambda a: a[mine], data), hi - lo)
 
 
 # Bytes of batches built in one piece: small batches come CHUNK_STEPS at a time
@@ -90,8 +120,8 @@ READ_THREADS = 2  # Grain threads that read ahead from disk (see `train_batches`
 
 
 def train_batches(
-    x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, int], start: int,
-    stop: int, augment: Augment | None = None, workers: int = 0,
+    data: dict, plan: BatchPlan, rows: tuple[int, int], start: int, stop: int,
+    augment: Augment | None = None, workers: int = 0,
 ) -> StepBatches:
     """This process's rows of the padded, masked global batches of steps
     `start..stop-1`, as a checkpointable iterator.
@@ -107,7 +137,8 @@ def train_batches(
     benchmarks/README.md).
     """
     # From shapes: reading a row of inputs on disk (`dpax.sources`) costs a read.
-    row_bytes = sum(a.dtype.itemsize * math.prod(a.shape[1:]) for a in (x, y))
+    arrays = jax.tree.leaves(data)
+    row_bytes = sum(np.dtype(a.dtype).itemsize * math.prod(a.shape[1:]) for a in arrays)
     # Sized by the GLOBAL batch, never by this process's rows: the same chunks
     # for any device count.
     per_chunk = int(np.clip(CHUNK_BYTES // max(row_bytes * plan.batch_size, 1),
@@ -115,11 +146,11 @@ def train_batches(
 
     # Inputs on disk wait for reads (the GIL released): threads read ahead,
     # overlapping the wait with the steps. Arrays in memory need no wait.
-    threads = READ_THREADS if getattr(x, "on_disk", False) else 0
+    threads = READ_THREADS if any(getattr(a, "on_disk", False) for a in arrays) else 0
 
     def chunks(first: int):
         ds = grain.MapDataset.range(first, stop, per_chunk).map(
-            functools.partial(_chunk, x, y, plan, rows, stop, per_chunk, augment))
+            functools.partial(_chunk, data, plan, rows, stop, per_chunk, augment))
         ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads,
                                                   prefetch_buffer_size=threads * 2))
         if workers:
@@ -145,28 +176,33 @@ def _exit_with(parent: int, *_) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _chunk(x, y, plan: BatchPlan, rows: tuple[int, int], stop: int, per_chunk: int,
+def _chunk(data: dict, plan: BatchPlan, rows: tuple[int, int], stop: int, per_chunk: int,
            augment: Augment | None, first: int) -> list[Batch]:
     """The batches of steps first..first+per_chunk-1 (a module-level function:
     Grain workers get it pickled)."""
-    return local_parts(x, y, plan, rows, range(first, min(first + per_chunk, stop)), augment)
+    return local_parts(data, plan, rows, range(first, min(first + per_chunk, stop)), augment)
 
 
-def local_parts(x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, int],
-                steps: range, augment: Augment | None = None) -> list[Batch]:
+def local_parts(data: dict, plan: BatchPlan, rows: tuple[int, int], steps: range,
+                augment: Augment | None = None) -> list[Batch]:
     """`local_part` of the global batches of `steps`: one gather when none of
     them needs padding (then they share one mask array: read-only to callers).
-    `augment` changes each step's inputs by (seed, step, global position)."""
+    `augment` changes each step's inputs `x` by (seed, step, global position)."""
     lo, hi = rows
     mine = [plan.indices(s)[lo:hi] for s in steps]
     if any(len(m) != hi - lo for m in mine):
-        parts = [local_part(x, y, plan.indices(s), rows) for s in steps]
+        parts = [local_part(data, plan.indices(s), rows) for s in steps]
     else:
         idx = np.concatenate(mine)
-        xs = x[idx].reshape((len(mine), hi - lo) + x.shape[1:])
-        ys = y[idx].reshape((len(mine), hi - lo) + y.shape[1:])
+
+        def by_step(a):
+            got = a[idx]
+            return got.reshape((len(mine), hi - lo) + got.shape[1:])
+
+        gathered = jax.tree.map(by_step, data)
         mask = np.ones(hi - lo, bool)
-        parts = [{"x": xs[i], "y": ys[i], "mask": mask} for i in range(len(mine))]
+        parts = [{**jax.tree.map(lambda a, i=i: a[i], gathered), MASK: mask}
+                 for i in range(len(mine))]
     if augment is not None:
         parts = [dict(p, x=augment(p["x"], plan.seed, s, lo, plan.batch_size))
                  for p, s in zip(parts, steps)]
@@ -228,9 +264,10 @@ def bucketed(batches: Iterable[dict], unit: int, buckets: Sequence[int] | None,
             raise DpaxError(f"every bucket must be a multiple of {unit} "
                             f"(devices x `grad_accum`), got {buckets}")
     for batch in batches:
-        b = len(batch["x"])
+        batch = examples(batch)
+        b = batch_rows(batch)
         size = _bucket(b, unit, buckets)
-        yield size, local_part(batch["x"], batch["y"], np.arange(b), local_rows(size))
+        yield size, local_part(batch, np.arange(b), local_rows(size))
 
 
 def _bucket(b: int, unit: int, buckets: Sequence[int] | None) -> int:
@@ -245,12 +282,12 @@ def _bucket(b: int, unit: int, buckets: Sequence[int] | None) -> int:
     raise DpaxError(f"a batch of {b} examples is larger than the largest bucket {buckets[-1]}")
 
 
-def eval_batches(x: np.ndarray, y: np.ndarray, batch_size: int, rows: tuple[int, int]):
+def eval_batches(data: dict, batch_size: int, rows: tuple[int, int]):
     """This process's rows of sequential padded, masked global batches that
     cover every example exactly once."""
-    for start in range(0, len(x), batch_size):
-        idx = np.arange(start, min(start + batch_size, len(x)))
-        yield local_part(x, y, idx, rows)
+    n = batch_rows(data)
+    for start in range(0, n, batch_size):
+        yield local_part(data, np.arange(start, min(start + batch_size, n)), rows)
 
 
 class TrainedPosition:
@@ -302,11 +339,9 @@ class TrainedPosition:
         are built on the training thread (see `train_batches`): nothing to start."""
 
 
-def train_input(x: np.ndarray, y: np.ndarray, plan: BatchPlan, rows: tuple[int, int],
-                start: int, stop: int, augment: Augment | None = None,
-                workers: int = 0) -> TrainedPosition:
+def train_input(data: dict, plan: BatchPlan, rows: tuple[int, int], start: int, stop: int,
+                augment: Augment | None = None, workers: int = 0) -> TrainedPosition:
     """The input pipeline of a training run: this process's rows of the padded,
     masked global batches of steps `start..stop-1`, checkpointable at the last
     batch trained on. `Trainer.fit` takes it as `batches`."""
-    return TrainedPosition(iter(train_batches(x, y, plan, rows, start, stop, augment,
-                                              workers)))
+    return TrainedPosition(iter(train_batches(data, plan, rows, start, stop, augment, workers)))

@@ -89,8 +89,9 @@ class Job:
     def input(self, start: int):
         """This process's training batches of steps `start..total-1`."""
         rows = self.trainer.backend.local_rows(self.trainer.padded(self.config.batch_size))
-        return train_input(self.ds.x_train, self.ds.y_train, self.plan, rows, start, self.total,
-                           augment.parse(self.config.augment), self.config.data_workers)
+        return train_input({"x": self.ds.x_train, "y": self.ds.y_train}, self.plan, rows,
+                           start, self.total, augment.parse(self.config.augment),
+                           self.config.data_workers)
 
 
 def build(config: TrainConfig) -> Job:

@@ -12,8 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 
-Batch = dict[str, np.ndarray]
-MASK = "mask"
+Batch = dict[str, Any]  # arrays (or nested dicts of them) sharing a leading example axis
+MASK = "mask"  # the boolean real-row entry dpax adds to every batch
+INDEX = "index"  # each row's position in the global batch, added inside the step
 
 
 def padded_size(batch_size: int, n: int) -> int:
@@ -21,25 +22,34 @@ def padded_size(batch_size: int, n: int) -> int:
     return -(-batch_size // n) * n
 
 
+def batch_rows(batch: Any) -> int:
+    """The examples in a batch: the common length of its arrays' leading axes."""
+    sizes = {jax.tree_util.keystr(p): len(v)
+             for p, v in jax.tree_util.tree_flatten_with_path(batch)[0]}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"batch arrays differ in length: {sizes}")
+    return next(iter(sizes.values()), 0)
+
+
 def pad_batch(batch: Batch, size: int) -> Batch:
-    """Zero-pad every array of `batch` to `size` rows and add the `mask` entry.
+    """Zero-pad every array of `batch` (a dict of arrays, possibly nested) to
+    `size` rows and add the `mask` entry.
 
     Zeros keep every loss finite on the padded rows; the mask keeps them out of
     every sum.
     """
-    sizes = {k: len(v) for k, v in batch.items()}
-    b = next(iter(sizes.values())) if sizes else 0
-    if any(s != b for s in sizes.values()):
-        raise ValueError(f"batch arrays differ in length: {sizes}")
+    old = batch.get(MASK)
+    b = batch_rows(batch)
     if not 0 <= b <= size:  # 0: a process whose rows of the batch are all padding
         raise ValueError(f"batch of {b} examples does not fit a padded size of {size}")
-    out = {}
-    for k, v in batch.items():
+
+    def pad(v):
         v = np.asarray(v)
         if size > b:
             v = np.concatenate([v, np.zeros((size - b,) + v.shape[1:], v.dtype)])
-        out[k] = v
-    old = batch.get(MASK)
+        return v
+
+    out = {k: jax.tree.map(pad, v) for k, v in batch.items()}
     mask = np.zeros(size, bool)
     mask[:b] = True if old is None else np.asarray(old, bool)
     out[MASK] = mask
@@ -49,12 +59,12 @@ def pad_batch(batch: Batch, size: int) -> Batch:
 def shard_batch(batch: Batch, n: int, size: int | None = None) -> Batch:
     """Pad a global batch to `size` rows (default: next multiple of `n`) and
     reshape every array to `(n, size // n, ...)`, with a boolean `mask`."""
-    b = len(next(iter(batch.values())))
+    b = batch_rows(batch)
     size = padded_size(b, n) if size is None else size
     if size % n:
         raise ValueError(f"padded size {size} is not a multiple of {n} devices")
     padded = pad_batch(batch, size)
-    return {k: v.reshape((n, size // n) + v.shape[1:]) for k, v in padded.items()}
+    return jax.tree.map(lambda v: v.reshape((n, size // n) + v.shape[1:]), padded)
 
 
 def unshard(tree: Any, mask: np.ndarray | None = None) -> Any:

@@ -36,17 +36,21 @@ def decode(x: np.ndarray) -> np.ndarray:
 
 class Column:
     """The inputs of some rows of a table, as a read-only array: indexing with
-    an index array (or a slice) reads those rows and decodes them."""
+    an index array (or a slice) reads those rows and decodes them (`decode`;
+    `decoded=False` keeps the stored values, e.g. token ids)."""
 
-    def __init__(self, table, rows: np.ndarray | None = None):
-        self.table = table
+    def __init__(self, table, rows: np.ndarray | None = None, decoded: bool = True):
+        self.table, self.decoded = table, decoded
         self._rows = np.arange(len(table)) if rows is None else rows
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (len(self._rows),) + tuple(self.table.x_shape)
 
-    dtype = np.dtype(np.float32)
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float32) if self.decoded else np.dtype(self.table.x_dtype)
+
     ndim = property(lambda self: len(self.shape))
 
     @property
@@ -59,15 +63,16 @@ class Column:
 
     def subset(self, idx: np.ndarray) -> Column:
         """A view of rows `idx` of this column; nothing is read."""
-        return Column(self.table, self._rows[idx])
+        return Column(self.table, self._rows[idx], self.decoded)
 
     def __getitem__(self, idx) -> np.ndarray:
         rows = self._rows[idx]
         if np.ndim(rows) != 1:
             raise TypeError("a Column is read with an index array or a slice")
         if len(rows) == 0:  # e.g. a process whose part of a short batch is all padding
-            return np.zeros((0,) + tuple(self.table.x_shape), np.float32)
-        return decode(self.table.read(rows))
+            return np.zeros((0,) + tuple(self.table.x_shape), self.dtype)
+        values = self.table.read(rows)
+        return decode(values) if self.decoded else values
 
 
 class ArrayTable:
@@ -76,6 +81,7 @@ class ArrayTable:
 
     def __init__(self, x: np.ndarray, name: str, y: np.ndarray | None = None):
         self.x, self.name, self.x_shape, self.y = x, name, x.shape[1:], y
+        self.x_dtype = x.dtype
 
     def __len__(self) -> int:
         return len(self.x)
@@ -101,11 +107,15 @@ class ArrayRecordTable:
     {"x": array, "y": label} per example, read through Grain's
     `ArrayRecordDataSource` (parallel reads of a batch's records)."""
 
-    def __init__(self, paths: list[str], meta: dict, labels: np.ndarray, name: str):
+    def __init__(self, paths: list[str], meta: dict, labels: np.ndarray, name: str,
+                 key: str = "x"):
         import grain
 
-        self.name, self.x_shape = name, tuple(meta["x_shape"])
-        self.x_dtype = np.dtype(meta["x_dtype"])
+        if key not in ("x", "y"):
+            raise DpaxError(f"{name}: dpax prepare's records hold 'x' and 'y', not {key!r}")
+        self.name, self.key = name, key
+        self.x_shape = tuple(meta["x_shape"]) if key == "x" else ()
+        self.x_dtype = np.dtype(meta[f"{key}_dtype"])
         for path, count in zip(paths, meta["shard_examples"]):
             _check_shard(path, count)
         self._source = grain.sources.ArrayRecordDataSource(paths)
@@ -123,7 +133,7 @@ class ArrayRecordTable:
 
         try:
             records = self._source.__getitems__([int(i) for i in idx])
-            xs = [np.asarray(serialization.msgpack_restore(r)["x"]) for r in records]
+            xs = [np.asarray(serialization.msgpack_restore(r)[self.key]) for r in records]
         except Exception as e:
             raise DpaxError(f"{self.name}: a record cannot be read ({type(e).__name__}); "
                             "a shard is damaged: write them again with dpax prepare") from None
@@ -191,7 +201,7 @@ class _ArrowTable:
     """Shared by the Arrow-backed formats: the label column read whole, the
     input column read by rows (`_rows`)."""
 
-    def _setup(self, name: str, x_key: str, y_key: str):
+    def _setup(self, name: str, x_key: str, y_key: str | None):
         """Names, and the shape and dtype of an example (from the first)."""
         self.name, self.x_key, self.y_key = name, x_key, y_key
         self.x_shape = None  # `_rows` of the first example checks nothing yet
@@ -207,8 +217,8 @@ class _ArrowTable:
         return x
 
 
-def _check_columns(names, x_key: str, y_key: str, where: str, flags: str) -> None:
-    missing = [k for k in (x_key, y_key) if k not in names]
+def _check_columns(names, x_key: str, y_key: str | None, where: str, flags: str) -> None:
+    missing = [k for k in (x_key, y_key) if k is not None and k not in names]
     if missing:
         raise DpaxError(f"{where} has no column {missing[0]!r} (it has {', '.join(names)}); "
                         f"name the input and label columns with {flags}")
@@ -219,7 +229,7 @@ class ParquetTable(_ArrowTable):
     row groups make random access cheap; `dpax prepare` converts to
     ArrayRecord for the fastest reads."""
 
-    def __init__(self, paths: list[str], x_key: str, y_key: str, name: str):
+    def __init__(self, paths: list[str], x_key: str, y_key: str | None, name: str):
         import pyarrow.parquet as pq
 
         groups, ys = [], []
@@ -232,12 +242,13 @@ class ParquetTable(_ArrowTable):
             _check_columns(f.schema_arrow.names, x_key, y_key, path, "--x-column/--y-column")
             for g in range(f.num_row_groups):
                 groups.append((path, g, f.metadata.row_group(g).num_rows))
-            ys.append(_arrow_to_numpy(f.read(columns=[y_key])[y_key], f"{path}: {y_key!r}"))
+            if y_key is not None:
+                ys.append(_arrow_to_numpy(f.read(columns=[y_key])[y_key], f"{path}: {y_key!r}"))
         self._groups = groups
         self._starts = np.cumsum([0] + [n for _, _, n in groups])
         if not groups:
             raise DpaxError(f"{name} holds no examples")
-        self.y = np.concatenate(ys)
+        self.y = np.concatenate(ys) if ys else None
         self._setup(name, x_key, y_key)
 
     def __len__(self) -> int:
@@ -274,7 +285,7 @@ class HuggingFaceTable(_ArrowTable):
     """A `datasets.Dataset.save_to_disk` directory: memory-mapped Arrow,
     rows read by index."""
 
-    def __init__(self, path: str, x_key: str, y_key: str):
+    def __init__(self, path: str, x_key: str, y_key: str | None):
         import datasets
 
         try:
@@ -287,7 +298,8 @@ class HuggingFaceTable(_ArrowTable):
                             f"directory, e.g. {os.path.join(path, next(iter(ds)))}")
         _check_columns(ds.column_names, x_key, y_key, path, "--x-column/--y-column")
         self._ds = ds.with_format("arrow")
-        self.y = _arrow_to_numpy(self._ds.data.column(y_key), f"{path}: {y_key!r}")
+        self.y = None if y_key is None else _arrow_to_numpy(self._ds.data.column(y_key),
+                                                             f"{path}: {y_key!r}")
         self._setup(path, x_key, y_key)
 
     def __len__(self) -> int:
@@ -298,7 +310,7 @@ class HuggingFaceTable(_ArrowTable):
                                              f"{self.name}: column {self.x_key!r}"))
 
 
-def _array_record(paths: list[str], name: str) -> ArrayRecordTable:
+def _array_record(paths: list[str], name: str, key: str = "x") -> ArrayRecordTable:
     """Shards and the dpax.json + labels.npy `dpax prepare` wrote beside them."""
     where = os.path.dirname(paths[0])
     meta_path = os.path.join(where, META)
@@ -323,7 +335,7 @@ def _array_record(paths: list[str], name: str) -> ArrayRecordTable:
     if set(paths) != set(expected):  # a glob naming some shards only
         raise DpaxError(f"{name}: names {len(paths)} of the {len(expected)} shards in "
                         f"{where}; give the directory")
-    return ArrayRecordTable(expected, meta, labels, name)
+    return ArrayRecordTable(expected, meta, labels, name, key)
 
 
 def is_streamed(name: str) -> bool:
@@ -332,9 +344,10 @@ def is_streamed(name: str) -> bool:
             or name.endswith((SUFFIX, ".parquet")))
 
 
-def open_table(name: str, x_key: str = "x", y_key: str = "y"):
+def open_table(name: str, x_key: str = "x", y_key: str | None = "y"):
     """The table `name` names: a directory of ArrayRecord shards, of Parquet
-    files or a saved Hugging Face dataset; a glob; or one such file."""
+    files or a saved Hugging Face dataset; a glob; or one such file. Column
+    `x_key` is read per batch, `y_key` (if any) read whole as `table.y`."""
     if os.path.isdir(name):
         if any(os.path.isfile(os.path.join(name, f)) for f in HF_MARKERS):
             return HuggingFaceTable(name, x_key, y_key)
@@ -349,8 +362,17 @@ def open_table(name: str, x_key: str = "x", y_key: str = "y"):
             raise DpaxError(f"data {name!r} names no file; give an existing path")
     kinds = {os.path.splitext(p)[1] for p in paths}
     if kinds == {SUFFIX}:
-        return _array_record(paths, name)
+        return _array_record(paths, name, x_key)
     if kinds == {".parquet"}:
         return ParquetTable(paths, x_key, y_key, name)
     raise DpaxError(f"data {name!r} names {', '.join(sorted(kinds))} files; give only "
                     f"*{SUFFIX} shards or only *.parquet files")
+
+
+def open_columns(name: str, columns: list[str]) -> dict[str, Column]:
+    """Named columns of examples on disk (as `open_table` finds them), each
+    read per batch with the values as stored: the examples `Trainer.fit`
+    takes, e.g. `{"tokens": ..., "segment_ids": ..., "y": ...}`."""
+    if not columns:
+        raise DpaxError("name at least one column")
+    return {c: Column(open_table(name, c, None), decoded=False) for c in columns}

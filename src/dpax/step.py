@@ -73,6 +73,7 @@ class StepOptions:
     allreduce_dtype: Any = None  # e.g. jnp.bfloat16 halves the gradient bytes reduced
     skip_nonfinite: bool = True  # a NaN/inf loss or gradient leaves the state unchanged
     average_state: bool = False  # pmean non-param model state (per-device batch stats)
+    sync_batchnorm: bool = True  # Linen BatchNorm over the global batch (`dpax.bridge`)
     clip_norm: float | None = None  # clip the mean gradient to this global norm
     ema_decay: float | None = None  # keep an EMA of the params with this decay
     # XLA:CPU: the backward pass rewritten so that weight gradients run on the
@@ -109,8 +110,9 @@ def _with_index(batch: dict) -> dict:
     return {**batch, "index": offset + jnp.arange(rows, dtype=jnp.int32)}
 
 
-def _context(batch: dict, key) -> BatchContext:
-    return BatchContext(mask=batch["mask"], index=batch["index"], key=key, axis=AXIS)
+def _context(batch: dict, key, sync_batchnorm: bool = True) -> BatchContext:
+    return BatchContext(mask=batch["mask"], index=batch["index"], key=key, axis=AXIS,
+                        sync_batchnorm=sync_batchnorm)
 
 
 def _losses_and_metrics(loss_fn: LossFn, model, batch):
@@ -207,7 +209,7 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
                                   fresh)
                 model.train()  # batch statistics and dropout on
                 micro_in = _cast_inputs(micro, options.compute_dtype)
-                with batch_context(_context(micro_in, step_key)):
+                with batch_context(_context(micro_in, step_key, options.sync_batchnorm)):
                     loss_sum, count, sums = _sums(loss_fn, model, micro_in)
                 _, _, new_state = nnx.split(model, nnx.Param, ...)
                 # Model state keeps its own dtype whatever the compute dtype was.

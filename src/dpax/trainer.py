@@ -10,6 +10,7 @@ the host reads them only at log boundaries.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -30,8 +31,15 @@ from dpax.devices import select_devices
 from dpax.errors import DpaxError, TooManyBadSteps
 from dpax.layers import has_per_device_state, synchronize
 from dpax.layout import make_layout
-from dpax.pipeline import EVAL_BATCH, BatchPlan, bucketed, eval_batches, train_input
-from dpax.sharding import is_key, padded_size
+from dpax.pipeline import (
+    EVAL_BATCH,
+    BatchPlan,
+    bucketed,
+    eval_batches,
+    examples,
+    train_input,
+)
+from dpax.sharding import batch_rows, is_key, padded_size
 from dpax.step import LossFn, StepOptions, TrainState, check_optimizer, init_state
 
 PRECISIONS = {"fp32": None, "bf16": jnp.bfloat16}  # name -> compute dtype (None: as stored)
@@ -41,10 +49,14 @@ class Trainer:
     """Data-parallel trainer for one Flax NNX model.
 
     Args:
-      model: an `nnx.Module` written for one device.
+      model: an `nnx.Module` written for one device (`dpax.from_linen` and
+        `dpax.from_function` bring other models). dpax trains a copy whose
+        BatchNorm and Dropout layers it makes N-independent; after each `fit`
+        the model given here holds the trained params and state.
       loss_fn: `loss_fn(model, batch) -> per-example losses` or
         `(losses, {name: per-example metric})`, on one device's shard;
-        `batch` has `x`, `y` and the boolean `mask` of real rows.
+        `batch` has every key of the examples (`x`, `y` when given as arrays)
+        and the boolean `mask` of real rows.
       optimizer: an Optax transformation (its schedule lives in its state).
       devices: a device count, a list of devices, or None for all local ones.
       backend: "shard_map" (default) or "pmap"; both give the same numbers.
@@ -59,7 +71,8 @@ class Trainer:
         batches already on the device): fewer launches for small models.
       seed: the key behind dropout masks (with the step and each example's
         global index, so masks do not depend on the device count).
-      sync_batchnorm: convert `nnx.BatchNorm` layers to `SyncBatchNorm`
+      sync_batchnorm: convert `nnx.BatchNorm` layers to `SyncBatchNorm`, and
+        compute Linen `nn.BatchNorm` layers (`dpax.from_linen`) the same way
         (global masked statistics). False keeps per-device statistics (the
         running averages are then averaged across devices): not equivalent.
       sharding: where the state lives (`dpax.layout`): "replicated" (every
@@ -115,12 +128,17 @@ class Trainer:
         self.steps_per_call = steps_per_call
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:
             raise DpaxError(f"`ema_decay` must be in (0, 1), e.g. 0.999; got {ema_decay!r}")
+        self._user_model = model
+        # dpax's own copy, its BatchNorm and Dropout layers made N-independent:
+        # the user's model keeps its classes (and gets the trained state after `fit`).
+        model = nnx.clone(model)
         synchronize(model, batchnorm=sync_batchnorm)
         self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
         options = StepOptions(grad_accum=grad_accum,
                               compute_dtype=compute_dtype(precision, "precision"),
                               allreduce_dtype=compute_dtype(allreduce_dtype, "allreduce_dtype"),
-                              average_state=has_per_device_state(model), clip_norm=clip_norm,
+                              average_state=has_per_device_state(model),
+                              sync_batchnorm=sync_batchnorm, clip_norm=clip_norm,
                               ema_decay=ema_decay,
                               cpu_backward=self.backend.devices[0].platform == "cpu")
         self._graphdef, state = init_state(model, optimizer, seed, ema=ema_decay is not None)
@@ -167,8 +185,8 @@ class Trainer:
 
     def fit(
         self,
-        x: np.ndarray,
-        y: np.ndarray,
+        data: Any,
+        y: Any = None,
         *,
         batch_size: int,
         until_step: int | None = None,
@@ -180,36 +198,42 @@ class Trainer:
         augment: Augment | None = None,
         data_workers: int = 0,
     ) -> list[dict]:
-        """Train on (x, y) with global batches of `batch_size` until the step
-        counter reaches `until_step` (or `epochs` passes); returns the log rows.
+        """Train with global batches of `batch_size` until the step counter
+        reaches `until_step` (or `epochs` passes); returns the log rows. The
+        model given to the Trainer then holds the trained params and state.
 
         Batches come from `BatchPlan`: their order depends on `seed` and the step
         only, so any device count sees the same global batches.
 
         Args:
+          data: the examples: a dict of arrays that share a leading example axis
+            (the loss sees every key, plus `mask`), or an array of inputs `x`
+            with `y` its targets. Arrays may be `dpax.sources` columns on disk.
           hooks: host-side work at log steps and after each step (`dpax.loop.Hook`:
             checkpoints, evaluation, preemption checks; `loop.LogTo(fn)` for a callback).
           batches: this process's host batches from the current step on (from
             `pipeline.train_input`, e.g. restored from a checkpoint); default: made here.
-          augment: random image augmentation (`dpax.augment.parse("crop,flip")`),
+          augment: random image augmentation of `x` (`dpax.augment.parse("crop,flip")`),
             the same for any device count; only with batches made here.
           data_workers: Grain worker processes that make the batches (0: this thread).
         """
-        plan = BatchPlan(len(x), batch_size, seed)
+        data = examples(data, y)
+        plan = BatchPlan(batch_rows(data), batch_size, seed)
         total = plan.total_steps(until_step, epochs, steps_name="until_step")
         start = self.step
         size = self.padded(batch_size)
         made_here = batches is None
         if made_here:
             if augment is not None:
-                augment.check(x.shape[1:])
-            batches = train_input(x, y, plan, self.backend.local_rows(size), start, total,
+                if "x" not in data:
+                    raise DpaxError("`augment` changes the images under the key 'x'; the "
+                                    f"examples have {', '.join(map(str, data))}")
+                augment.check(data["x"].shape[1:])
+            batches = train_input(data, plan, self.backend.local_rows(size), start, total,
                                   augment, data_workers)
         sized = ((size, b) for b in itertools.islice(batches, max(total - start, 0)))
         try:
-            return loop.train(self._loop_steps(), sized, start=start, total=total,
-                              log_every=log_every, hooks=hooks,
-                              steps_per_epoch=plan.steps_per_epoch)
+            return self._train(sized, start, total, log_every, hooks, plan.steps_per_epoch)
         finally:
             if made_here:
                 batches.close()  # stops Grain worker processes, if any
@@ -224,15 +248,38 @@ class Trainer:
     ) -> list[dict]:
         """Train on host batches of ANY size, one step each.
 
-        Each batch (arrays `x`, `y` of b >= 1 rows) is padded to the smallest
-        bucket that holds it and masked, so the step compiles at most once per
-        bucket, however many sizes arrive. Default buckets: N*K times powers of
-        two (N devices, K micro-batches).
+        Each batch (a dict of arrays of b >= 1 rows, as `fit` takes) is padded
+        to the smallest bucket that holds it and masked, so the step compiles
+        at most once per bucket, however many sizes arrive. Default buckets:
+        N*K times powers of two (N devices, K micro-batches).
         """
         sized = bucketed(batches, self.n_devices * self.grad_accum, buckets,
                          self.backend.local_rows)
-        return loop.train(self._loop_steps(), sized, start=self.step, total=None,
-                          log_every=log_every, hooks=hooks)
+        return self._train(sized, self.step, None, log_every, hooks)
+
+    def _train(self, sized, start, total, log_every, hooks, steps_per_epoch=None) -> list[dict]:
+        try:
+            return loop.train(self._loop_steps(), sized, start=start, total=total,
+                              log_every=log_every, hooks=hooks, steps_per_epoch=steps_per_epoch)
+        finally:
+            self._update_model()
+
+    def _update_model(self) -> None:
+        """Leave the trained params and state in the model the user gave (NNX's
+        in-place convention), each array where the user's was."""
+        failing = sys.exc_info()[0] is not None
+        try:
+            params = self.params
+            rest = self.backend.host(self.state.model_state)
+        except Exception:  # a step failed mid-call: its donated state is gone
+            if failing:
+                return  # the step's own error is the one to see
+            raise
+        trained = nnx.merge_state(params, rest)
+        old = nnx.state(self._user_model)
+        nnx.update(self._user_model, jax.tree.map(
+            lambda o, n: jax.device_put(n, o.sharding) if isinstance(o, jax.Array) else n,
+            old, trained))
 
     def _in_flight(self) -> int | None:
         """Calls that may queue: XLA:CPU aborts when too many multi-device calls
@@ -270,31 +317,38 @@ class Trainer:
         return row
 
     # -- evaluation and prediction --------------------------------------------------
-    def evaluate(self, x: np.ndarray, y: np.ndarray, batch_size: int = EVAL_BATCH) -> dict:
-        """Mean loss and metrics over every example of (x, y), each counted once."""
+    def evaluate(self, data: Any, y: Any = None, batch_size: int = EVAL_BATCH) -> dict:
+        """Mean loss and metrics over every example (`data` as `fit` takes it),
+        each counted once."""
+        data = examples(data, y)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
         sums, queue = [], loop.InFlight(self._in_flight())
-        for b in eval_batches(x, y, batch_size, rows):
+        for b in eval_batches(data, batch_size, rows):
             sums.append(self._steps.eval(self._leaves, self._input(b, size)))
             queue.add(sums[-1])
         return metrics.summarize(self.backend.host(sums))  # sync point
 
-    def predict(self, x: np.ndarray, batch_size: int = EVAL_BATCH) -> np.ndarray:
-        """One prediction per row of `x`, in order; padding is cut off."""
+    def predict(self, data: Any, batch_size: int = EVAL_BATCH) -> Any:
+        """One prediction per example of `data` (an array of inputs `x`, or a
+        dict as `fit` takes it), in order; the outputs have whatever structure
+        `predict_fn` returns, each with a leading example axis."""
         if self._steps.predict is None:
             raise DpaxError("this Trainer was built without `predict_fn`; pass one to Trainer, "
                             "e.g. `predict_fn=dpax.classification_predict`")
+        data = examples(data)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
         outs, queue = [], loop.InFlight(self._in_flight())
-        for b in eval_batches(x, np.zeros(len(x), np.int32), batch_size, rows):
+        for b in eval_batches(data, batch_size, rows):
             outs.append(self._steps.predict(self._leaves, self._input(b, size)))
             queue.add(outs[-1])
         flat = [self.backend.host_examples(o) for o in outs]  # sync point
         # Batch i holds examples i*batch_size.. in order, then padding: cut it off.
-        sizes = [min(batch_size, len(x) - lo) for lo in range(0, len(x), batch_size)]
-        return np.concatenate([f[:n] for f, n in zip(flat, sizes)])
+        n = batch_rows(data)
+        sizes = [min(batch_size, n - lo) for lo in range(0, n, batch_size)]
+        return jax.tree.map(lambda *parts: np.concatenate([p[:k] for p, k in zip(parts, sizes)]),
+                            *flat)
 
     # -- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
