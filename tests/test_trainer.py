@@ -1,4 +1,5 @@
-"""`Trainer` (`dpax.trainer`): batches of any size through `fit_stream`."""
+"""`Trainer` (`dpax.trainer`): batches of any size through `fit_stream`; a
+dropped Trainer frees its executables."""
 
 import numpy as np
 import optax
@@ -33,3 +34,21 @@ def test_random_batch_sizes_compile_once_per_bucket_and_equal_one_device():
 def test_buckets_must_fit_the_devices():
     with pytest.raises(dpax.DpaxError, match="multiple of 8"):
         mlp_trainer(4, grad_accum=2).fit_stream(iter([]), buckets=[12])
+
+
+@pytest.mark.parametrize("kw", [{}, {"sharding": "full"}, {"backend": "pmap"},
+                                {"steps_per_call": 2}], ids=str)
+def test_a_trainer_is_freed_when_dropped(kw):
+    """No reference cycle keeps a Trainer and its compiled executables alive
+    until a full collection: a sweep of hundreds of Trainers in one process
+    ran out of memory maps for XLA's code (LLVM: cannot allocate memory)."""
+    import weakref
+
+    ds = digits()
+    t = mlp_trainer(2, optax.adam(1e-3), predict_fn=dpax.classification_predict, **kw)
+    t.fit(ds.x_train, ds.y_train, batch_size=32, until_step=4)
+    t.evaluate(ds.x_eval, ds.y_eval)
+    t.predict(ds.x_eval)
+    freed = weakref.ref(t), weakref.ref(t._steps)
+    del t
+    assert all(ref() is None for ref in freed)

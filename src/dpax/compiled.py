@@ -73,10 +73,14 @@ class CompiledSteps:
 
     def _flat(self, kind: str, fn: Callable, returns_state: bool = False) -> Callable:
         """`fn(state, *args)` as a function of the state's leaves (returning new
-        leaves if it returns a state); counts its traces."""
+        leaves if it returns a state); counts its traces. It holds no reference
+        to `self`: the compiled functions must not keep their owner (and its
+        executables) alive in a reference cycle until a full collection."""
+        traces, state_def = self.traces, self.state_def
+
         def flat(leaves, *args):
-            self.traces[kind] += 1  # runs once per trace, i.e. per compilation
-            out = fn(jax.tree.unflatten(self.state_def, leaves), *args)
+            traces[kind] += 1  # runs once per trace, i.e. per compilation
+            out = fn(jax.tree.unflatten(state_def, leaves), *args)
             if returns_state:
                 state, step_metrics = out
                 return jax.tree.leaves(state), step_metrics
