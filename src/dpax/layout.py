@@ -57,11 +57,13 @@ class Split:
     @classmethod
     def best(cls, shape: tuple[int, ...], n: int) -> Split:
         """Split along the dimension that needs the least padding (the
-        largest one on a tie): a dimension n divides needs none."""
+        outermost one on a tie): a dimension n divides needs none, and a
+        split of the outermost dimension leaves each device one contiguous
+        block, which gathers and scatters without reordering."""
         if not shape:
             return cls(shape, n)
         padded = [math.prod(shape) // s * _round_up(s, n) for s in shape]
-        dim = min(range(len(shape)), key=lambda d: (padded[d], -shape[d], d))
+        dim = min(range(len(shape)), key=lambda d: (padded[d], d))
         return cls(tuple(shape), n, dim)
 
     @property
