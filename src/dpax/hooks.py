@@ -59,15 +59,24 @@ class Write(Hook):
 
 
 class Evaluate(Hook):
-    """Adds `eval_<metric>` to the row of log steps that are multiples of
-    `every`, before the end (the run evaluates once more when it ends)."""
+    """Adds `eval_<metric>` to a row every `every` steps before the end (the
+    run evaluates once more when it ends); the loop logs a row there. With
+    several steps per call, at the first call boundary at or past the multiple."""
 
-    def __init__(self, trainer, x, y, every: int, total: int):
-        self.trainer, self.x, self.y, self.every, self.total = trainer, x, y, every, total
+    def __init__(self, trainer, data, every: int, total: int):
+        self.trainer, self.data, self.every, self.total = trainer, data, every, total
+        self.due, self.now = Every(every), False
+
+    def on_start(self, step):
+        self.due = Every(self.every, step)
+
+    def wants_row(self, step):
+        self.now = self.due(step) and step < self.total
+        return self.now
 
     def on_log(self, step, row):
-        if self.every and step % self.every == 0 and step < self.total:
-            ev = self.trainer.evaluate(self.x, self.y)
+        if self.now:
+            ev = self.trainer.evaluate(self.data)
             row.update({f"eval_{k}": v for k, v in ev.items() if k not in ("examples", "weight")})
 
 

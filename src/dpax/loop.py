@@ -48,6 +48,11 @@ class Hook:
     def after_step(self, step: int) -> None:
         """After each call, when `step` steps are dispatched."""
 
+    def wants_row(self, step: int) -> bool:
+        """After each call: whether this hook needs a log row at `step` (an
+        evaluation puts its metrics in the row of the step it ran at)."""
+        return False
+
 
 class Every:
     """A trigger for every `n` steps (0: never) that fires once when a call
@@ -128,12 +133,14 @@ def _run(steps: Steps, batches, zero, start, total, log_every, hooks, steps_per_
         pending, since = [], (time.perf_counter(), step)
 
     step = start
+    log_due = Every(log_every, start)
     for n, batch in _prefetch(steps.place(batches), PREFETCH):
-        prev, step = step, step + n
+        step += n
         sums = steps.run(n, batch, sums)
         summed += n
         queue.add(sums["scalars"])
-        log_now = step // log_every > prev // log_every or step == total
+        wanted = [hook.wants_row(step) for hook in hooks]  # every hook asked, every call
+        log_now = log_due(step) or step == total or any(wanted)
         if log_now or summed >= STEPS_PER_SUM:
             pending.append(sums)
             sums, summed = zero, 0

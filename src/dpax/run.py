@@ -225,7 +225,8 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer, log
         return path
 
     with hooks.StopOnSignal(checkpoint) as stop:
-        run_hooks = [hooks.Evaluate(trainer, ds.x_eval, ds.y_eval, config.eval_every, total),
+        run_hooks = [hooks.Evaluate(trainer, {"x": ds.x_eval, "y": ds.y_eval},
+                                    config.eval_every, total),
                      _language_model(job), write, position, stop, checkpoint, profile]
         try:
             history = trainer.fit(ds.x_train, ds.y_train, batch_size=config.batch_size,
