@@ -39,7 +39,7 @@ def chunks(n: int, seed: int = 0):
 
 
 def generate(directory: str, n: int, npz: bool) -> None:
-    from dpax.prepare import write_shards
+    from dpax.data.prepare import write_shards
 
     shards = os.path.join(directory, "shards")
     if not os.path.isdir(shards):

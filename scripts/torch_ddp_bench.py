@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from dpax import hostenv
+from dpax.xla_cpu import hostenv
 
 BATCH, SHAPE, CLASSES, LR = 128, (32, 32, 3), 10, 1e-3
 

@@ -7,8 +7,8 @@ import pytest
 
 import dpax
 from conftest import digits, max_diff
-from dpax import augment, pipeline
 from dpax.cli import main
+from dpax.data import augment, pipeline
 from dpax.errors import DpaxError
 
 CROP_FLIP = augment.parse("crop,flip")

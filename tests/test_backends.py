@@ -1,12 +1,12 @@
-"""Backends (`dpax.backends`): where each puts the state and a batch's rows,
+"""Backends (`dpax.parallel.backends`): where each puts the state and a batch's rows,
 and the rules they keep in one place."""
 
 import numpy as np
 import pytest
 
 import dpax
-from dpax.backends import DEFAULT_BACKEND, check_backend, make_backend
 from dpax.errors import DpaxError
+from dpax.parallel.backends import DEFAULT_BACKEND, check_backend, make_backend
 
 
 @pytest.fixture(scope="module")

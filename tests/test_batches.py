@@ -145,7 +145,7 @@ def test_streamed_columns_train_as_the_same_arrays_in_memory(tmp_path, reference
         pq.write_table(pa.table({
             k: pa.array(list(v[rows])) if v.ndim > 1 else pa.array(v[rows])
             for k, v in data.items()}), tmp_path / f"part-{part}.parquet", row_group_size=32)
-    columns = dpax.sources.open_columns(str(tmp_path), list(data))
+    columns = dpax.data.sources.open_columns(str(tmp_path), list(data))
     assert all(columns[k].dtype == data[k].dtype for k in data)
     one, _ = reference
     t, _ = trained(8, columns)

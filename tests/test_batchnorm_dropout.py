@@ -12,8 +12,9 @@ from flax import nnx
 
 import dpax
 from conftest import digits, max_diff
-from dpax import losses, models
+from dpax import models
 from dpax.cli import main
+from dpax.models import losses
 
 pytestmark = pytest.mark.slow  # starts dpax processes or trains long
 
@@ -26,7 +27,7 @@ def train_cnn_bn(n, sync=True, steps=10, batch_size=61):
     t.fit(ds.x_train, ds.y_train, batch_size=batch_size, until_step=steps)
     host = t.backend.host(t.state)
     return jax.tree.leaves(host.params), [np.asarray(v) for v in jax.tree.leaves(host.model_state)
-                                          if not dpax.sharding.is_key(v)], t
+                                          if not dpax.parallel.arrays.is_key(v)], t
 
 
 def test_cnn_bn_on_8_devices_equals_1_device_and_unsynced_does_not():
@@ -81,7 +82,7 @@ def test_cnn_bn_trains_digits_and_resumes_exactly(tmp_path, capsys):
                  "--out", b]) == 0
     pa, pb = np.load(f"{a}/params.npz"), np.load(f"{b}/params.npz")
     assert all(np.array_equal(pa[k], pb[k]) for k in pa.files)
-    sa = dpax.run.load_checkpoint(f"{a}/ck/180").trainer.state_dict()
+    sa = dpax.cli.run.load_checkpoint(f"{a}/ck/180").trainer.state_dict()
     assert any(k.endswith("_bn.mean.value") for k in sa)  # batch stats are checkpointed
 
 

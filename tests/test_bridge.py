@@ -1,4 +1,4 @@
-"""Models that are not NNX modules (`dpax.bridge`): a Flax Linen CNN with
+"""Models that are not NNX modules (`dpax.models.bridge`): a Flax Linen CNN with
 BatchNorm and Dropout, and a plain function of a params pytree, train on N
 devices as on one; `dpax check` passes them and names the cause when broken."""
 
@@ -41,7 +41,7 @@ def linen_cnn(seed=0, rate=0.3):
 
 def mlp_apply(params, x, rate=0.2):
     h = x.reshape(x.shape[0], -1) @ params["w1"] + params["b1"]
-    h = dpax.layers.example_dropout(jax.nn.relu(h), rate)
+    h = dpax.models.layers.example_dropout(jax.nn.relu(h), rate)
     return h @ params["w2"] + params["b2"]
 
 
@@ -137,7 +137,7 @@ def test_the_users_model_holds_the_trained_state_and_keeps_its_classes():
                     t.backend.host(nnx.state(t.model(), nnx.BatchStat))) == 0.0
     kinds = {type(m) for _, m in nnx.iter_modules(model)}
     assert nnx.BatchNorm in kinds and nnx.Dropout in kinds
-    assert not kinds & {dpax.layers.SyncBatchNorm, dpax.layers.ExampleDropout}
+    assert not kinds & {dpax.models.layers.SyncBatchNorm, dpax.models.layers.ExampleDropout}
     for leaf in jax.tree.leaves(nnx.state(model)):
         assert isinstance(leaf, jax.Array)
 

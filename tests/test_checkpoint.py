@@ -96,7 +96,7 @@ def test_kill_9_mid_epoch_on_streamed_augmented_data_resumes_on_2_devices(tmp_pa
 
     x, y = images(n=500)
     shards = str(tmp_path / "shards")
-    dpax.prepare.write_shards(shards, [x], y, shard_bytes=100 * 192, progress=False)
+    dpax.data.prepare.write_shards(shards, [x], y, shard_bytes=100 * 192, progress=False)
     flags = ["--model", "cnn", "--data", shards, "--augment", "crop,flip", "--batch-size",
              "45", "--steps", "80", "--log-every", "5", "--optimizer", "adam", "--lr", "0.001"]
     assert main(["train", *flags, "--devices", "2", "--out", str(tmp_path / "ref")]) == 0
@@ -153,7 +153,7 @@ def test_damaged_newest_checkpoint_falls_back_and_all_damaged_exit_2(tmp_path, c
     flags = [*RUN, "--devices", "2", "--steps", "30"]
     ck = str(tmp_path / "ck")
     assert main(["train", *flags, "--checkpoint-dir", ck, "--checkpoint-every", "10"]) == 0
-    ref = dpax.run.load_checkpoint(ck).trainer.params
+    ref = dpax.cli.run.load_checkpoint(ck).trainer.params
     garble(os.path.join(ck, "30"))
     capsys.readouterr()
     out = str(tmp_path / "resumed")
@@ -163,8 +163,8 @@ def test_damaged_newest_checkpoint_falls_back_and_all_damaged_exit_2(tmp_path, c
     assert len(warnings) == 1 and "step 30" in warnings[0]
     assert "resumed at step 20" in captured.out
     got = params(out)  # retrained 20 -> 30 from the good step 20: the same params
-    assert max_diff(got, dpax.run.flat_params(ref)) == 0.0
-    for step in dpax.checkpoint.Checkpointer(ck).steps():
+    assert max_diff(got, dpax.cli.run.flat_params(ref)) == 0.0
+    for step in dpax.training.checkpoint.Checkpointer(ck).steps():
         garble(os.path.join(ck, str(step)))
     capsys.readouterr()
     assert main(["train", *flags, "--checkpoint-dir", ck, "--resume"]) == 2

@@ -17,9 +17,9 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dpax import collectives
-from dpax.collectives import PACK_MAX, psum_packed
-from dpax.layout import AXIS
+from dpax.parallel import collectives
+from dpax.parallel.collectives import PACK_MAX, psum_packed
+from dpax.parallel.mesh import AXIS
 
 
 def values(n, size, seed=0):

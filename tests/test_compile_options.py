@@ -9,7 +9,9 @@ import pytest
 from flax import nnx
 
 import dpax
-from dpax import compile_options, data, losses, models
+from dpax import data, models
+from dpax.models import losses
+from dpax.xla_cpu import compile_options
 
 
 def test_a_step_that_pools_gets_the_old_emitters_on_cpu_only():
@@ -35,7 +37,7 @@ def _trainer(model, **kw):
 
 class OverlapPoolCNN(nnx.Module):
     """3x3 windows at stride 2 overlap: the gradient stays a select-and-scatter
-    (`dpax.cpu_backward` rewrites only pools whose windows do not overlap)."""
+    (`dpax.xla_cpu.backward` rewrites only pools whose windows do not overlap)."""
 
     def __init__(self, rngs):
         self.conv = nnx.Conv(1, 8, kernel_size=(3, 3), rngs=rngs)
@@ -66,7 +68,7 @@ def test_the_chosen_options_change_no_number():
 
 def test_a_training_step_whose_pools_are_rewritten_keeps_xla_defaults():
     """2x2 pools at stride 2 (the built-in CNN): the training step holds no
-    windowed op after `dpax.cpu_backward`; evaluation still pools."""
+    windowed op after `dpax.xla_cpu.backward`; evaluation still pools."""
     ds = data.digits()
     t = _trainer(models.CNN(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)))
     t.fit(ds.x_train, ds.y_train, batch_size=64, until_step=1)

@@ -12,8 +12,8 @@ import optax
 import pytest
 from flax import nnx
 
-from dpax import gpt
-from dpax.cpu_backward import for_xla_cpu
+from dpax.models import gpt
+from dpax.xla_cpu.backward import for_xla_cpu
 
 
 def _compiled(f, *args) -> str:
@@ -78,7 +78,7 @@ def test_a_model_the_rewrite_cannot_take_trains_without_it(monkeypatch):
     def refuse(*args):
         raise NotImplementedError("a primitive it does not know")
 
-    monkeypatch.setattr("dpax.cpu_backward._eval", refuse)
+    monkeypatch.setattr("dpax.xla_cpu.backward._eval", refuse)
     ws = [jnp.ones((4, 6)) / 3]
     x = jnp.ones((2, 3, 4))
     with pytest.warns(UserWarning, match="training without it"):

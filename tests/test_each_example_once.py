@@ -9,8 +9,10 @@ import pytest
 from flax import nnx
 
 import dpax
-from dpax import data, losses, models, optim
-from dpax.losses import for_task
+from dpax import data, models
+from dpax.models import losses
+from dpax.models.losses import for_task
+from dpax.training import optim
 
 N_EXAMPLES = 300
 

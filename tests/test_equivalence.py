@@ -15,7 +15,9 @@ from flax import nnx
 
 import dpax
 from conftest import digits, max_diff
-from dpax import losses, models, optim
+from dpax import models
+from dpax.models import losses
+from dpax.training import optim
 from reference import plain_jit_params
 
 pytestmark = pytest.mark.slow  # starts dpax processes or trains long

@@ -13,8 +13,10 @@ from flax import nnx
 
 import dpax
 from conftest import max_diff
-from dpax import losses, models, text
-from dpax.sample import generate
+from dpax import models
+from dpax.data import text
+from dpax.models import losses
+from dpax.models.generate import generate
 
 SEQ = 16
 BATCH = 13  # uneven on 2, 4 and 8 devices: every N pads
@@ -35,7 +37,7 @@ def write_corpus(root, n_docs=40, seed=0):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    return text.load(write_corpus(tmp_path_factory.mktemp("corpus")), SEQ)
+    return dpax.data.load("text:" + write_corpus(tmp_path_factory.mktemp("corpus")), SEQ)
 
 
 def gpt(ds, **options):
@@ -147,7 +149,7 @@ def test_greedy_sampling_follows_the_model(corpus):
 def test_remat_policies_cut_the_steps_memory_in_xlas_analysis():
     """At a length where activations dominate, XLA's memory analysis of the
     training step itself: what it needs besides its arguments, per policy
-    (on XLA:CPU through `dpax.cpu_backward`, without which remat saved nothing)."""
+    (on XLA:CPU through `dpax.xla_cpu.backward`, without which remat saved nothing)."""
     x = np.zeros((8, 257), np.uint8)
     host = {"x": x, "y": np.full(8, 257, np.int32), "mask": np.ones(8, bool)}
     temp = {}
@@ -165,7 +167,7 @@ def test_flops_per_token_counts_six_per_weight_plus_attention():
     ds_shape, vocab = (65,), 256
     model = models.make_model("gpt", ds_shape, vocab, 0, "lm", layers=2, width=32, heads=2)
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) - 64 * 32
-    from dpax.gpt import flops_per_token
+    from dpax.models.gpt import flops_per_token
 
     assert flops_per_token(n, 2, 32, 64) == 6 * n + 12 * 2 * 32 * 64
     assert math.isclose(n, 256 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
@@ -177,8 +179,8 @@ def test_machine_peak_counts_each_device_once(monkeypatch):
     simulated CPU devices share their host's cores, one peak per process."""
     from types import SimpleNamespace
 
-    from dpax import run
     from dpax.bench import timing
+    from dpax.cli import run
 
     monkeypatch.setattr(timing, "matmul_peak", lambda repeats: 10.0)
     monkeypatch.setattr(jax, "process_count", lambda: 2)

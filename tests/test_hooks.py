@@ -1,12 +1,12 @@
-"""A run's periodic duties (`dpax.hooks`): each fires when a call crosses a
+"""A run's periodic duties (`dpax.training.hooks`): each fires when a call crosses a
 multiple of its cadence, whatever the log cadence or the steps per call."""
 
 import pytest
 
 import dpax
 from conftest import digits, mlp_trainer
-from dpax import hooks
-from dpax.loop import Every
+from dpax.training import hooks
+from dpax.training.loop import Every
 
 
 def crossings(boundaries, every, total):
@@ -62,7 +62,7 @@ def test_a_hook_that_wants_a_row_gets_one():
     ds = digits()
     t = mlp_trainer(1)
 
-    class At(dpax.loop.Hook):
+    class At(dpax.training.loop.Hook):
         def wants_row(self, step):
             return step == 7
 

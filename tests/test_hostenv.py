@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from dpax import hostenv
-from dpax.hostenv import HUGETLB, OPT_OUT, hugepages_env, wants_hugepages
+from dpax.xla_cpu import hostenv
+from dpax.xla_cpu.hostenv import HUGETLB, OPT_OUT, hugepages_env, wants_hugepages
 
 
 @pytest.mark.parametrize("environ, thp, glibc, expected", [
@@ -49,7 +49,7 @@ def test_restart_replaces_the_process_with_the_tunable_set():
     clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT)}
     if not wants_hugepages(clean):
         pytest.skip("this machine gains nothing from the tunable, so dpax never restarts")
-    code = ("import os; from dpax.hostenv import restart_with_hugepages as r; r(); "
+    code = ("import os; from dpax.xla_cpu.hostenv import restart_with_hugepages as r; r(); "
             "print(os.environ.get('GLIBC_TUNABLES'))")
     done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True,
                           text=True, timeout=120, check=True)
@@ -76,7 +76,7 @@ def test_only_the_command_line_restarts_never_a_caller_of_main(monkeypatch):
 
 
 def test_the_restart_comes_before_jax_is_imported():
-    code = ("import sys; import dpax.hostenv as h; "
+    code = ("import sys; import dpax.xla_cpu.hostenv as h; "
             "h.restart_with_hugepages = lambda: print('jax' in sys.modules); "
             "sys.argv = ['dpax', 'bench', '--workloads', 'resnet']; "
             "from dpax.__main__ import main; main()")
@@ -89,7 +89,7 @@ def test_the_restart_comes_before_jax_is_imported():
 # `tune_malloc()` when argv[1] says so; prints the page faults of the last round.
 _FAULTS = """
 import ctypes, resource, sys
-from dpax.hostenv import tune_malloc
+from dpax.xla_cpu.hostenv import tune_malloc
 if sys.argv[1] == "tune":
     assert tune_malloc()
 libc = ctypes.CDLL(None)

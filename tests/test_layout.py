@@ -1,4 +1,4 @@
-"""State layouts (`dpax.layout`): ZeRO-1 and FSDP give one device's numbers
+"""State layouts (`dpax.parallel.layout`): ZeRO-1 and FSDP give one device's numbers
 for any device count (their leaves padded to a multiple of N), hold 1/N of the
 bytes, and checkpoint one logical copy that resumes in any layout."""
 
@@ -14,7 +14,7 @@ from flax import nnx
 import dpax
 from conftest import STEPS, digits, fit_digits, leaves, max_diff
 from dpax.errors import DpaxError
-from dpax.layout import Split
+from dpax.parallel.layout import Split
 
 BATCH = 61  # uneven for every N below
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.05, momentum=0.9),

@@ -1,4 +1,4 @@
-"""The training loop (`dpax.loop`): steps per call, metric sums, log cadence,
+"""The training loop (`dpax.training.loop`): steps per call, metric sums, log cadence,
 hooks, the GC, and the in-flight bound kept to XLA:CPU."""
 
 import gc
@@ -8,7 +8,7 @@ import pytest
 
 import dpax
 from conftest import STEPS, digits, fit_digits, leaves, max_diff, mlp_trainer
-from dpax import loop
+from dpax.training import loop
 
 
 class AfterStep(loop.Hook):
@@ -37,7 +37,7 @@ def test_eight_steps_per_call_equal_one_per_call(backend):
 def test_a_log_over_several_device_sums_equals_the_per_step_logs(monkeypatch):
     """The step adds its metrics into sums on the device; the host takes them
     over every STEPS_PER_SUM steps (here 3) and combines them at the log."""
-    monkeypatch.setattr(dpax.loop, "STEPS_PER_SUM", 3)
+    monkeypatch.setattr(dpax.training.loop, "STEPS_PER_SUM", 3)
     per_step = fit_digits(mlp_trainer(4), 61, log_every=1)
     (row,) = fit_digits(mlp_trainer(4), 61, log_every=STEPS)
     examples = np.array([r["examples"] for r in per_step])

@@ -1,12 +1,12 @@
-"""Typed metrics (`dpax.metrics`): how each kind adds up over steps, packed on
+"""Typed metrics (`dpax.training.metrics`): how each kind adds up over steps, packed on
 the device and reduced on the host, against plain sums."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpax import metrics
-from dpax.metrics import Count, Last, Mean, Total
+from dpax.training import metrics
+from dpax.training.metrics import Count, Last, Mean, Total
 
 
 def step_metrics(loss_sum, count, hist, lr):

@@ -14,7 +14,7 @@ import pytest
 
 import dpax
 from dpax.cli import main
-from dpax.launch import free_port
+from dpax.cli.launch import free_port
 from test_gpt import write_corpus
 
 pytestmark = pytest.mark.slow  # starts dpax processes or trains long
@@ -177,7 +177,7 @@ def test_launched_streamed_augmented_run_equals_one_device(tmp_path, capsys):
 
     x, y = images(n=300)
     shards = str(tmp_path / "shards")
-    dpax.prepare.write_shards(shards, [x], y, shard_bytes=64 * 192, progress=False)
+    dpax.data.prepare.write_shards(shards, [x], y, shard_bytes=64 * 192, progress=False)
     flags = ["--model", "cnn", "--data", shards, "--augment", "crop,flip", "--steps", "15",
              "--batch-size", "45", "--optimizer", "adam", "--lr", "0.001", "--log-every", "5"]
     r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *flags,
@@ -238,13 +238,13 @@ RANK_ORDER_SCRIPT = """
 import sys
 import numpy as np
 import dpax
-from dpax import distributed
+from dpax.parallel import distributed
 pid = int(sys.argv[1])
 dpax.simulate_devices(2)
 distributed.initialize(sys.argv[2], 2, pid)
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from dpax import collectives
+from dpax.parallel import collectives
 mesh = Mesh(np.array(jax.devices()), ("data",))
 x = (np.random.default_rng(0).random((4, 129)) * 100).astype(np.float32)
 g = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("data")), lambda i: x[i])

@@ -1,7 +1,7 @@
 """Any optax transformation trains a sharded state as on one device.
 
 The sharded layouts run the optimizer on the params, gradients and optimizer
-state in their logical shapes and tree, under jit (`dpax.layout`), so
+state in their logical shapes and tree, under jit (`dpax.parallel.layout`), so
 transformations that look at a leaf's shape (masks by ndim, factored
 moments, per-row accumulators), at a layer as a whole (trust ratios, unitwise
 clipping, orthogonalization) or at the whole tree (a global norm) compute

@@ -1,10 +1,11 @@
-"""Optimizers and schedules behind the CLI names (`dpax.optim`)."""
+"""Optimizers and schedules behind the CLI names (`dpax.training.optim`)."""
 
 import numpy as np
 import pytest
 
 import dpax
-from dpax import data, optim
+from dpax import data
+from dpax.training import optim
 
 
 def test_schedule_lives_in_the_optimizer_state_and_never_recompiles():

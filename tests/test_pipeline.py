@@ -1,12 +1,12 @@
-"""The input pipeline (`dpax.pipeline`): batches by step, chunked on Grain,
+"""The input pipeline (`dpax.data.pipeline`): batches by step, chunked on Grain,
 resumable at the last batch trained on; the one count of a run's steps."""
 
 import numpy as np
 import pytest
 
 import dpax
+from dpax.data.pipeline import TrainedPosition, local_part, train_batches, train_input
 from dpax.errors import DpaxError
-from dpax.pipeline import TrainedPosition, local_part, train_batches, train_input
 
 
 @pytest.mark.parametrize("batch_size,rows", [(61, (0, 64)), (61, (16, 32)), (64, (0, 64))])

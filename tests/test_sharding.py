@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from dpax import replicas_in_sync, replicate, shard_batch, unreplicate, unshard
-from dpax.sharding import pad_batch, padded_size
+from dpax.data.batches import pad_batch, padded_size
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from conftest import max_diff
-from dpax import data, pipeline, prepare, sources
+from dpax import data
 from dpax.cli import main
-from dpax.config import TrainConfig
-from dpax.run import flat_params, train
+from dpax.cli.config import TrainConfig
+from dpax.cli.run import flat_params, train
+from dpax.data import datasets, pipeline, prepare, sources
+from dpax.errors import DpaxError
 
 FORMATS = ("npz", "array_record", "parquet", "hf")
 
@@ -75,7 +77,7 @@ def test_every_format_reads_the_same_examples_and_split(stored):
         np.testing.assert_array_equal(ds.x_train[idx], ref.x_train[idx])
         np.testing.assert_array_equal(ds.x_eval[10:20], ref.x_eval[10:20])
     # The decode: uint8 scaled to [0, 1], in the order of the npz's own split.
-    order = np.random.default_rng(data.DATA_SEED).permutation(len(x))[60:]
+    order = np.random.default_rng(datasets.DATA_SEED).permutation(len(x))[60:]
     np.testing.assert_array_equal(ref.x_train[idx], x[order[idx]] / np.float32(255))
 
 
@@ -222,6 +224,6 @@ def test_prepare_refuses_an_existing_dest_and_leaves_nothing_half_written(stored
     assert "already exists" in capsys.readouterr().err
     dest = str(tmp_path / "half")
     chunks = iter([np.zeros((4, 8, 8, 3), np.uint8), np.zeros((4, 8, 8, 2), np.uint8)])
-    with pytest.raises(data.DpaxError, match="every example needs one shape"):
+    with pytest.raises(DpaxError, match="every example needs one shape"):
         prepare.write_shards(dest, chunks, y[:8], progress=False)
     assert not os.path.exists(dest) and not os.path.exists(dest + ".partial")

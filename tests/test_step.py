@@ -1,4 +1,4 @@
-"""The per-device training step (`dpax.step`): gradient accumulation, bf16,
+"""The per-device training step (`dpax.training.step`): gradient accumulation, bf16,
 clipping and the non-finite guard, compiled into the one step, keeping the
 promise (N devices give one device's params)."""
 
@@ -24,7 +24,7 @@ from conftest import (
     plan_batches,
     small_mlp,
 )
-from dpax import losses
+from dpax.models import losses
 
 
 # -- gradient accumulation ---------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`Trainer` (`dpax.trainer`): batches of any size through `fit_stream`; a
+"""`Trainer` (`dpax.training.trainer`): batches of any size through `fit_stream`; a
 dropped Trainer frees its executables."""
 
 import numpy as np

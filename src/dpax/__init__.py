@@ -1,23 +1,41 @@
-"""dpax: data-parallel (SPMD) training on JAX, exactly equal to one device."""
+"""dpax: data-parallel (SPMD) training on JAX, exactly equal to one device.
+
+The package's folders follow a batch's way: `data` (examples -> padded,
+masked batches), `parallel` (devices, state layouts, collectives, backends),
+`models` (dpax's models, losses, N-independent layers, other models brought
+in), `training` (the step, the loop, the Trainer), `cli` (the commands),
+`writers` (where metrics go), `xla_cpu` (XLA:CPU-only tuning), `bench`.
+"""
 
 import importlib
 
-# Exports load on first use: `import dpax` (and the `dpax` command, which may
-# restart its process before JAX starts) stays cheap.
+# Exports load on first use: `import dpax` stays cheap, and the `dpax` command
+# sets the device count before JAX starts.
 _EXPORTS = {
-    "check_equivalence": "dpax.check", "from_function": "dpax.bridge",
-    "from_linen": "dpax.bridge", "TrainConfig": "dpax.config", "Dataset": "dpax.data",
-    "MAX_SIMULATED_DEVICES": "dpax.devices", "describe": "dpax.devices",
-    "select_devices": "dpax.devices", "simulate_devices": "dpax.devices",
-    "DpaxError": "dpax.errors", "DpaxWarning": "dpax.errors", "RunFailed": "dpax.errors",
-    "classification_loss": "dpax.losses", "classification_predict": "dpax.losses",
-    "regression_loss": "dpax.losses", "regression_predict": "dpax.losses",
-    "make_model": "dpax.models", "make_optimizer": "dpax.optim",
-    "make_schedule": "dpax.optim", "scaled_lr": "dpax.optim", "BatchPlan": "dpax.pipeline",
-    "train": "dpax.run", "pad_batch": "dpax.sharding", "replicas_in_sync": "dpax.sharding",
-    "replicate": "dpax.sharding", "shard_batch": "dpax.sharding",
-    "unreplicate": "dpax.sharding", "unshard": "dpax.sharding", "spmd": "dpax.spmd",
-    "Trainer": "dpax.trainer",
+    # training
+    "Trainer": "dpax.training.trainer", "check_equivalence": "dpax.training.check",
+    "Hook": "dpax.training.loop", "LogTo": "dpax.training.loop",
+    "make_optimizer": "dpax.training.optim", "make_schedule": "dpax.training.optim",
+    "scaled_lr": "dpax.training.optim",
+    # models and losses
+    "make_model": "dpax.models", "from_linen": "dpax.models.bridge",
+    "from_function": "dpax.models.bridge",
+    "classification_loss": "dpax.models.losses", "classification_predict": "dpax.models.losses",
+    "regression_loss": "dpax.models.losses", "regression_predict": "dpax.models.losses",
+    "lm_loss": "dpax.models.losses", "lm_predict": "dpax.models.losses",
+    # data
+    "Dataset": "dpax.data", "BatchPlan": "dpax.data.pipeline", "pad_batch": "dpax.data.batches",
+    # devices and jax.pmap's idioms
+    "MAX_SIMULATED_DEVICES": "dpax.parallel.mesh", "describe": "dpax.parallel.mesh",
+    "select_devices": "dpax.parallel.mesh", "simulate_devices": "dpax.parallel.mesh",
+    "spmd": "dpax.parallel.spmd", "replicate": "dpax.parallel.arrays",
+    "unreplicate": "dpax.parallel.arrays", "shard_batch": "dpax.parallel.spmd",
+    "unshard": "dpax.parallel.spmd", "replicas_in_sync": "dpax.parallel.spmd",
+    # the CLI's jobs
+    "train": "dpax.cli.run", "TrainConfig": "dpax.cli.config",
+    # errors: every exception dpax raises on purpose is a DpaxException
+    "DpaxException": "dpax.errors", "DpaxError": "dpax.errors", "DpaxWarning": "dpax.errors",
+    "RunFailed": "dpax.errors", "TooManyBadSteps": "dpax.errors", "Preempted": "dpax.errors",
 }
 
 
@@ -26,7 +44,7 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value  # once imported, a plain attribute
         return value
-    try:  # a submodule, e.g. dpax.data
+    try:  # a subpackage or module, e.g. dpax.data
         return importlib.import_module(f"dpax.{name}")
     except ModuleNotFoundError as e:
         if e.name != f"dpax.{name}":
@@ -35,17 +53,9 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted([*globals(), *_EXPORTS, "data"])
+    return sorted([*globals(), *_EXPORTS])
 
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "MAX_SIMULATED_DEVICES", "BatchPlan", "Dataset", "DpaxError", "DpaxWarning", "RunFailed",
-    "TrainConfig", "Trainer", "check_equivalence", "classification_loss", "from_function",
-    "from_linen",
-    "classification_predict", "data", "describe", "make_model", "make_optimizer",
-    "make_schedule", "pad_batch", "regression_loss", "regression_predict", "replicas_in_sync",
-    "replicate", "scaled_lr", "select_devices", "shard_batch", "simulate_devices", "spmd",
-    "train", "unreplicate", "unshard",
-]
+__all__ = sorted(_EXPORTS)

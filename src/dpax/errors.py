@@ -12,7 +12,12 @@ from __future__ import annotations
 import re
 
 
-class DpaxError(ValueError):
+class DpaxException(Exception):
+    """The base of every exception dpax raises on purpose: `except
+    dpax.DpaxException` catches exactly those."""
+
+
+class DpaxError(DpaxException, ValueError):
     """Bad input or environment; the message names the problem and the fix."""
 
 
@@ -21,16 +26,16 @@ class DpaxWarning(UserWarning):
     prints it as one `dpax: warning:` line)."""
 
 
-class RunFailed(RuntimeError):
+class RunFailed(DpaxException, RuntimeError):
     """The run started and could not go on (e.g. a checkpoint could not be
     written); the message says what was kept."""
 
 
-class TooManyBadSteps(RuntimeError):
+class TooManyBadSteps(DpaxException, RuntimeError):
     """Too many consecutive non-finite steps; the state holds the last good params."""
 
 
-class Preempted(RuntimeError):
+class Preempted(DpaxException, RuntimeError):
     """SIGTERM/SIGINT arrived; the run stopped at a step boundary after saving."""
 
 

@@ -2,7 +2,7 @@
 
   dpax/shard_map, dpax/pmap   the real `Trainer.fit` path (host batches, masks, metrics)
   dpax/k=K                    the same with K steps per compiled call
-  dpax/optimizer, dpax/full   the shard_map path with ZeRO-1 or FSDP state (`dpax.layout`)
+  dpax/optimizer, dpax/full   the shard_map path with ZeRO-1 or FSDP state (`dpax.parallel.layout`)
   pmap loop                   seed 000/004's loop: pmap + pmean, batches reshaped on the host
   jit 1 device                a plain jit loop on one device with the whole batch
   jit sharded                 jit with the batch sharded by NamedSharding over N devices and
@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 from dpax.bench.timing import Method, _first_call
 from dpax.bench.workloads import synthetic
-from dpax.sharding import replicate
-from dpax.trainer import Trainer
+from dpax.parallel.arrays import replicate
+from dpax.training.trainer import Trainer
 
 
 def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None,

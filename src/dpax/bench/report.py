@@ -25,7 +25,7 @@ def _write(rows, sweep_rows, peak, out_dir, optimizer):
               "vs pmap loop | step MiB/device | state MiB/device | FLOP/s of peak |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    tunables = os.environ.get("GLIBC_TUNABLES") or "none"  # see dpax.hostenv
+    tunables = os.environ.get("GLIBC_TUNABLES") or "none"  # see dpax.xla_cpu.hostenv
     text = [f"dpax bench, {time.strftime('%Y-%m-%d')}, {machine}, jax {jax.__version__}, "
             f"{jax.default_backend()}; matmul peak {peak / 1e9:.1f} GFLOP/s (f32, one device); "
             f"GLIBC_TUNABLES {tunables}; every method trains with {optimizer}",

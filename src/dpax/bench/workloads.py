@@ -10,7 +10,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpax import gpt, losses, models
+from dpax import models
+from dpax.models import gpt, losses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +22,7 @@ class Workload:
     make: Callable[[], nnx.Module]
     flops_per_example: float | None = None  # forward + backward, for FLOP/s
     steps: int = 48  # per timed repeat: ~0.1-2 s, so scheduling noise averages out
-    task: str = "classification"  # or "lm": token windows (`dpax.text`)
+    task: str = "classification"  # or "lm": token windows (`dpax.data.text`)
     optimizer: str = "adam"  # what every method trains with (`OPTIMIZERS`)
 
     def loss(self):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dpax.outputs import json_safe
+from dpax.cli.outputs import json_safe
 
 
 class JsonlWriter:

@@ -1,0 +1,29 @@
+"""The data path, host side: examples -> the padded, masked batch of each step.
+
+  datasets   the datasets the CLI names, users' .npz files, the train/eval split
+  sources    examples on disk read by index: ArrayRecord, Parquet, saved HF datasets
+  prepare    `dpax prepare`: examples to ArrayRecord shards
+  text       byte-token windows of text files
+  augment    crop and flip keyed by (seed, step, global position)
+  batches    a global batch padded to a size the devices split, with its mask
+  pipeline   the batches of each step on Grain, checkpointable
+"""
+
+from dpax._submodules import lazy_submodules
+from dpax.data.datasets import (
+    DATASETS,
+    Dataset,
+    check_name,
+    digits,
+    is_text,
+    load,
+    random_images,
+    read_inputs,
+    regression,
+    true_regression_params,
+)
+
+__all__ = ["DATASETS", "Dataset", "check_name", "digits", "is_text", "load", "random_images",
+           "read_inputs", "regression", "true_regression_params"]
+
+__getattr__ = lazy_submodules(__name__)

@@ -1,0 +1,202 @@
+"""Datasets dpax can name: arrays in memory with a fixed train/eval split.
+
+Nothing is downloaded: digits ships inside scikit-learn, the rest is generated
+from a fixed seed or read from the user's `.npz`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+import zipfile
+
+import numpy as np
+
+from dpax.data import sources, text
+from dpax.errors import DpaxError, DpaxWarning
+
+# The data never depends on --seed: runs with different seeds see the same split.
+DATA_SEED = 0
+EVAL_FRACTION = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """Train and eval arrays; `n_out` is the class count (classification) or 1."""
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_eval: np.ndarray
+    y_eval: np.ndarray
+    task: str  # "classification" | "regression"
+    n_out: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def _split(name, x, y, task, n_out) -> Dataset:
+    order = np.random.default_rng(DATA_SEED).permutation(len(x))
+    n_eval = int(round(len(x) * EVAL_FRACTION)) if len(x) >= 5 else 0
+    ev, tr = order[:n_eval], order[n_eval:]
+    if n_eval == 0:  # too few examples to hold any out: evaluate on the training set
+        ev = tr
+
+    def rows(idx):  # inputs on disk (`sources.Column`) are split as views
+        return x.subset(idx) if isinstance(x, sources.Column) else x[idx]
+
+    return Dataset(name, rows(tr), y[tr], rows(ev), y[ev], task, n_out)
+
+
+def regression(n: int = 800, dim: int = 5) -> Dataset:
+    """Seed 000's synthetic linear data: y = x w + b + 0.1 noise."""
+    rng = np.random.default_rng(DATA_SEED)
+    w, b = true_regression_params(dim)
+    x = rng.normal(size=(n, dim)).astype(np.float32)
+    y = (x @ w + b + 0.1 * rng.normal(size=n)).astype(np.float32)
+    return _split("regression", x, y, "regression", 1)
+
+
+def true_regression_params(dim: int = 5) -> tuple[np.ndarray, float]:
+    """The w and b that `regression` data was drawn from."""
+    rng = np.random.default_rng(DATA_SEED + 1)
+    return rng.normal(size=dim).astype(np.float32), float(rng.normal())
+
+
+def digits() -> Dataset:
+    """scikit-learn's 1,797 8x8 digit images as NHWC float32 in [0, 1]."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.images[..., None] / 16.0).astype(np.float32)
+    return _split("digits", x, d.target.astype(np.int32), "classification", 10)
+
+
+def random_images(n: int = 2048, side: int = 32, channels: int = 3, classes: int = 10):
+    """Synthetic NHWC images whose label is a fixed linear function of the pixels,
+    so a model can learn it (benchmarks need real gradients, not noise)."""
+    rng = np.random.default_rng(DATA_SEED)
+    x = rng.normal(size=(n, side, side, channels)).astype(np.float32)
+    proj = rng.normal(size=(side * side * channels, classes)).astype(np.float32)
+    y = np.argmax(x.reshape(n, -1) @ proj, -1).astype(np.int32)
+    return _split("random-images", x, y, "classification", classes)
+
+
+def read_npz(path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The named arrays of an .npz, or a DpaxError that says how to fix the file."""
+    how = "np.savez(path, " + ", ".join(f"{n}=..." for n in names) + ")"
+    if not os.path.isfile(path):
+        raise DpaxError(f"data file {path!r} does not exist; pass an existing .npz")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = sorted(set(names) - set(f.files))
+            if missing:
+                raise DpaxError(f"{path} lacks array(s) {', '.join(missing)}; save it with {how}")
+            return {n: f[n] for n in names}
+    except DpaxError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise DpaxError(f"{path} is not a readable .npz ({type(e).__name__}); "
+                        f"write it with {how}") from None
+
+
+def from_npz(path: str) -> Dataset:
+    """A user's `.npz` with arrays `x` (examples first) and `y` (labels or targets)."""
+    arrays = read_npz(path, ("x", "y"))
+    return labelled(path, arrays["x"], arrays["y"])
+
+
+def from_table(table) -> Dataset:
+    """Examples on disk (`dpax.data.sources`): inputs read per batch, labels in memory."""
+    return labelled(table.name, sources.Column(table), table.y)
+
+
+def labelled(path: str, x, y: np.ndarray) -> Dataset:
+    """Checked examples split into train and eval. `x` is an array, or a
+    `sources.Column` (then only what can be seen without reading it is checked).
+
+    Integer `y` means classification with classes 0..max(y); float `y` regression.
+    uint8 `x` holds images: scaled to [0, 1] (`sources.decode`), per batch.
+    """
+    if x.ndim == 0 or len(x) == 0:
+        raise DpaxError(f"{path} holds no examples; x needs at least one row")
+    if y.ndim != 1 or len(y) != len(x):
+        raise DpaxError(
+            f"{path}: x has {len(x)} examples but y has shape {y.shape}; "
+            "y needs one value per example"
+        )
+    if isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim > 1:
+        x = sources.Column(sources.ArrayTable(x, path))  # kept as uint8, decoded per batch
+    arrays = (("y", y),) if isinstance(x, sources.Column) else (("x", x), ("y", y))
+    for k, a in arrays:
+        if np.iscomplexobj(a):
+            raise DpaxError(f"{path}: array {k} is complex ({a.dtype}); dpax trains on real "
+                            "numbers, so save the parts you mean as real arrays")
+        if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
+            raise DpaxError(f"{path}: array {k} has non-numeric dtype {a.dtype}; use numbers")
+        if not np.all(np.isfinite(a)):
+            raise DpaxError(f"{path}: {k} contains NaN or infinite values; clean the data first")
+    if not isinstance(x, sources.Column):
+        x = sources.decode(x)
+        if x.ndim == 1:
+            x = x[:, None]
+    if np.issubdtype(y.dtype, np.integer) or y.dtype == bool:
+        y = y.astype(np.int64)
+        if y.min() < 0:
+            raise DpaxError(f"{path}: class labels must be >= 0, found {y.min()}")
+        if y.max() >= 2**31:
+            raise DpaxError(f"{path}: class label {y.max()} is too large; relabel to 0..K-1")
+        classes, distinct = int(y.max()) + 1, len(np.unique(y))
+        if classes > max(2 * distinct, distinct + 10):
+            warnings.warn(f"{path}: y has {distinct} distinct labels but its largest is "
+                          f"{classes - 1}, so the model gets {classes} outputs; relabel to "
+                          f"0..{distinct - 1} if that is not meant", DpaxWarning, stacklevel=2)
+        return _split(path, x, y.astype(np.int32), "classification", classes)
+    return _split(path, x, y.astype(np.float32), "regression", 1)
+
+
+def read_inputs(path: str) -> np.ndarray:
+    """Array `x` of a user's .npz (for prediction; `y` may be absent)."""
+    x = read_npz(path, ("x",))["x"]
+    if (x.ndim == 0 or len(x) == 0 or not np.issubdtype(x.dtype, np.number)
+            or np.iscomplexobj(x)):
+        raise DpaxError(f"{path}: x must be a non-empty array of real numbers, examples first")
+    if not np.all(np.isfinite(x)):
+        raise DpaxError(f"{path}: x contains NaN or infinite values; clean the data first")
+    return x.astype(np.float32)
+
+
+DATASETS = {"regression": regression, "digits": digits, "random-images": random_images}
+TEXT = "text"  # `text` (the standard library's sources) or `text:PATH`
+DEFAULT_SEQ_LEN = 128
+
+
+def check_name(name: str) -> None:
+    """Refuse a data name `load` cannot read, before anything runs."""
+    if not (name.endswith(".npz") or name in DATASETS or is_text(name)
+            or sources.is_streamed(name)):
+        raise DpaxError(f"unknown data {name!r}; choose one of {', '.join(DATASETS)}, "
+                        "text, text:PATH, a path to a .npz, or a directory (or glob) of "
+                        "ArrayRecord shards, Parquet files or a saved Hugging Face dataset")
+
+
+def is_text(name: str) -> bool:
+    return name == TEXT or name.startswith(TEXT + ":")
+
+
+def load(name: str, seq_len: int = DEFAULT_SEQ_LEN, x_column: str = "x",
+         y_column: str = "y") -> Dataset:
+    """A named dataset, a path ending in `.npz`, text (`dpax.data.text`) cut into
+    windows of `seq_len` tokens, or examples on disk (`dpax.data.sources`) with
+    inputs and labels in the named columns."""
+    check_name(name)
+    if is_text(name):
+        return Dataset(*text.load(name.partition(":")[2] or None, seq_len), "lm", text.VOCAB)
+    if name.endswith(".npz"):
+        return from_npz(name)
+    if sources.is_streamed(name):
+        return from_table(sources.open_table(name, x_column, y_column))
+    return DATASETS[name]()

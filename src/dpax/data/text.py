@@ -1,0 +1,114 @@
+"""Text as training data: bytes as tokens, documents cut into windows.
+
+A window holds `seq_len + 1` tokens of ONE document: the model reads the
+first `seq_len` and predicts each next one. Consecutive windows of a document
+overlap by one token, so every token but a document's first is predicted
+exactly once. A document's last window is padded with zeros and its real
+length recorded: the loss counts only real targets (`lm_loss` weights each
+window by them), so documents are never glued together silently and padding
+never counts.
+
+The held-out split is by document: a seeded choice of whole files, so no eval
+text was trained on. The default corpus is the running Python's standard
+library (`*.py` under its `Lib`): real text on every machine, nothing to
+download. Tokens are bytes (vocabulary 256), so a loss in nats per token is
+in nats per byte.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import sysconfig
+
+import numpy as np
+
+from dpax.errors import DpaxError
+
+VOCAB = 256  # byte-level tokens
+EVAL_FRACTION = 0.02  # of the documents (at least one, when there are two or more)
+# A single text file is cut into documents of this many windows, so it has
+# something to hold out.
+WINDOWS_PER_DOCUMENT = 64
+DATA_SEED = 0  # the split never depends on --seed
+
+
+def stdlib_dir() -> str:
+    """The running Python's standard library sources."""
+    return sysconfig.get_paths()["stdlib"]
+
+
+def documents(path: str | None, seq_len: int) -> list[tuple[str, bytes]]:
+    """(name, bytes) of every document under `path` (a text file or a directory
+    of them; None: the standard library's `*.py`), sorted by name."""
+    if path is None:
+        root = stdlib_dir()
+        files = [f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                 if "site-packages" not in f.split(os.sep)]
+        return [(os.path.relpath(f, root), _read(f)) for f in sorted(files)]
+    if os.path.isdir(path):
+        files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+                       if os.path.isfile(f) and not os.path.basename(f).startswith("."))
+        if not files:
+            raise DpaxError(f"text directory {path!r} holds no files; put text files in it")
+        return [(os.path.relpath(f, path), _read(f)) for f in files]
+    if os.path.isfile(path):
+        text, size = _read(path), WINDOWS_PER_DOCUMENT * seq_len
+        return [(f"{path}@{i}", text[i:i + size]) for i in range(0, len(text), size)]
+    raise DpaxError(f"text data {path!r} does not exist; give a text file or a directory of them")
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise DpaxError(f"cannot read text file {path}: {e.strerror}") from None
+
+
+def windows(doc: bytes, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(windows of seq_len + 1 tokens, zero-padded; their real lengths) of one
+    document; none for a document of fewer than 2 tokens (nothing to predict)."""
+    tokens = np.frombuffer(doc, np.uint8)
+    n = math.ceil((len(tokens) - 1) / seq_len) if len(tokens) >= 2 else 0
+    padded = np.zeros(n * seq_len + 1, np.uint8)
+    padded[:len(tokens)] = tokens
+    starts = np.arange(n) * seq_len
+    x = padded[starts[:, None] + np.arange(seq_len + 1)]
+    return x, np.minimum(seq_len + 1, len(tokens) - starts).astype(np.int32)
+
+
+def split(docs: list[tuple[str, bytes]]) -> tuple[list[bytes], list[bytes]]:
+    """(train documents, held-out documents): a seeded choice of whole documents."""
+    n_eval = max(1, round(len(docs) * EVAL_FRACTION)) if len(docs) >= 2 else 0
+    order = np.random.default_rng(DATA_SEED).permutation(len(docs))
+    held = set(order[:n_eval].tolist())
+    train = [d for i, (_, d) in enumerate(docs) if i not in held]
+    held_out = [d for i, (_, d) in enumerate(docs) if i in held] or train
+    return train, held_out
+
+
+def stack(docs: list[bytes], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    parts = [windows(d, seq_len) for d in docs]
+    if not parts:
+        return np.zeros((0, seq_len + 1), np.uint8), np.zeros(0, np.int32)
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+
+
+def load(path: str | None, seq_len: int):
+    """Windows of the text under `path` (default: the standard library's
+    sources): `(name, x_train, y_train, x_eval, y_eval)`, x (n, seq_len + 1)
+    uint8 tokens, y the real length of each window."""
+    if seq_len < 1:
+        raise DpaxError(f"`seq_len` must be >= 1, got {seq_len}")
+    docs = documents(path, seq_len)
+    train, held_out = split(docs)
+    x_train, y_train = stack(train, seq_len)
+    x_eval, y_eval = stack(held_out, seq_len)
+    if len(x_eval) == 0:  # held-out documents too short: evaluate on the training set
+        x_eval, y_eval = x_train, y_train
+    if len(x_train) == 0:
+        raise DpaxError(f"text data {path or stdlib_dir()!r} has no document of 2 bytes or "
+                        "more; give files with text in them")
+    return "text:" + (path or "stdlib"), x_train, y_train, x_eval, y_eval

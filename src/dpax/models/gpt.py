@@ -1,0 +1,99 @@
+"""A decoder-only transformer (GPT-2's shape) for ONE device, in Flax NNX.
+
+Causal self-attention, pre-LayerNorm blocks, a GELU MLP, learned positions
+and an output layer tied to the token embedding, as nanoGPT's `model.py`.
+Dropout is `nnx.Dropout`, which dpax turns into per-example masks that do not
+depend on the device count. `remat` trades compute for activation memory with
+`jax.checkpoint` per block:
+
+  none    keep every activation for the backward pass
+  block   keep only each block's input; recompute the block in the backward
+  dots    keep the results of matmuls without batch dimensions (the
+          projections and the MLP), recompute the rest (attention scores,
+          softmax, GELU, LayerNorm): most of the saving at a fraction of the cost
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dpax.errors import DpaxError
+
+REMAT_POLICIES = {
+    "none": None,
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nnx.Module):
+    """x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, width: int, heads: int, dropout: float, *, rngs: nnx.Rngs):
+        self.heads = heads
+        self.ln1 = nnx.LayerNorm(width, rngs=rngs)
+        self.qkv = nnx.Linear(width, 3 * width, rngs=rngs)
+        self.proj = nnx.Linear(width, width, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+        self.down = nnx.Linear(4 * width, width, rngs=rngs)
+        self.drop_attn = nnx.Dropout(dropout, rngs=rngs)
+        self.drop_mlp = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x):
+        b, t, c = x.shape
+        q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
+        q, k, v = (a.reshape(b, t, self.heads, c // self.heads) for a in (q, k, v))
+        # Padding sits at the end of a window, so the causal mask alone keeps
+        # real positions from seeing it.
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, c)
+        x = x + self.drop_attn(self.proj(y))
+        return x + self.drop_mlp(self.down(nnx.gelu(self.up(self.ln2(x)))))
+
+
+class GPT(nnx.Module):
+    """Token ids (b, t) -> next-token logits (b, t, vocab), for t <= seq_len."""
+
+    def __init__(self, vocab: int, seq_len: int, *, layers: int = 4, width: int = 128,
+                 heads: int = 4, dropout: float = 0.0, remat: str = "none",
+                 rngs: nnx.Rngs):
+        if width % heads:
+            raise DpaxError(f"gpt: `width` {width} must be a multiple of `heads` {heads}")
+        if remat not in REMAT_POLICIES:
+            raise DpaxError(f"`remat` must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
+        self.seq_len, self.remat = seq_len, remat
+        init = nnx.initializers.normal(0.02)  # GPT-2's
+        self.wte = nnx.Embed(vocab, width, embedding_init=init, rngs=rngs)
+        self.wpe = nnx.Embed(seq_len, width, embedding_init=init, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.blocks = nnx.List([Block(width, heads, dropout, rngs=rngs) for _ in range(layers)])
+        self.ln_f = nnx.LayerNorm(width, rngs=rngs)
+
+    def __call__(self, tokens):
+        t = tokens.shape[1]
+        tokens = tokens.astype(jnp.int32)
+        x = self.drop(self.wte(tokens) + self.wpe(jnp.arange(t)))
+        for block in self.blocks:
+            x = _block_call(self.remat)(block, x)
+        # Tied output layer: the logits are the embedding's attend (x @ E^T).
+        return self.wte.attend(self.ln_f(x))
+
+
+def _block_call(remat: str):
+    """A fresh function per block: `jax.checkpoint` reuses the trace of a
+    function it has seen with the same shapes, which would give every block
+    the first one's dropout streams (`dpax.models.layers.ExampleDropout` numbers its
+    calls while tracing)."""
+    def call(block, x):
+        return block(x)
+
+    return call if remat == "none" else nnx.remat(call, policy=REMAT_POLICIES[remat])
+
+
+def flops_per_token(n_params: int, layers: int, width: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per parameter that multiplies (2 forward, 4
+    backward; `n_params` leaves out the position table, which only adds) plus
+    attention's 12 * layers * width * seq_len (PaLM's appendix B)."""
+    return 6.0 * n_params + 12.0 * layers * width * seq_len

@@ -1,0 +1,180 @@
+"""Layers whose result must not depend on the device count, made exact.
+
+Plain data parallelism changes what two common layers compute: BatchNorm
+normalizes with per-device statistics (padded rows included), and Dropout draws
+its masks from a per-device key. dpax converts a user's `nnx.BatchNorm` and
+`nnx.Dropout` in place (`synchronize`), the way PyTorch's SyncBatchNorm
+conversion does but automatically:
+
+- `SyncBatchNorm`: statistics over the GLOBAL batch, across devices and
+  processes, weighted by the mask, so padded rows never count; the running
+  averages then update identically on every replica.
+- `ExampleDropout`: each example's mask comes from a key derived from the run's
+  seed, the step and the example's index in the global batch, so it is the same
+  whatever N is and wherever the example lands.
+
+Both read the batch context (`mask`, example indices, key) that dpax's step sets
+while it traces the model; outside a dpax step they behave as their parents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dpax.parallel.collectives import synced_sum
+
+
+@dataclasses.dataclass
+class BatchContext:
+    mask: jax.Array  # (b,) real rows of this device's (micro-)batch
+    index: jax.Array  # (b,) each row's position in the global batch
+    key: jax.Array | None  # typed PRNG key for this step
+    axis: str | None  # the device axis, or None on one device / outside dpax
+    sync_batchnorm: bool = True  # Linen's nn.BatchNorm: global statistics (`dpax.models.bridge`)
+    calls: int = 0  # dropout layers called so far: each gets its own stream
+
+
+_CONTEXT: contextvars.ContextVar[BatchContext | None] = contextvars.ContextVar(
+    "dpax_batch", default=None)
+
+
+@contextlib.contextmanager
+def batch_context(ctx: BatchContext):
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current() -> BatchContext | None:
+    """The batch context of the dpax step being traced, or None outside one."""
+    return _CONTEXT.get()
+
+
+def global_moments(x: jax.Array, feature_axes: tuple[int, ...], ctx: BatchContext):
+    """Mean and (biased) variance over every axis but `feature_axes`, over the
+    real rows of the GLOBAL batch (one psum of sums, squared sums and the
+    count). Returns them twice: per device (to normalize with: differentiated)
+    and replicated (for running averages: state the step returns)."""
+    axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+    rows = ctx.mask.reshape((-1,) + (1,) * (x.ndim - 1)).astype(jnp.float32)
+    xf = x.astype(jnp.float32)
+    per_row = x.size // (x.shape[0] * math.prod(x.shape[a] for a in feature_axes))
+    sums = (jnp.sum(xf * rows, axes), jnp.sum(jnp.square(xf) * rows, axes),
+            jnp.sum(rows) * per_row)
+    # The running averages take the sums typed as replicated; the
+    # normalization the per-device ones. Both come from one all-reduce.
+    replicated, per_device = (sums, sums) if ctx.axis is None else synced_sum(sums, ctx.axis)
+    return _moments(*per_device), jax.lax.stop_gradient(_moments(*replicated))
+
+
+class SyncBatchNorm(nnx.BatchNorm):
+    """`nnx.BatchNorm` with masked statistics over the global batch (one psum of
+    sums, squared sums and the count per layer and step)."""
+
+    def __call__(self, x, use_running_average=None, *, mask=None):
+        ctx = current()
+        use_ra = self.use_running_average if use_running_average is None else use_running_average
+        if ctx is None or use_ra:
+            return super().__call__(x, use_running_average, mask=mask)
+        feature = self.axis % x.ndim
+        (mean, var), (running_mean, running_var) = global_moments(x, (feature,), ctx)
+        self.mean[...] = self.momentum * self.mean[...] + (1 - self.momentum) * running_mean
+        self.var[...] = self.momentum * self.var[...] + (1 - self.momentum) * running_var
+        shape = [1] * x.ndim
+        shape[feature] = x.shape[feature]
+        y = (x.astype(jnp.float32) - mean.reshape(shape)) * jax.lax.rsqrt(
+            var.reshape(shape) + self.epsilon)
+        if self.scale is not None:
+            y = y * self.scale[...].reshape(shape)
+        if self.bias is not None:
+            y = y + self.bias[...].reshape(shape)
+        return y.astype(self.dtype or x.dtype)
+
+
+def _moments(s1, s2, count):
+    """Mean and (biased) variance from sums over `count` values."""
+    count = jnp.maximum(count, 1.0)
+    mean = s1 / count
+    return mean, jnp.maximum(0.0, s2 / count - jnp.square(mean))
+
+
+def example_dropout(inputs: jax.Array, rate: float, broadcast_dims=(),
+                    ctx: BatchContext | None = None) -> jax.Array:
+    """Dropout whose mask for an example depends on (seed, step, the example's
+    global index, which dropout call) and nothing else; `inputs` unchanged
+    outside a dpax training step (evaluation, prediction, plain calls).
+
+    For models written as plain functions; `nnx.Dropout` and Linen's
+    `nn.Dropout` get this mask by themselves.
+    """
+    ctx = current() if ctx is None else ctx
+    if ctx is None or ctx.key is None or rate == 0.0:
+        return inputs
+    if rate == 1.0:
+        return jnp.zeros_like(inputs)
+    layer_key = jax.random.fold_in(ctx.key, ctx.calls)
+    ctx.calls += 1
+    shape = list(inputs.shape[1:])
+    for d in broadcast_dims:
+        if d > 0:
+            shape[d - 1] = 1
+
+    def keep(i):
+        return jax.random.bernoulli(jax.random.fold_in(layer_key, i), 1.0 - rate, tuple(shape))
+
+    mask = jax.vmap(keep)(ctx.index)
+    return jnp.where(mask, inputs / (1.0 - rate), jnp.zeros_like(inputs))
+
+
+class ExampleDropout(nnx.Dropout):
+    """`nnx.Dropout` with `example_dropout`'s masks inside a dpax step.
+
+    "Which layer" is the order of the calls while the step is traced: a
+    transform that replays one trace for several layers (`jax.checkpoint` of
+    one function for every block, a scan over layers) gives them one stream;
+    trace each layer (`dpax.models.gpt` makes a fresh function per block)."""
+
+    def __call__(self, inputs, *, deterministic=None, rngs=None):
+        ctx = current()
+        det = self.deterministic if deterministic is None else deterministic
+        if ctx is None or ctx.key is None or det or self.rate == 0.0:
+            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+        return example_dropout(inputs, self.rate, self.broadcast_dims, ctx)
+
+
+def synchronize(model: nnx.Module, batchnorm: bool = True, dropout: bool = True) -> dict:
+    """Convert the model's `nnx.BatchNorm` / `nnx.Dropout` layers in place to
+    their N-independent versions; returns how many of each were converted."""
+    counts = {"batchnorm": 0, "dropout": 0}
+    for _, module in nnx.iter_modules(model):
+        if batchnorm and type(module) is nnx.BatchNorm:
+            module.__class__ = SyncBatchNorm
+            counts["batchnorm"] += 1
+        elif dropout and type(module) is nnx.Dropout:
+            module.__class__ = ExampleDropout
+            counts["dropout"] += 1
+    return counts
+
+
+def has_per_device_state(model: nnx.Module) -> bool:
+    """True when the model holds float state (not params) that no synchronized
+    layer owns, e.g. a BatchNorm subclass or a custom running mean: it differs
+    per device, so the step averages it to keep the replicas identical."""
+    synced = {tuple(path) for path, m in nnx.iter_modules(model)
+              if isinstance(m, SyncBatchNorm)}
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    for path, var in nnx.to_flat_state(rest):
+        value = var[...] if isinstance(var, nnx.Variable) else var
+        floating = jnp.issubdtype(getattr(value, "dtype", jnp.int32), jnp.floating)
+        if floating and tuple(path[:-1]) not in synced:
+            return True
+    return False

@@ -1,0 +1,67 @@
+"""Per-example losses for ONE device's shard.
+
+A dpax loss returns one loss per example (and optionally per-example metrics);
+dpax masks, sums and all-reduces them, so the result is the global-batch mean
+whatever the shard sizes are. Returning a per-device mean instead would weight
+uneven shards wrongly; that is why the contract is per example.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+
+
+def classification_loss(model, batch):
+    """Softmax cross-entropy and accuracy, per example."""
+    logits = model(batch["x"]).astype(jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    correct = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
+    return loss, {"accuracy": correct}
+
+
+def regression_loss(model, batch):
+    """Squared error per example (seed 000's mean squared error, before the mean)."""
+    pred = model(batch["x"]).astype(jnp.float32).reshape(batch["y"].shape)
+    return jnp.square(pred - batch["y"]), {}
+
+
+def classification_predict(model, batch):
+    return jnp.argmax(model(batch["x"]), -1)
+
+
+def regression_predict(model, batch):
+    return model(batch["x"]).reshape(batch["x"].shape[0])
+
+
+def lm_loss(model, batch):
+    """Next-token cross-entropy of text windows (`dpax.data.text`): `x` holds
+    seq_len + 1 tokens, `y` how many are real. Per window: the mean over its
+    real targets, weighted by their number, so dpax's mean is over tokens (a
+    short, padded window counts by its tokens), with next-token accuracy."""
+    tokens, length = batch["x"], batch["y"]
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
+    targets = tokens[:, 1:].astype(jnp.int32)
+    real = jnp.arange(targets.shape[1]) < (length[:, None] - 1)
+    n = jnp.sum(real, axis=1)
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    correct = (jnp.argmax(logits, -1) == targets)
+
+    def mean(v):  # over a window's real targets; 0 for a window with none
+        return jnp.sum(jnp.where(real, v, 0.0), axis=1) / jnp.maximum(n, 1)
+
+    return mean(per_token), {"accuracy": mean(correct.astype(jnp.float32))}, n
+
+
+def lm_predict(model, batch):
+    """The most likely next token at every position of each window."""
+    return jnp.argmax(model(batch["x"][:, :-1]), -1)
+
+
+def for_task(task: str):
+    """The built-in (loss_fn, predict_fn) for a dataset's task."""
+    if task == "classification":
+        return classification_loss, classification_predict
+    if task == "lm":
+        return lm_loss, lm_predict
+    return regression_loss, regression_predict

@@ -1,0 +1,340 @@
+"""How the training state lives on the devices, and where its update runs.
+
+  replicated  every device holds the whole state; the whole step runs per
+              device and ends in one all-reduce of the gradients
+  optimizer   ZeRO-1: every device holds the params and 1/N of the optimizer
+              state; the gradients are reduce-scattered, the update runs on
+              1/N of the state, the new params are all-gathered
+  full        FSDP (ZeRO-3): params, gradients and optimizer state 1/N per
+              device; each param is all-gathered where the model uses it and
+              its gradient reduce-scattered as the backward pass produces it
+
+A sharded leaf is split along one of its dimensions (`Split`), zero-padded to
+a multiple of N there, so any device count splits any shape.
+
+The update of a sharded layout runs on the params, gradients and optimizer
+state in their logical shapes and tree, outside the per-device function: jit
+partitions it over the mesh, and XLA adds whatever collectives the optimizer's
+math needs (a global norm, a per-layer trust ratio, a factored moment). So any
+optax transformation computes what it computes on one device, and nothing in
+the optimizer ever sees the padding.
+
+Checkpoints hold the logical state (`state_dict`): the same for every layout
+and device count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dpax.errors import DpaxError
+from dpax.parallel.arrays import is_key
+from dpax.parallel.collectives import psum_packed, reduce_scatter
+from dpax.parallel.mesh import AXIS
+
+SHARDINGS = ("replicated", "optimizer", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How one state leaf of logical `shape` lives on n devices: split along
+    `dim` (None: replicated), zero-padded there to a multiple of n."""
+
+    shape: tuple[int, ...]
+    n: int
+    dim: int | None = None
+
+    @classmethod
+    def best(cls, shape: tuple[int, ...], n: int) -> Split:
+        """Split along the dimension that needs the least padding (the
+        outermost one on a tie): a dimension n divides needs none, and a
+        split of the outermost dimension leaves each device one contiguous
+        block, which gathers and scatters without reordering."""
+        if not shape:
+            return cls(shape, n)
+        padded = [math.prod(shape) // s * _round_up(s, n) for s in shape]
+        dim = min(range(len(shape)), key=lambda d: (padded[d], d))
+        return cls(tuple(shape), n, dim)
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.shape
+        d = self.dim
+        return self.shape[:d] + (_round_up(self.shape[d], self.n),) + self.shape[d + 1:]
+
+    @property
+    def spec(self) -> P:
+        if self.dim is None:
+            return P()
+        return P(*([None] * self.dim), AXIS)
+
+    def pad(self, x):
+        """The stored (padded) leaf from a logical one; numpy stays numpy."""
+        if self.dim is None or self.padded_shape == self.shape:
+            return x
+        widths = [(0, 0)] * len(self.shape)
+        widths[self.dim] = (0, self.padded_shape[self.dim] - self.shape[self.dim])
+        return (np.pad if isinstance(x, np.ndarray) else jnp.pad)(x, widths)
+
+    def unpad(self, x):
+        """The logical leaf from a stored one."""
+        if self.dim is None or self.padded_shape == self.shape:
+            return x
+        return x[tuple(slice(0, s) for s in self.shape)]
+
+    # -- in the per-device step: this device's slice along `dim` -----------------
+    def gather(self, local: jax.Array) -> jax.Array:
+        """The whole logical leaf from every device's slice."""
+        return self.unpad(jax.lax.all_gather(local, AXIS, axis=self.dim, tiled=True))
+
+    def scatter_sum(self, whole: jax.Array) -> jax.Array:
+        """This device's slice of the sum over devices of a logical leaf."""
+        return reduce_scatter(self.pad(whole), AXIS, self.dim)
+
+
+def _round_up(size: int, n: int) -> int:
+    return -(-size // n) * n
+
+
+class Layout(Protocol):
+    """Where each state leaf lives (`splits`, one `Split` per leaf of the
+    state) and the few things the step asks of it. The step owns the update."""
+
+    name: str
+    # True: the whole step runs per device (the state is one replica);
+    # False: the update runs on the logical state under jit (`dpax.training.step`).
+    per_device_update: bool
+    splits: Any
+
+    def grad_target(self, params, dtypes) -> tuple[Any, Callable]:
+        """Per device: (what to differentiate, how the model's params come from it)."""
+
+    def reduce(self, loss_sum, count, sums, grad_sums) -> tuple:
+        """Per device: every sum over the devices; the gradients as the update takes them."""
+
+    def full_params(self, params):
+        """Per device: the whole params, from this device's part of them."""
+
+
+class Replicated:
+    """Every field of the state on every device; one all-reduce per step."""
+
+    name = "replicated"
+    per_device_update = True
+
+    def __init__(self, state, n: int = 1):
+        self.splits = jax.tree.map(lambda x: Split(tuple(np.shape(x)), n), state)
+
+    def grad_target(self, params, dtypes):
+        # Differentiate this device's own loss sum. Without the cast, shard_map
+        # would transpose the replicated params into an implicit psum, and the
+        # explicit one in `reduce` would count every gradient N times.
+        return jax.lax.pcast(params, AXIS, to="varying"), lambda p: p
+
+    def reduce(self, loss_sum, count, sums, grad_sums):
+        # One all-reduce for everything (sums add up exactly across devices),
+        # packed into as few buffers as possible.
+        loss_sum, count, grad_sums, sums = psum_packed((loss_sum, count, grad_sums, sums), AXIS)
+        return loss_sum, count, sums, grad_sums
+
+    def full_params(self, params):
+        return params
+
+
+class _Sharded:
+    """What ZeRO-1 and FSDP share: split leaves, and gradients reduce-scattered
+    along each param's split (`grad_splits`)."""
+
+    per_device_update = False
+    grads_in_backward = False  # FSDP: reduce-scattered as the backward pass runs
+
+    def __init__(self, state, n: int, split_params: bool):
+        self.n = n
+        self.grad_splits = jax.tree.map(lambda x: Split.best(np.shape(x), n), state.params)
+
+        def split(x):
+            if is_key(x) or not np.ndim(x):
+                return Split(tuple(np.shape(x)), n)  # scalars (step counts) stay replicated
+            return Split.best(np.shape(x), n)
+
+        def replicated(tree):
+            return jax.tree.map(lambda x: Split(tuple(np.shape(x)), n), tree)
+
+        self.splits = state.replace(
+            step=Split((), n), bad_in_a_row=Split((), n), rng=replicated(state.rng),
+            model_state=replicated(state.model_state),
+            params=self.grad_splits if split_params else replicated(state.params),
+            opt_state=jax.tree.map(split, state.opt_state),
+            ema=None if state.ema is None else (
+                self.grad_splits if split_params else replicated(state.ema)))
+
+    def reduce(self, loss_sum, count, sums, grad_sums):
+        if not self.grads_in_backward:
+            grad_sums = jax.tree.map(lambda s, g: s.scatter_sum(g), self.grad_splits, grad_sums)
+        loss_sum, count, sums = psum_packed((loss_sum, count, sums), AXIS)
+        return loss_sum, count, sums, grad_sums
+
+
+class ZeRO1(_Sharded):
+    """The params on every device; gradients and optimizer state 1/N per device."""
+
+    name = "optimizer"
+
+    def __init__(self, state, n: int):
+        super().__init__(state, n, split_params=False)
+
+    grad_target = Replicated.grad_target
+    full_params = Replicated.full_params
+
+
+class FSDP(_Sharded):
+    """Params, gradients and optimizer state 1/N per device.
+
+    With one micro-batch each param is gathered where the model uses it and
+    its gradient reduce-scattered as the backward pass produces it; with
+    `grad_accum` > 1 the params are gathered once per step and the summed
+    gradients reduce-scattered once, whatever the number of micro-batches.
+    """
+
+    name = "full"
+
+    def __init__(self, state, n: int, grad_accum: int = 1):
+        super().__init__(state, n, split_params=True)
+        self.grads_in_backward = grad_accum == 1
+
+    def grad_target(self, params, dtypes):
+        if not self.grads_in_backward:  # gather once; `reduce` scatters the summed gradients
+            return Replicated.grad_target(self, self.full_params(params), dtypes)
+        return params, lambda slices: jax.tree.map(
+            lambda s, x: _gather_reducing(x, s, (x.dtype, *dtypes)), self.grad_splits, slices)
+
+    def full_params(self, params):
+        return jax.tree.map(lambda s, x: s.gather(x), self.grad_splits, params)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_reducing(local, split: Split, dtypes):
+    """`split.gather` in the compute dtype (bf16 halves the bytes gathered),
+    whose gradient is this device's slice of the sum over devices: the
+    reduce-scatter runs as the backward pass reaches each param, in the
+    all-reduce dtype. `dtypes`: (the param dtype, the compute dtype, the
+    all-reduce dtype), None: as stored."""
+    return split.gather(local.astype(dtypes[1] or dtypes[0]))
+
+
+def _gather_reducing_fwd(local, split, dtypes):
+    return _gather_reducing(local, split, dtypes), None
+
+
+def _gather_reducing_bwd(split, dtypes, _, cotangent):
+    # As replicated: the per-device gradient in the param dtype, then summed
+    # over the devices in the all-reduce dtype.
+    dtype, _, allreduce_dtype = dtypes
+    g = cotangent.astype(dtype).astype(allreduce_dtype or dtype)
+    return (split.scatter_sum(g).astype(dtype),)
+
+
+_gather_reducing.defvjp(_gather_reducing_fwd, _gather_reducing_bwd)
+
+
+# -- the state as stored, and as checkpoints hold it ----------------------------------
+def specs(layout: Layout):
+    """A PartitionSpec per state leaf."""
+    return jax.tree.map(lambda s: s.spec, layout.splits)
+
+
+def stored(layout: Layout, state):
+    """The stored (padded) state from a logical one (host or traced)."""
+    return jax.tree.map(lambda s, x: s.pad(x), layout.splits, state)
+
+
+def logical(layout: Layout, state):
+    """The logical state from a stored one, traced under jit: XLA keeps every
+    leaf split as it is stored (the padding is implicit)."""
+    return jax.tree.map(lambda s, x: s.unpad(x), layout.splits, state)
+
+
+def host_logical(split: Split, leaf, mesh) -> Any:
+    """A stored leaf in its logical shape, outside the step: on the host with
+    one process (one copy, not one per device); else replicated over the mesh."""
+    if split.dim is None:
+        return leaf
+    if jax.process_count() == 1:
+        return split.unpad(np.asarray(leaf))
+    return _replicated_unpad(split, mesh)(leaf)
+
+
+@functools.cache
+def _replicated_unpad(split: Split, mesh):
+    return jax.jit(split.unpad, out_shardings=NamedSharding(mesh, P()))
+
+
+def state_dict(layout: Layout, state, mesh=None) -> dict[str, Any]:
+    """{path: array} of one logical copy of a stored state: what checkpoints
+    hold, the same for every device count and layout."""
+    out = {}
+    paths = jax.tree_util.tree_flatten_with_path(state)[0]
+    for (path, leaf), split in zip(paths, jax.tree.leaves(layout.splits)):
+        if is_key(leaf):  # saved as raw data; from_state_dict wraps it again
+            leaf = jax.random.key_data(leaf)
+        out[_key(path)] = host_logical(split, leaf, mesh)
+    return out
+
+
+def from_state_dict(layout: Layout, flat: dict[str, Any], template):
+    """A stored state shaped like `template` from a `state_dict` (of any device
+    count and layout)."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+    missing = [_key(p) for p, _ in paths if _key(p) not in flat]
+    if missing:
+        raise DpaxError(f"checkpoint lacks {len(missing)} state entries, e.g. {missing[0]}; "
+                        "it was saved for another model or optimizer")
+
+    def leaf(path, like, split):
+        value = flat[_key(path)]
+        if is_key(like):
+            return jax.random.wrap_key_data(np.asarray(value), impl=jax.random.key_impl(like))
+        return split.pad(np.asarray(value))
+
+    return jax.tree.unflatten(treedef, [leaf(p, t, s) for (p, t), s in
+                                        zip(paths, jax.tree.leaves(layout.splits))])
+
+
+def host_params(layout: Layout, params, mesh=None):
+    """The params (or EMA) in their model shapes, outside the step."""
+    splits = layout.splits.params
+    return jax.tree.map(lambda s, x: host_logical(s, x, mesh), splits, params)
+
+
+def _key(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+def check_sharding(sharding: str, backend: str) -> None:
+    """The one place the rule lives: a known mode; the sharded ones on shard_map."""
+    if sharding not in SHARDINGS:
+        raise DpaxError(f"`sharding` must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
+    if sharding != "replicated" and backend != "shard_map":
+        raise DpaxError(f"`sharding={sharding}` needs `backend=shard_map` (pmap replicates "
+                        "every array)")
+
+
+def make_layout(sharding: str, backend, state, grad_accum: int = 1) -> Layout:
+    """The layout named `sharding` for a logical `state` on the backend's devices."""
+    check_sharding(sharding, backend.name)
+    if sharding == "replicated":
+        return Replicated(state, backend.n)
+    if sharding == "optimizer":
+        return ZeRO1(state, backend.n)
+    return FSDP(state, backend.n, grad_accum)

@@ -1,0 +1,88 @@
+"""Which devices a run uses, and the one mesh axis they form: simulated CPU
+devices, subsets, and clear limits."""
+
+from __future__ import annotations
+
+import jax
+
+from dpax.errors import DpaxError
+
+AXIS = "data"  # the one mesh axis: devices, each with its rows of the batch
+
+# XLA:CPU builds one thread pool and one stream per simulated device; past a few
+# hundred the process spends its time in thread start-up, so dpax refuses more.
+MAX_SIMULATED_DEVICES = 256
+
+
+def _backend_started() -> bool:
+    # jax keeps no public flag for this; the private one is stable since 0.4.
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def simulate_devices(n: int) -> None:
+    """Expose at least `n` CPU devices to JAX, for laptops and CI.
+
+    Must run before JAX creates its backend (before the first array or
+    `jax.devices()` call). Calling it later is fine if the CPU backend already
+    has at least `n` devices; otherwise it raises a `DpaxError` saying so.
+
+    Args:
+      n: number of CPU devices, 1..MAX_SIMULATED_DEVICES.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise DpaxError(f"simulate_devices needs a device count >= 1, got {n!r}")
+    if n > MAX_SIMULATED_DEVICES:
+        raise DpaxError(
+            f"{n} simulated devices is more than the cap of {MAX_SIMULATED_DEVICES}; "
+            "use fewer devices"
+        )
+    if _backend_started():
+        have = len(jax.devices("cpu"))
+        if have >= n:
+            return
+        raise DpaxError(
+            f"JAX already started with {have} CPU device(s), so {n} cannot be simulated "
+            "now; call dpax.simulate_devices() before any JAX computation"
+        )
+    # "At least n": a later, smaller request (an example run inside a test
+    # process that asked for 8) must not shrink what an earlier one set up.
+    jax.config.update("jax_num_cpu_devices", max(n, jax.config.jax_num_cpu_devices))
+
+
+def select_devices(n: int | None = None) -> list[jax.Device]:
+    """The first `n` local devices of the default backend (all when `n` is None).
+
+    A subset is fine: a process with 8 devices can train on 1, 2 or 4 of them.
+    """
+    available = jax.local_devices()
+    if jax.process_count() > 1:
+        # Several processes: the mesh spans every process's devices, and each
+        # process brings all of its own (a subset would leave holes in the mesh).
+        if n not in (None, len(available)):
+            raise DpaxError(f"with several processes each uses all its {len(available)} "
+                            f"local devices; leave `devices` out or set `devices={len(available)}`")
+        return list(jax.devices())
+    if n is None:
+        return list(available)
+    if not isinstance(n, int) or n < 1:
+        raise DpaxError(f"`devices` must be a whole number >= 1, got {n!r}")
+    if n > len(available):
+        kind = available[0].platform
+        raise DpaxError(
+            f"asked for {n} devices but only {len(available)} {kind} device(s) are "
+            f"available; use `devices={len(available)}` or fewer"
+        )
+    return list(available[:n])
+
+
+def describe() -> str:
+    """What JAX sees, one device per line (for `dpax devices`)."""
+    lines = [
+        f"jax {jax.__version__}  backend {jax.default_backend()}  "
+        f"process {jax.process_index()}/{jax.process_count()}  "
+        f"{jax.local_device_count()} local / {jax.device_count()} global device(s)"
+    ]
+    lines += [f"  {d.id:>3}  {d.platform:<5} {d.device_kind}" for d in jax.local_devices()]
+    return "\n".join(lines)

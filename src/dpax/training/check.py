@@ -1,0 +1,192 @@
+"""`dpax check` / `check_equivalence`: does a model train on N devices exactly
+as on one? If not, name the likely cause.
+
+Runs a few SGD steps of a fresh model on 1 device and on N devices with an
+uneven global batch (padding on some devices), compares params, losses and
+model state, and, when they differ beyond float rounding, tests the usual
+suspects in turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dpax.data.batches import batch_rows
+from dpax.data.pipeline import examples
+from dpax.models.bridge import LinenModel
+from dpax.models.layers import SyncBatchNorm
+from dpax.parallel.backends import DEFAULT_BACKEND
+from dpax.training.trainer import Trainer
+
+TOLERANCE = 1e-5
+
+CAUSES = {
+    "loss-mean": "the loss averages per device: return one loss per example, dpax does the "
+                 "global mean",
+    "batchnorm": "unsynchronized batch statistics: {layers} normalize with per-device "
+                 "statistics; use nnx.BatchNorm or Linen's nn.BatchNorm (dpax converts them) "
+                 "or dpax.models.layers.SyncBatchNorm",
+    "batchnorm-off": "unsynchronized batch statistics: {layers} normalize with per-device "
+                     "statistics because synchronization is off (`sync_batchnorm=False`); "
+                     "drop that (`sync_batchnorm=True` is the default) for one device's numbers",
+    "rng": "per-device RNG: the model draws random numbers from its own key on every "
+           "device; use nnx.Dropout (dpax derives each example's key from seed, step and index)",
+    "loss-mixes": "the loss mixes examples across the batch (e.g. a per-device mean or "
+                  "normalization): return each example's own loss",
+    "model-mixes": "an op in the model mixes examples across the batch (a mean, norm or "
+                   "sort over the batch axis) without synchronizing it",
+}
+
+
+@dataclasses.dataclass
+class CheckResult:
+    devices: int
+    batch_size: int
+    steps: int
+    param_diff: float | None  # None: not compared (the run on N devices could not train)
+    loss_diff: float | None
+    state_diff: float | None
+    cause: str | None = None  # a key of CAUSES
+    detail: str = ""
+
+    @property
+    def equivalent(self) -> bool:
+        return self.cause is None
+
+    def report(self) -> str:
+        head = (f"1 vs {self.devices} devices, global batch {self.batch_size}, "
+                f"{self.steps} SGD steps")
+        if self.param_diff is None:
+            head += ": not compared"
+        else:
+            head += (f": max |diff| params {self.param_diff:.2e}, loss {self.loss_diff:.2e}, "
+                     f"model state {self.state_diff:.2e}")
+        if self.equivalent:
+            return f"{head}\nequivalent (tolerance {TOLERANCE:.0e})"
+        return f"{head}\nNOT equivalent: {self.detail or CAUSES[self.cause]}"
+
+
+def _numeric(x) -> np.ndarray:
+    if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x, np.float64)
+
+
+def _max_diff(a, b) -> float:
+    diffs = [float(np.max(np.abs(_numeric(x) - _numeric(y))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)) if np.size(x)]
+    return max(diffs, default=0.0)
+
+
+def _per_device_batchnorm(model: nnx.Module, sync_batchnorm: bool) -> list[str]:
+    """The BatchNorm layers that normalize per device: NNX ones not converted,
+    and those of a Linen model (`dpax.from_linen`) when synchronization is off."""
+    names = [".".join(map(str, path)) or type(m).__name__
+             for path, m in nnx.iter_modules(model)
+             if isinstance(m, nnx.BatchNorm) and not isinstance(m, SyncBatchNorm)]
+    if not sync_batchnorm:
+        for path, m in nnx.iter_modules(model):
+            if isinstance(m, LinenModel):
+                stats = nnx.to_flat_state(nnx.state(m, nnx.BatchStat))
+                names += sorted({".".join(map(str, path + p[:-1])) for p, _ in stats})
+    return names
+
+
+def _uses_rng_streams(before: nnx.State, after: nnx.State) -> bool:
+    """True when a training step advanced an RNG stream of the model."""
+    def counts(state):
+        return [np.asarray(v[...]) for v in jax.tree.leaves(
+            state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+            if isinstance(v, nnx.RngCount)]
+    return any(not np.array_equal(a, b) for a, b in zip(counts(before), counts(after)))
+
+
+def check_equivalence(
+    make_model: Callable[[], nnx.Module],
+    loss_fn: Callable,
+    data,
+    y=None,
+    *,
+    devices: int = 8,
+    batch_size: int | None = None,
+    steps: int = 5,
+    lr: float = 0.05,
+    sync_batchnorm: bool = True,
+    backend: str = DEFAULT_BACKEND,
+) -> CheckResult:
+    """Train `make_model()` for `steps` SGD steps on 1 device and on `devices`,
+    with a global batch that leaves some devices padding; compare and diagnose.
+
+    Args:
+      make_model: builds a fresh, identically initialised model on each call.
+      loss_fn: the loss as given to `Trainer` (one loss per example).
+      data, y: training examples, as `Trainer.fit` takes them.
+    """
+    data = examples(data, y)
+    # Uneven: with N = 8, 43 rows pad to 48, and the last device holds 1 real row.
+    batch_size = batch_size or 5 * devices + 3
+    runs = []
+    for n in (1, devices):
+        model = make_model()
+        t = Trainer(model, loss_fn, optax.sgd(lr), devices=n, backend=backend,
+                    sync_batchnorm=sync_batchnorm, max_bad_steps=None)
+        before = t.backend.host(t.state.model_state)
+        try:
+            rows = t.fit(data, batch_size=batch_size, until_step=steps, log_every=1)
+        except ValueError as e:
+            if "one loss per example" in str(e):
+                return CheckResult(devices, batch_size, steps, None, None, None, "loss-mean")
+            raise
+        runs.append((t, [r["loss"] for r in rows], before))
+    (t1, loss1, before), (tn, lossn, _) = runs
+    result = CheckResult(devices, batch_size, steps, _max_diff(t1.params, tn.params),
+                         _max_diff(loss1, lossn),
+                         _max_diff(t1.backend.host(t1.state.model_state),
+                                   tn.backend.host(tn.state.model_state)))
+    if max(result.param_diff, result.loss_diff, result.state_diff) <= TOLERANCE:
+        return result
+    result.cause, result.detail = _diagnose(tn.model(), t1, loss_fn, data, before,
+                                            sync_batchnorm)
+    return result
+
+
+def _diagnose(model, trainer, loss_fn, data, rest_before, sync_batchnorm) -> tuple[str, str]:
+    unsynced = _per_device_batchnorm(model, sync_batchnorm)
+    if unsynced:
+        cause = "batchnorm" if sync_batchnorm else "batchnorm-off"
+        return cause, CAUSES[cause].format(layers=", ".join(unsynced))
+    if _uses_rng_streams(rest_before, trainer.backend.host(trainer.state.model_state)):
+        return "rng", CAUSES["rng"]
+    # With the model's batch-level behaviour off (eval mode), does an example's
+    # output, then its loss, depend on which other examples share its batch?
+    host = trainer.model()
+    host.eval()
+    b = min(batch_rows(data), 16)
+    batch = {**jax.tree.map(lambda v: jnp.asarray(v[:b]), data), "mask": jnp.ones(b, bool)}
+    half = jax.tree.map(lambda v: v[: b // 2], batch)
+    try:
+        outputs = np.asarray(host(batch["x"]))[: b // 2], np.asarray(host(half["x"]))
+    except (TypeError, KeyError):  # a model not called as model(x): only the loss can tell
+        outputs = None
+    if outputs is not None and not _same(*outputs):
+        return "model-mixes", CAUSES["model-mixes"]
+    whole = np.asarray(_per_example(loss_fn, host, batch))[: b // 2]
+    if not _same(whole, np.asarray(_per_example(loss_fn, host, half))):
+        return "loss-mixes", CAUSES["loss-mixes"]
+    return "model-mixes", CAUSES["model-mixes"]
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.allclose(a, b, atol=1e-6)
+
+
+def _per_example(loss_fn, model, batch):
+    out = loss_fn(model, batch)
+    return out[0] if isinstance(out, tuple) else out

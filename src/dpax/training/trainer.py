@@ -1,0 +1,407 @@
+"""`Trainer`: data-parallel training, evaluation and prediction of one NNX model.
+
+The model, loss and optimizer are written for one device; the Trainer
+replicates the state (or lays it out, `dpax.parallel.layout`), splits each global
+batch over its devices, and runs one compiled, donated step per batch
+(`dpax.training.loop`). The step folds its metrics into running sums on the device;
+the host reads them only at log boundaries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dpax.data.augment import Augment
+from dpax.data.batches import batch_rows, padded_size
+from dpax.data.pipeline import (
+    EVAL_BATCH,
+    BatchPlan,
+    bucketed,
+    eval_batches,
+    examples,
+    train_input,
+)
+from dpax.errors import DpaxError, TooManyBadSteps
+from dpax.models.layers import has_per_device_state, synchronize
+from dpax.parallel import layout as layouts
+from dpax.parallel.arrays import is_key
+from dpax.parallel.backends import DEFAULT_BACKEND, make_backend
+from dpax.parallel.layout import make_layout
+from dpax.parallel.mesh import select_devices
+from dpax.training import loop, metrics
+from dpax.training.compiled import CompiledSteps
+from dpax.training.step import LossFn, StepOptions, TrainState, check_optimizer, init_state
+
+PRECISIONS = {"fp32": None, "bf16": jnp.bfloat16}  # name -> compute dtype (None: as stored)
+
+
+class Trainer:
+    """Data-parallel trainer for one Flax NNX model.
+
+    Args:
+      model: an `nnx.Module` written for one device (`dpax.from_linen` and
+        `dpax.from_function` bring other models). dpax trains a copy whose
+        BatchNorm and Dropout layers it makes N-independent; after each `fit`
+        the model given here holds the trained params and state.
+      loss_fn: `loss_fn(model, batch) -> per-example losses` or
+        `(losses, {name: per-example metric})`, on one device's shard;
+        `batch` has every key of the examples (`x`, `y` when given as arrays)
+        and the boolean `mask` of real rows.
+      optimizer: an Optax transformation (its schedule lives in its state).
+      devices: a device count, a list of devices, or None for all local ones.
+      backend: "shard_map" (default) or "pmap"; both give the same numbers.
+      predict_fn: `predict_fn(model, batch) -> one output per example`.
+      schedule: the learning-rate schedule, only to report the LR as a metric.
+      grad_accum: micro-batches per device shard, accumulated inside the step.
+      precision: "fp32", or "bf16" for bf16 forward/backward on fp32 params.
+      allreduce_dtype: "fp32" or "bf16" for the gradient all-reduce.
+      max_bad_steps: stop with `TooManyBadSteps` after this many skipped
+        (non-finite) steps in a row, checked at log boundaries; None: never.
+      steps_per_call: run this many steps in one compiled call (a scan over
+        batches already on the device): fewer launches for small models.
+      seed: the key behind dropout masks (with the step and each example's
+        global index, so masks do not depend on the device count).
+      sync_batchnorm: convert `nnx.BatchNorm` layers to `SyncBatchNorm`, and
+        compute Linen `nn.BatchNorm` layers (`dpax.from_linen`) the same way
+        (global masked statistics). False keeps per-device statistics (the
+        running averages are then averaged across devices): not equivalent.
+      sharding: where the state lives (`dpax.parallel.layout`): "replicated" (every
+        device holds all of it), "optimizer" (ZeRO-1: the optimizer state 1/N
+        per device) or "full" (FSDP: params, gradients and optimizer state 1/N
+        per device, params all-gathered where the model uses it). Any N, and
+        any optax transformation: the sharded modes run the optimizer on the
+        logical params and gradients under jit (shard_map backend).
+        Checkpoints resume in any mode.
+      clip_norm: clip the mean gradient to this global norm (the same as
+        `optax.clip_by_global_norm` first in the chain).
+      ema_decay: keep an exponential moving average of the params with this
+        decay (in (0, 1); it ramps up from 0.1 over the first steps), laid out
+        like the params, in checkpoints, and used by `evaluate` and `predict`.
+      compile_options: XLA options for every compiled step (shard_map backend),
+        e.g. `{}` for XLA's defaults; None: dpax's per-step choice
+        (`dpax.xla_cpu.compile_options`: XLA:CPU's older emitters for steps that pool).
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        loss_fn: LossFn,
+        optimizer: optax.GradientTransformation,
+        *,
+        devices: int | Sequence[jax.Device] | None = None,
+        backend: str = DEFAULT_BACKEND,
+        predict_fn: Callable | None = None,
+        schedule: optax.Schedule | None = None,
+        grad_accum: int = 1,
+        precision: str = "fp32",
+        allreduce_dtype: str = "fp32",
+        max_bad_steps: int | None = 10,
+        steps_per_call: int = 1,
+        seed: int = 0,
+        sync_batchnorm: bool = True,
+        sharding: str = "replicated",
+        clip_norm: float | None = None,
+        ema_decay: float | None = None,
+        compile_options: dict[str, Any] | None = None,
+        shard_optimizer_state: bool | None = None,
+    ):
+        if shard_optimizer_state is not None:
+            raise DpaxError("`shard_optimizer_state` is now `sharding='optimizer'` "
+                            "(or 'full' to shard the params too)")
+        devs = devices if isinstance(devices, (list, tuple)) else select_devices(devices)
+        self.backend = make_backend(backend, devs, compile_options)
+        self.n_devices = self.backend.n
+        self.grad_accum = grad_accum
+        self.max_bad_steps = max_bad_steps
+        if not isinstance(steps_per_call, int) or steps_per_call < 1:
+            raise DpaxError(f"`steps_per_call` must be >= 1, got {steps_per_call!r}")
+        self.steps_per_call = steps_per_call
+        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
+            raise DpaxError(f"`ema_decay` must be in (0, 1), e.g. 0.999; got {ema_decay!r}")
+        self._user_model = model
+        # dpax's own copy, its BatchNorm and Dropout layers made N-independent:
+        # the user's model keeps its classes (and gets the trained state after `fit`).
+        model = nnx.clone(model)
+        synchronize(model, batchnorm=sync_batchnorm)
+        self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        options = StepOptions(grad_accum=grad_accum,
+                              compute_dtype=compute_dtype(precision, "precision"),
+                              allreduce_dtype=compute_dtype(allreduce_dtype, "allreduce_dtype"),
+                              average_state=has_per_device_state(model),
+                              sync_batchnorm=sync_batchnorm, clip_norm=clip_norm,
+                              ema_decay=ema_decay,
+                              cpu_backward=self.backend.devices[0].platform == "cpu")
+        self._graphdef, state = init_state(model, optimizer, seed, ema=ema_decay is not None)
+        check_optimizer(optimizer, state)
+        self.layout = make_layout(sharding, self.backend, state, grad_accum)
+        self._specs = layouts.specs(self.layout)
+        self.state = self.backend.put_state(layouts.stored(self.layout, _on_host(state)),
+                                            self._specs)
+        self._steps = CompiledSteps(self.backend, self._graphdef, state, self.layout, loss_fn,
+                                    optimizer, schedule, options, predict_fn)
+        self.traces = self._steps.traces  # compilations per step kind
+
+    # The state lives as a flat list of arrays (`dpax.training.compiled`).
+    @property
+    def state(self) -> TrainState:
+        """The training state, laid out on the devices by `layout`."""
+        return jax.tree.unflatten(self._state_def, self._leaves)
+
+    @state.setter
+    def state(self, state: TrainState) -> None:
+        self._leaves, self._state_def = jax.tree.flatten(state)
+
+    @property
+    def step(self) -> int:
+        """Steps trained so far (a device-to-host sync: not for the hot loop)."""
+        return int(self.backend.host(self.state.step))
+
+    def padded(self, batch_size: int) -> int:
+        """Rows a global batch is padded to: a multiple of devices x micro-batches."""
+        return padded_size(batch_size, self.n_devices * self.grad_accum)
+
+    # -- training ----------------------------------------------------------------------
+    def train_step(self, host_batch: dict, size: int | None = None) -> dict:
+        """One step on this process's rows of a padded, masked global batch of
+        `size` rows (default: all of them); returns the metrics row."""
+        sums = self._run(1, self._input(host_batch, size), self._zero_sums(size, host_batch))
+        return self._read([sums])
+
+    def lower_train_step(self, host_batch: dict, size: int | None = None) -> jax.stages.Lowered:
+        """The training step lowered for this batch layout: its `.as_text()` is
+        the StableHLO dpax emits, `.compile()` gives XLA's HLO and memory use."""
+        placed = self._input(host_batch, size)
+        return self._steps.train.lower(self._leaves, self._zero_sums(size, host_batch), placed)
+
+    def fit(
+        self,
+        data: Any,
+        y: Any = None,
+        *,
+        batch_size: int,
+        until_step: int | None = None,
+        epochs: int | None = None,
+        seed: int = 0,
+        log_every: int = 10,
+        hooks: Iterable[loop.Hook] = (),
+        batches: Iterator[dict] | None = None,
+        augment: Augment | None = None,
+        data_workers: int = 0,
+    ) -> list[dict]:
+        """Train with global batches of `batch_size` until the step counter
+        reaches `until_step` (or `epochs` passes); returns the log rows. The
+        model given to the Trainer then holds the trained params and state.
+
+        Batches come from `BatchPlan`: their order depends on `seed` and the step
+        only, so any device count sees the same global batches.
+
+        Args:
+          data: the examples: a dict of arrays that share a leading example axis
+            (the loss sees every key, plus `mask`), or an array of inputs `x`
+            with `y` its targets. Arrays may be `dpax.data.sources` columns on disk.
+          hooks: host-side work at log steps and after each step (`dpax.training.loop.Hook`:
+            checkpoints, evaluation, preemption checks; `loop.LogTo(fn)` for a callback).
+          batches: this process's host batches from the current step on (from
+            `pipeline.train_input`, e.g. restored from a checkpoint); default: made here.
+          augment: random image augmentation of `x` (`dpax.data.augment.parse("crop,flip")`),
+            the same for any device count; only with batches made here.
+          data_workers: Grain worker processes that make the batches (0: this thread).
+        """
+        data = examples(data, y)
+        plan = BatchPlan(batch_rows(data), batch_size, seed)
+        total = plan.total_steps(until_step, epochs, steps_name="until_step")
+        start = self.step
+        size = self.padded(batch_size)
+        made_here = batches is None
+        if made_here:
+            if augment is not None:
+                if "x" not in data:
+                    raise DpaxError("`augment` changes the images under the key 'x'; the "
+                                    f"examples have {', '.join(map(str, data))}")
+                augment.check(data["x"].shape[1:])
+            batches = train_input(data, plan, self.backend.local_rows(size), start, total,
+                                  augment, data_workers)
+        sized = ((size, b) for b in itertools.islice(batches, max(total - start, 0)))
+        try:
+            return self._train(sized, start, total, log_every, hooks, plan.steps_per_epoch)
+        finally:
+            if made_here:
+                batches.close()  # stops Grain worker processes, if any
+
+    def fit_stream(
+        self,
+        batches: Iterable[dict],
+        *,
+        buckets: Sequence[int] | None = None,
+        log_every: int = 10,
+        hooks: Iterable[loop.Hook] = (),
+    ) -> list[dict]:
+        """Train on host batches of ANY size, one step each.
+
+        Each batch (a dict of arrays of b >= 1 rows, as `fit` takes) is padded
+        to the smallest bucket that holds it and masked, so the step compiles
+        at most once per bucket, however many sizes arrive. Default buckets:
+        N*K times powers of two (N devices, K micro-batches).
+        """
+        sized = bucketed(batches, self.n_devices * self.grad_accum, buckets,
+                         self.backend.local_rows)
+        return self._train(sized, self.step, None, log_every, hooks)
+
+    def _train(self, sized, start, total, log_every, hooks, steps_per_epoch=None) -> list[dict]:
+        try:
+            return loop.train(self._loop_steps(), sized, start=start, total=total,
+                              log_every=log_every, hooks=hooks, steps_per_epoch=steps_per_epoch)
+        finally:
+            self._update_model()
+
+    def _update_model(self) -> None:
+        """Leave the trained params and state in the model the user gave (NNX's
+        in-place convention), each array where the user's was."""
+        failing = sys.exc_info()[0] is not None
+        try:
+            params = self.params
+            rest = self.backend.host(self.state.model_state)
+        except Exception:  # a step failed mid-call: its donated state is gone
+            if failing:
+                return  # the step's own error is the one to see
+            raise
+        trained = nnx.merge_state(params, rest)
+        old = nnx.state(self._user_model)
+        nnx.update(self._user_model, jax.tree.map(
+            lambda o, n: jax.device_put(n, o.sharding) if isinstance(o, jax.Array) else n,
+            old, trained))
+
+    def _in_flight(self) -> int | None:
+        """Calls that may queue: XLA:CPU aborts when too many multi-device calls
+        do (`loop.CPU_MAX_IN_FLIGHT`); other platforms queue freely."""
+        cpu_multi = self.n_devices > 1 and self.backend.devices[0].platform == "cpu"
+        return loop.CPU_MAX_IN_FLIGHT if cpu_multi else None
+
+    def _loop_steps(self) -> loop.Steps:
+        return loop.Steps(
+            run=self._run, zero_sums=self._zero_sums, read=self._read,
+            place=lambda sized: loop.device_calls(sized, self._input, self.backend.put_batches,
+                                                  self.steps_per_call),
+            in_flight=self._in_flight())
+
+    def _input(self, host_batch: dict, size: int | None) -> dict:
+        return self.backend.step_input(host_batch, size)
+
+    def _run(self, n_steps: int, batch: dict, sums: dict) -> dict:
+        train = self._steps.train if n_steps == 1 else self._steps.train_multi
+        self._leaves, sums = train(self._leaves, sums, batch)
+        return sums
+
+    def _zero_sums(self, size: int | None, host_batch: dict) -> dict:
+        return self._steps.zero_sums(self._leaves, self._input(host_batch, size))
+
+    def _read(self, pending: list) -> dict:
+        host = self.backend.host(pending)  # sync point: once per log
+        row = metrics.summarize([self._steps.packing.unpack(h) for h in host])
+        bad = int(row.pop("bad_in_a_row", 0))
+        if self.max_bad_steps is not None and bad >= self.max_bad_steps:
+            raise TooManyBadSteps(
+                f"{bad} steps in a row had a non-finite loss or gradient and were skipped "
+                f"(limit {self.max_bad_steps}); the params are the last good ones. Lower the "
+                "learning rate, clip gradients (`clip_norm`) or check the data for NaNs")
+        return row
+
+    # -- evaluation and prediction --------------------------------------------------
+    def evaluate(self, data: Any, y: Any = None, batch_size: int = EVAL_BATCH) -> dict:
+        """Mean loss and metrics over every example (`data` as `fit` takes it),
+        each counted once."""
+        data = examples(data, y)
+        size = self.padded(batch_size)
+        rows = self.backend.local_rows(size)
+        sums, queue = [], loop.InFlight(self._in_flight())
+        for b in eval_batches(data, batch_size, rows):
+            sums.append(self._steps.eval(self._leaves, self._input(b, size)))
+            queue.add(sums[-1])
+        return metrics.summarize(self.backend.host(sums))  # sync point
+
+    def predict(self, data: Any, batch_size: int = EVAL_BATCH) -> Any:
+        """One prediction per example of `data` (an array of inputs `x`, or a
+        dict as `fit` takes it), in order; the outputs have whatever structure
+        `predict_fn` returns, each with a leading example axis."""
+        if self._steps.predict is None:
+            raise DpaxError("this Trainer was built without `predict_fn`; pass one to Trainer, "
+                            "e.g. `predict_fn=dpax.classification_predict`")
+        data = examples(data)
+        size = self.padded(batch_size)
+        rows = self.backend.local_rows(size)
+        outs, queue = [], loop.InFlight(self._in_flight())
+        for b in eval_batches(data, batch_size, rows):
+            outs.append(self._steps.predict(self._leaves, self._input(b, size)))
+            queue.add(outs[-1])
+        flat = [self.backend.host_examples(o) for o in outs]  # sync point
+        # Batch i holds examples i*batch_size.. in order, then padding: cut it off.
+        n = batch_rows(data)
+        sizes = [min(batch_size, n - lo) for lo in range(0, n, batch_size)]
+        return jax.tree.map(lambda *parts: np.concatenate([p[:k] for p, k in zip(parts, sizes)]),
+                            *flat)
+
+    # -- checkpointing ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The state as {path: array}, one logical copy whatever the device count."""
+        return layouts.state_dict(self.layout, self.backend.logical(self.state),
+                                  self.backend.mesh)
+
+    def state_template(self) -> dict[str, Any]:
+        """Shapes and dtypes of `state_dict()`, placed replicated on this Trainer's
+        devices: the restore target that re-shards a checkpoint onto any mesh."""
+        sharding = NamedSharding(self.backend.mesh, P())
+        return {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=sharding)
+                for k, v in self.state_dict().items()}
+
+    def load_state_dict(self, flat: dict[str, Any]) -> None:
+        """Replace the state with one from `state_dict()` (of any device count)."""
+        state = layouts.from_state_dict(self.layout, flat, self.backend.logical(self.state))
+        self.state = self.backend.put_state(state, self._specs)
+
+    # -- results ---------------------------------------------------------------------
+    @property
+    def params(self) -> nnx.State:
+        """Host copy of the parameters in their model shapes (whatever the layout)."""
+        return self.backend.host(layouts.host_params(self.layout, self.state.params,
+                                                     self.backend.mesh))
+
+    @property
+    def ema_params(self) -> nnx.State | None:
+        """Host copy of the EMA of the params (None without `ema_decay`)."""
+        if self.state.ema is None:
+            return None
+        return self.backend.host(layouts.host_params(self.layout, self.state.ema,
+                                                     self.backend.mesh))
+
+    def model(self, ema: bool | None = None) -> nnx.Module:
+        """The trained model on the host, ready for single-device use; with the
+        EMA params when `ema` (default: when the Trainer keeps an EMA, as
+        `evaluate` does)."""
+        use_ema = self.state.ema is not None if ema is None else ema
+        if use_ema and self.state.ema is None:
+            raise DpaxError("this Trainer keeps no EMA; give it `ema_decay` to have one")
+        params = self.ema_params if use_ema else self.params
+        return nnx.merge(self._graphdef, params, self.backend.host(self.state.model_state))
+
+
+def compute_dtype(name: str, argument: str = "precision"):
+    """The dtype a precision name computes in (None: the stored dtype)."""
+    if name not in PRECISIONS:
+        raise DpaxError(f"`{argument}` must be one of {', '.join(PRECISIONS)}, got {name!r}")
+    return PRECISIONS[name]
+
+
+def _on_host(tree):
+    """Host copies of a tree's arrays (typed PRNG keys stay keys)."""
+    return jax.tree.map(lambda x: x if is_key(x) else np.asarray(x), tree)

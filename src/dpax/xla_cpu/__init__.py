@@ -1,0 +1,10 @@
+"""XLA:CPU-only tuning.
+
+  backward          the backward pass rewritten for what XLA:CPU compiles well
+  compile_options   XLA:CPU's older fusion emitters for steps that pool
+  hostenv           glibc malloc settings for steps with large temporaries
+"""
+
+from dpax._submodules import lazy_submodules
+
+__getattr__ = lazy_submodules(__name__)
