@@ -14,8 +14,9 @@ import numpy as np  # noqa: E402
 
 from dpax import data  # noqa: E402
 
-config = dpax.TrainConfig(model="linear", data="regression", devices=4, optimizer="sgd",
-                          lr=0.05, batch_size=64, epochs=30, log_every=100)
+config = dpax.TrainConfig.from_flags(
+    model="linear", data="regression", devices=4, optimizer="sgd",
+    lr=0.05, batch_size=64, epochs=30, log_every=100)
 result = dpax.train(config)
 params = result.trainer.params
 w_true, b_true = data.true_regression_params()

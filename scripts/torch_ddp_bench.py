@@ -25,8 +25,6 @@ import statistics
 import sys
 import time
 
-from dpax.xla_cpu import hostenv
-
 BATCH, SHAPE, CLASSES, LR = 128, (32, 32, 3), 10, 1e-3
 
 
@@ -128,7 +126,6 @@ def main() -> int:
     args = parser.parse_args()
     counts = [int(n) for n in args.devices.split(",")]
 
-    hostenv.restart_with_hugepages()  # as the dpax command does; torch inherits it too
     import jax
 
     jax.config.update("jax_num_cpu_devices", max(counts))

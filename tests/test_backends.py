@@ -6,12 +6,17 @@ import pytest
 
 import dpax
 from dpax.errors import DpaxError
-from dpax.parallel.backends import DEFAULT_BACKEND, check_backend, make_backend
+from dpax.parallel import backends, platform
+from dpax.parallel.backends import DEFAULT_BACKEND, check_backend
 
 
 @pytest.fixture(scope="module")
 def devices():
     return dpax.select_devices(4)
+
+
+def make_backend(name, devices):
+    return backends.make_backend(name, devices, platform.for_devices(devices))
 
 
 def test_shard_map_hands_host_rows_to_the_step_and_pmap_adds_a_device_axis(devices):
@@ -45,5 +50,5 @@ def test_backend_rules_live_in_one_place(name, processes, needle):
     with pytest.raises(DpaxError, match=needle):
         check_backend(name, processes)
     with pytest.raises(DpaxError, match=needle):
-        dpax.TrainConfig(backend=name, num_processes=processes, coordinator="h:1",
-                         process_id=0).validate()
+        dpax.config.validate(dpax.TrainConfig.from_flags(
+            backend=name, num_processes=processes, coordinator="h:1", process_id=0))

@@ -30,6 +30,7 @@ def train_cnn_bn(n, sync=True, steps=10, batch_size=61):
                                           if not dpax.parallel.arrays.is_key(v)], t
 
 
+@pytest.mark.equivalence
 def test_cnn_bn_on_8_devices_equals_1_device_and_unsynced_does_not():
     p1, s1, _ = train_cnn_bn(1)
     p8, s8, t8 = train_cnn_bn(8)
@@ -82,7 +83,7 @@ def test_cnn_bn_trains_digits_and_resumes_exactly(tmp_path, capsys):
                  "--out", b]) == 0
     pa, pb = np.load(f"{a}/params.npz"), np.load(f"{b}/params.npz")
     assert all(np.array_equal(pa[k], pb[k]) for k in pa.files)
-    sa = dpax.cli.run.load_checkpoint(f"{a}/ck/180").trainer.state_dict()
+    sa = dpax.cli.job.load_checkpoint(f"{a}/ck/180").trainer.state_dict()
     assert any(k.endswith("_bn.mean.value") for k in sa)  # batch stats are checkpointed
 
 

@@ -153,7 +153,7 @@ def test_damaged_newest_checkpoint_falls_back_and_all_damaged_exit_2(tmp_path, c
     flags = [*RUN, "--devices", "2", "--steps", "30"]
     ck = str(tmp_path / "ck")
     assert main(["train", *flags, "--checkpoint-dir", ck, "--checkpoint-every", "10"]) == 0
-    ref = dpax.cli.run.load_checkpoint(ck).trainer.params
+    ref = dpax.cli.job.load_checkpoint(ck).trainer.params
     garble(os.path.join(ck, "30"))
     capsys.readouterr()
     out = str(tmp_path / "resumed")
@@ -163,7 +163,7 @@ def test_damaged_newest_checkpoint_falls_back_and_all_damaged_exit_2(tmp_path, c
     assert len(warnings) == 1 and "step 30" in warnings[0]
     assert "resumed at step 20" in captured.out
     got = params(out)  # retrained 20 -> 30 from the good step 20: the same params
-    assert max_diff(got, dpax.cli.run.flat_params(ref)) == 0.0
+    assert max_diff(got, dpax.cli.outputs.flat_params(ref)) == 0.0
     for step in dpax.training.checkpoint.Checkpointer(ck).steps():
         garble(os.path.join(ck, str(step)))
     capsys.readouterr()

@@ -85,7 +85,6 @@ def bad_inputs(tmp_path):
         "unknown sharding": (["--sharding", "zero3"], "--sharding must be one of"),
         "sharded on pmap": (["--sharding", "full", "--backend", "pmap"],
                             "needs --backend shard_map"),
-        "the old ZeRO-1 flag": (["--shard-optimizer-state"], "now --sharding optimizer"),
     }
 
 
@@ -117,7 +116,7 @@ def test_every_bad_input_exits_2_with_one_line_and_keeps_the_run_dir(tmp_path, r
 
 def test_steps_or_epochs_where_a_count_is_needed():
     with pytest.raises(dpax.DpaxError, match="not both"):
-        dpax.TrainConfig(epochs=2, steps=3).validate()
+        dpax.config.validate(dpax.TrainConfig(epochs=2, steps=3))
     ds = dpax.data.digits()
     t = dpax.Trainer(dpax.make_model("linear", ds.input_shape, ds.n_out, 0),
                      dpax.classification_loss, dpax.make_optimizer("sgd", lambda s: 0.1),

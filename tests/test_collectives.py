@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dpax.parallel import collectives
-from dpax.parallel.collectives import PACK_MAX, psum_packed
+from dpax.parallel.collectives import PACK_MAX, psum_tree
 from dpax.parallel.mesh import AXIS
 
 
@@ -55,9 +55,9 @@ def test_xla_cpu_adds_the_devices_in_rank_order(n):
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_the_rank_order_emulation_gives_xlas_bits(n):
     x = values(n, 1000, seed=n)
-    native = run(lambda v: collectives.psum_packed({"v": v}, AXIS)["v"], x)
+    native = run(lambda v: collectives.psum_tree({"v": v}, AXIS, pack=True)["v"], x)
     with collectives.force_rank_order():
-        emulated = run(lambda v: collectives.psum_packed({"v": v}, AXIS)["v"], x)
+        emulated = run(lambda v: collectives.psum_tree({"v": v}, AXIS, pack=True)["v"], x)
         scattered = run(lambda v: collectives.reduce_scatter(v, AXIS), x[:, :n * 50],
                         out_specs=P(AXIS))
     np.testing.assert_array_equal(emulated, native)
@@ -95,8 +95,9 @@ def test_synced_sum_values_and_gradients_are_the_same_in_both_orders():
     np.testing.assert_allclose(native[1][0], expect, rtol=2e-4)
 
 
-def test_psum_packed_sums_like_psum_in_one_buffer_per_dtype():
-    """The step's all-reduce: small leaves packed per dtype, large ones as they are."""
+def test_psum_tree_packed_sums_like_psum_in_one_buffer_per_dtype():
+    """The step's all-reduce: small leaves packed per dtype, large ones as they
+    are (the XLA:CPU tuning); unpacked (the generic path) it is psum itself."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), (AXIS,))
     rng = np.random.default_rng(0)
     tree = {"a": rng.normal(size=(4, 3, 5)).astype(np.float32),
@@ -112,14 +113,16 @@ def test_psum_packed_sums_like_psum_in_one_buffer_per_dtype():
 
     for i in range(5):
         tree[f"small{i}"] = rng.normal(size=(4, i + 1)).astype(np.float32)
-    packed, text = reduce(psum_packed)
+    packed, text = reduce(lambda t, axis: psum_tree(t, axis, pack=True))
+    unpacked, unpacked_text = reduce(psum_tree)
     plain, plain_text = reduce(jax.lax.psum)
     for k in tree:
-        assert packed[k].dtype == plain[k].dtype and packed[k].shape == plain[k].shape
-        np.testing.assert_array_equal(np.asarray(packed[k], np.float32),
-                                      np.asarray(plain[k], np.float32))
+        for got in (packed, unpacked):
+            assert got[k].dtype == plain[k].dtype and got[k].shape == plain[k].shape
+            np.testing.assert_array_equal(np.asarray(got[k], np.float32),
+                                          np.asarray(plain[k], np.float32))
     def all_reduces(text):  # JAX emits one per buffer; XLA may combine them later
         return len(re.findall(r'"stablehlo.all_reduce"', text))
 
-    assert all_reduces(plain_text) == len(tree) == 10
+    assert all_reduces(plain_text) == all_reduces(unpacked_text) == len(tree) == 10
     assert all_reduces(text) == 4  # packed f32, s32 and bf16, and the big leaf

@@ -1,5 +1,6 @@
-"""dpax's per-step XLA options: chosen from what the step computes, and they
-change no number (the reference is the same Trainer compiled with XLA's defaults)."""
+"""The XLA:CPU tuning's per-step compile options: chosen from what the step
+computes, and they change no number (the reference is the same Trainer with
+the tuning off: XLA's defaults)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ from dpax.models import losses
 from dpax.xla_cpu import compile_options
 
 
-def test_a_step_that_pools_gets_the_old_emitters_on_cpu_only():
+def test_a_step_that_pools_gets_the_old_emitters():
     x = jnp.ones((4, 8, 8, 3))
 
     def pooled_grad(x):  # the pooling sits inside a scan, as in --steps-per-call
@@ -24,11 +25,10 @@ def test_a_step_that_pools_gets_the_old_emitters_on_cpu_only():
 
     pooled = jax.make_jaxpr(pooled_grad)(x)
     assert "select_and_scatter_add" in compile_options.primitives(pooled)
-    assert compile_options.for_step(pooled, "cpu") == compile_options.OLD_FUSION_EMITTERS
-    assert compile_options.for_step(pooled, "gpu") == {}
+    assert compile_options.for_step(pooled) == compile_options.OLD_FUSION_EMITTERS
     dense = jax.make_jaxpr(jax.grad(lambda w: jnp.tanh(x.reshape(4, -1) @ w).sum()))(
         jnp.ones((192, 2)))
-    assert compile_options.for_step(dense, "cpu") == {}
+    assert compile_options.for_step(dense) == {}
 
 
 def _trainer(model, **kw):
@@ -50,15 +50,15 @@ class OverlapPoolCNN(nnx.Module):
 
 def test_the_chosen_options_change_no_number():
     ds = data.digits()
-    chosen = _trainer(OverlapPoolCNN(nnx.Rngs(0)))
-    default = _trainer(OverlapPoolCNN(nnx.Rngs(0)), compile_options={})
+    chosen = _trainer(OverlapPoolCNN(nnx.Rngs(0)), xla_cpu_tuning=True)
+    default = _trainer(OverlapPoolCNN(nnx.Rngs(0)), xla_cpu_tuning=False)
     rows = {}
     for name, t in (("chosen", chosen), ("default", default)):
         rows[name] = t.fit(ds.x_train, ds.y_train, batch_size=61, until_step=3, log_every=1)
         rows[name].append(t.evaluate(ds.x_eval, ds.y_eval, batch_size=100))
     assert chosen._steps.train.options == compile_options.OLD_FUSION_EMITTERS
     assert chosen._steps.eval.options == compile_options.OLD_FUSION_EMITTERS
-    assert default._steps.train.options == {}
+    assert not isinstance(default._steps.train, compile_options.ChosenJit)  # a plain jit
     assert chosen.traces["train"] == 1  # the choosing trace is the only one
     for a, b in zip(jax.tree.leaves(chosen.params), jax.tree.leaves(default.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
@@ -82,9 +82,3 @@ def test_a_model_without_pooling_keeps_xla_defaults():
     x = np.random.default_rng(0).normal(size=(32, 16)).astype(np.float32)
     t.fit(x, np.zeros(32, np.int32), batch_size=16, until_step=1)
     assert t._steps.train.options == {}
-
-
-def test_the_pmap_backend_refuses_compile_options():
-    with pytest.raises(dpax.DpaxError, match="shard_map"):
-        _trainer(models.MLP((16,), 10, hidden=8, rngs=nnx.Rngs(0)), backend="pmap",
-                 compile_options={"xla_cpu_use_fusion_emitters": False})

@@ -57,7 +57,7 @@ def test_a_run_whose_params_are_not_finite_does_not_end_in_success(tmp_path, cap
     """Finite gradients, but the optimizer makes NaN params (a NaN momentum, as
     a custom optimizer could): the next steps are skipped for their NaN loss,
     too few to stop the run; it must not exit 0, nor write NaN params."""
-    monkeypatch.setattr(dpax.training.optim, "make_optimizer",
+    monkeypatch.setattr(dpax.training.optim, "_optimizer",
                         lambda *a, **k: optax.sgd(0.1, momentum=math.nan))
     out = tmp_path / "run"
     code = main(["train", *RUN, "--steps", "3", "--out", str(out)])

@@ -1,5 +1,5 @@
-"""The `dpax` command restarts itself once with glibc's huge-page tunable, and
-only where that changes something."""
+"""`dpax.xla_cpu.hostenv.tune_malloc()`, the opt-in allocator setting for
+XLA:CPU steps with large temporaries, and where it applies."""
 
 import os
 import subprocess
@@ -8,23 +8,6 @@ import sys
 import pytest
 
 from dpax.xla_cpu import hostenv
-from dpax.xla_cpu.hostenv import HUGETLB, OPT_OUT, hugepages_env, wants_hugepages
-
-
-@pytest.mark.parametrize("environ, thp, glibc, expected", [
-    ({}, "madvise", (2, 36), True),
-    ({"GLIBC_TUNABLES": HUGETLB}, "madvise", (2, 36), False),  # already restarted
-    ({"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGETLB}"}, "madvise", (2, 36), False),
-    ({OPT_OUT: "1"}, "madvise", (2, 36), False),
-    ({}, "always", (2, 36), False),  # the kernel gives huge pages unasked
-    ({}, "never", (2, 36), False),  # ... or never
-    ({}, None, (2, 36), False),  # no THP at all
-    ({}, "madvise", (2, 34), False),  # glibc before the tunable
-    ({}, "madvise", None, False),  # not glibc (musl, macOS)
-])
-def test_wants_hugepages_only_where_it_changes_something(environ, thp, glibc, expected):
-    on_linux = sys.platform.startswith("linux")
-    assert wants_hugepages(environ, thp, glibc, installed=[]) == (expected and on_linux)
 
 
 @pytest.mark.parametrize("environ, installed, expected", [
@@ -34,55 +17,8 @@ def test_wants_hugepages_only_where_it_changes_something(environ, thp, glibc, ex
     ({"JAX_PLATFORMS": "cpu"}, ["jax_plugins"], True),  # the user chose the CPU
     ({"JAX_PLATFORMS": "cuda,cpu"}, [], False),
 ])
-def test_the_tunable_is_only_for_xla_cpu(environ, installed, expected):
-    on_linux = sys.platform.startswith("linux")
-    assert wants_hugepages(environ, "madvise", (2, 36), installed) == (expected and on_linux)
-
-
-def test_hugepages_env_keeps_the_users_tunables():
-    env = hugepages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/h"})
-    assert env == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGETLB}", "HOME": "/h"}
-    assert hugepages_env({})["GLIBC_TUNABLES"] == HUGETLB
-
-
-def test_restart_replaces_the_process_with_the_tunable_set():
-    clean = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT)}
-    if not wants_hugepages(clean):
-        pytest.skip("this machine gains nothing from the tunable, so dpax never restarts")
-    code = ("import os; from dpax.xla_cpu.hostenv import restart_with_hugepages as r; r(); "
-            "print(os.environ.get('GLIBC_TUNABLES'))")
-    done = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True,
-                          text=True, timeout=120, check=True)
-    # One line: the first process printed nothing before exec replaced it, and
-    # the restarted one, seeing the tunable, did not restart again.
-    assert done.stdout.splitlines() == [HUGETLB]
-    opted_out = subprocess.run([sys.executable, "-c", code], env={**clean, OPT_OUT: "1"},
-                               capture_output=True, text=True, timeout=120, check=True)
-    assert opted_out.stdout.splitlines() == ["None"]
-
-
-def test_only_the_command_line_restarts_never_a_caller_of_main(monkeypatch):
-    calls = []
-    monkeypatch.setattr(hostenv, "restart_with_hugepages", lambda: calls.append(1))
-    from dpax.__main__ import main as command
-    from dpax.cli import main
-
-    assert main(["bench", "--workloads", "resnet"]) == 2  # a bad name: fails fast
-    assert calls == []
-    monkeypatch.setattr(sys, "argv", ["dpax", "devices"])  # nothing to speed up
-    assert command() == 0 and calls == []
-    monkeypatch.setattr(sys, "argv", ["dpax", "bench", "--workloads", "resnet"])
-    assert command() == 2 and calls == [1]
-
-
-def test_the_restart_comes_before_jax_is_imported():
-    code = ("import sys; import dpax.xla_cpu.hostenv as h; "
-            "h.restart_with_hugepages = lambda: print('jax' in sys.modules); "
-            "sys.argv = ['dpax', 'bench', '--workloads', 'resnet']; "
-            "from dpax.__main__ import main; main()")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
-    assert done.stdout.splitlines()[:1] == ["False"], done.stderr
+def test_the_setting_is_only_for_xla_cpu(environ, installed, expected):
+    assert hostenv.computes_on_cpu(environ, installed) == expected
 
 
 # Allocates and frees a 64 MiB block three times, touching every page, after

@@ -46,10 +46,15 @@ def compare(t, opt, **kw):
     return max_diff(leaves(t), ref), rel
 
 
+GENERIC = pytest.mark.equivalence  # also run with the XLA:CPU tuning off (make test-generic)
+
+
 @pytest.mark.parametrize("sharding,n,opt", [
-    *[("full", n, opt) for n in (1, 2, 3, 4, 5, 8) for opt in ("sgd", "adam")],
+    *[("full", n, opt) for n in (1, 2, 4, 5) for opt in ("sgd", "adam")],
+    pytest.param("full", 3, "adam", marks=GENERIC), ("full", 3, "sgd"),
+    pytest.param("full", 8, "sgd", marks=GENERIC), ("full", 8, "adam"),
     ("full", 7, "momentum"), ("full", 5, "momentum"),
-    ("optimizer", 3, "adam"), ("optimizer", 8, "momentum")])
+    pytest.param("optimizer", 3, "adam", marks=GENERIC), ("optimizer", 8, "momentum")])
 def test_sharded_layouts_equal_one_device_for_any_n(sharding, n, opt):
     t = trainer(n, opt, sharding=sharding)
     diff, rel = compare(t, opt)
@@ -186,7 +191,7 @@ def test_every_layout_skips_the_same_steps():
 @pytest.mark.parametrize("kw,message", [
     ({"sharding": "full", "backend": "pmap"}, "`sharding=full` needs `backend=shard_map`"),
     ({"sharding": "zero3"}, "`sharding` must be one of replicated, optimizer, full"),
-    ({"shard_optimizer_state": True}, "now `sharding='optimizer'`")])
+    ({"shard_optimizer_state": True}, "Trainer takes no argument shard_optimizer_state")])
 def test_sharding_mistakes_are_one_line_errors(kw, message):
     with pytest.raises(DpaxError, match=message):
         trainer(2, **kw)

@@ -147,8 +147,8 @@ def test_launch_refuses_flags_it_sets_itself():
 
 def test_pmap_with_several_processes_names_the_fix():
     with pytest.raises(dpax.DpaxError, match="`backend=shard_map`"):
-        dpax.TrainConfig(backend="pmap", num_processes=2, process_id=0,
-                         coordinator="localhost:1").validate()
+        dpax.config.validate(dpax.TrainConfig.from_flags(
+            backend="pmap", num_processes=2, process_id=0, coordinator="localhost:1"))
 
 
 @pytest.mark.parametrize("seed", [0, 4])
@@ -250,7 +250,7 @@ x = (np.random.default_rng(0).random((4, 129)) * 100).astype(np.float32)
 g = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("data")), lambda i: x[i])
 f = lambda fn: jax.jit(jax.shard_map(lambda v: fn(v[0]), mesh=mesh, in_specs=P("data"),
                                      out_specs=P()))(g).addressable_data(0)
-ours = np.asarray(f(lambda v: collectives.psum_packed({"v": v}, "data")["v"]))
+ours = np.asarray(f(lambda v: collectives.psum_tree({"v": v}, "data", pack=True)["v"]))
 gloo = np.asarray(f(lambda v: jax.lax.psum(v, "data")))
 rank_order = ((((np.zeros(129, np.float32) + x[0]) + x[1]) + x[2]) + x[3])
 print("dpax", np.array_equal(ours, rank_order), "gloo", np.array_equal(gloo, rank_order))

@@ -44,7 +44,8 @@ def test_spmd_with_nothing_mapped_still_runs():
 
 
 def test_seed_000_regression_recovers_w_and_b_on_4_devices():
-    cfg = dpax.TrainConfig(model="linear", data="regression", devices=4, optimizer="sgd",
+    cfg = dpax.TrainConfig.from_flags(
+        model="linear", data="regression", devices=4, optimizer="sgd",
                            lr=0.05, batch_size=64, epochs=30, log_every=50)
     result = dpax.train(cfg, log=None)
     w_true, b_true = data.true_regression_params()

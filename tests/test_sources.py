@@ -11,8 +11,9 @@ import pytest
 from conftest import max_diff
 from dpax import data
 from dpax.cli import main
-from dpax.cli.config import TrainConfig
-from dpax.cli.run import flat_params, train
+from dpax.cli.job import TrainConfig
+from dpax.cli.outputs import flat_params
+from dpax.cli.train import train
 from dpax.data import datasets, pipeline, prepare, sources
 from dpax.errors import DpaxError
 
@@ -112,7 +113,8 @@ def test_four_formats_train_bit_identical_params_on_4_devices(stored):
     """50 steps on 4 devices, an uneven batch (37), the same params from each."""
     params = {}
     for fmt in FORMATS:
-        result = train(TrainConfig(model="cnn", data=stored[2][fmt], devices=4, steps=50,
+        result = train(TrainConfig.from_flags(
+            model="cnn", data=stored[2][fmt], devices=4, steps=50,
                                    batch_size=37, log_every=25, quiet=True), log=None)
         params[fmt] = flat_params(result.trainer.params)
     for fmt in FORMATS[1:]:

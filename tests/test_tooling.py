@@ -89,9 +89,10 @@ def test_quiet_prints_only_the_summary(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("model: mlp\nbogus: 3\n", "unknown field(s) bogus"),
+    ("model:\n  name: mlp\nbogus: 3\n", "unknown field(s) bogus"),
     ("model: [unclosed\n", "not valid YAML"),
-    ("lr: fast\n", "--lr must be float"),
+    ("optimizer:\n  lr: fast\n", "--lr must be float"),
+    ("lr: 0.1\n", "unknown field(s) lr"),  # flat names are the command line's
     ("- a list\n", "must hold a mapping"),
 ])
 def test_bad_config_files_exit_2(tmp_path, capsys, text, needle):

@@ -18,21 +18,24 @@ _EXPORTS = {
     "make_optimizer": "dpax.training.optim", "make_schedule": "dpax.training.optim",
     "scaled_lr": "dpax.training.optim",
     # models and losses
-    "make_model": "dpax.models", "from_linen": "dpax.models.bridge",
+    "make_model": "dpax.models.registry", "from_linen": "dpax.models.bridge",
     "from_function": "dpax.models.bridge",
     "classification_loss": "dpax.models.losses", "classification_predict": "dpax.models.losses",
     "regression_loss": "dpax.models.losses", "regression_predict": "dpax.models.losses",
     "lm_loss": "dpax.models.losses", "lm_predict": "dpax.models.losses",
     # data
-    "Dataset": "dpax.data", "BatchPlan": "dpax.data.pipeline", "pad_batch": "dpax.data.batches",
+    "Dataset": "dpax.data.datasets", "BatchPlan": "dpax.data.pipeline",
+    "pad_batch": "dpax.data.batches",
     # devices and jax.pmap's idioms
     "MAX_SIMULATED_DEVICES": "dpax.parallel.mesh", "describe": "dpax.parallel.mesh",
     "select_devices": "dpax.parallel.mesh", "simulate_devices": "dpax.parallel.mesh",
     "spmd": "dpax.parallel.spmd", "replicate": "dpax.parallel.arrays",
     "unreplicate": "dpax.parallel.arrays", "shard_batch": "dpax.parallel.spmd",
     "unshard": "dpax.parallel.spmd", "replicas_in_sync": "dpax.parallel.spmd",
-    # the CLI's jobs
-    "train": "dpax.cli.run", "TrainConfig": "dpax.cli.config",
+    # configs, and the CLI's job from Python
+    "TrainerConfig": "dpax.training.trainer", "ModelConfig": "dpax.models.registry",
+    "DataConfig": "dpax.data.datasets", "OptimizerConfig": "dpax.training.optim",
+    "train": "dpax.cli.train", "TrainConfig": "dpax.cli.job",
     # errors: every exception dpax raises on purpose is a DpaxException
     "DpaxException": "dpax.errors", "DpaxError": "dpax.errors", "DpaxWarning": "dpax.errors",
     "RunFailed": "dpax.errors", "TooManyBadSteps": "dpax.errors", "Preempted": "dpax.errors",

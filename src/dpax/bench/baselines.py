@@ -3,7 +3,8 @@
   dpax/shard_map, dpax/pmap   the real `Trainer.fit` path (host batches, masks, metrics)
   dpax/k=K                    the same with K steps per compiled call
   dpax/optimizer, dpax/full   the shard_map path with ZeRO-1 or FSDP state (`dpax.parallel.layout`)
-  pmap loop                   seed 000/004's loop: pmap + pmean, batches reshaped on the host
+  pmap loop                   the jax.pmap tutorials' loop: pmap + pmean, batches reshaped
+                              on the host
   jit 1 device                a plain jit loop on one device with the whole batch
   jit sharded                 jit with the batch sharded by NamedSharding over N devices and
                               the state replicated: XLA partitions the whole step itself
@@ -23,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpax.bench.timing import Method, _first_call
+from dpax.bench.timing import Method, first_call
 from dpax.bench.workloads import synthetic
 from dpax.parallel.arrays import replicate
 from dpax.training.trainer import Trainer
@@ -40,7 +41,7 @@ def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None,
         done[0] += k
         t.fit(x, y, batch_size=batch_size, until_step=done[0], log_every=10**9)
 
-    method = _first_call(name or f"dpax/{backend}", run, steps_per_call)
+    method = first_call(name or f"dpax/{backend}", run, steps_per_call)
     method.memory = _step_memory(t, batch_size, w)  # after: it compiles too
     method.state = state_bytes(t)
     return method
@@ -78,7 +79,7 @@ def _split(w):
 
 
 def bench_pmap_loop(w, n, batch_size) -> Method:
-    """The seeds' loop: replicate params, reshape each batch to (n, b/n, ...),
+    """The pmap tutorials' loop: replicate params, reshape each batch to (n, b/n, ...),
     pmap a step that pmeans the gradients, read the loss only at the end."""
     x, y = synthetic(w, batch_size)
     mean_loss, params = _split(w)
@@ -92,7 +93,7 @@ def bench_pmap_loop(w, n, batch_size) -> Method:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "devices")
 
-    # Seed 000's "Method 1": stack copies on the host; the first call places them.
+    # Replicas stacked on the host; the first call places them.
     state = [replicate(params, n), replicate(tx.init(params), n)]
     per = batch_size // n
     n_batches = len(x) // batch_size
@@ -108,7 +109,7 @@ def bench_pmap_loop(w, n, batch_size) -> Method:
                 loss.block_until_ready()
         float(loss[0])  # the seed's log line: one sync at the end
 
-    return _first_call("pmap loop", run)
+    return first_call("pmap loop", run)
 
 
 def bench_jit(w, batch_size, n=None) -> Method:
@@ -144,4 +145,4 @@ def bench_jit(w, batch_size, n=None) -> Method:
                 state[0] = jax.block_until_ready(state[0])
         jax.block_until_ready(state)
 
-    return _first_call("jit 1 device" if n is None else "jit sharded", run)
+    return first_call("jit 1 device" if n is None else "jit sharded", run)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 
-def _fmt_row(r: dict) -> str:
+def format_row(r: dict) -> str:
     flops = f" {100 * r['flops_frac']:5.1f}%" if "flops_frac" in r else "     -"
     mem, state = ("-" if np.isnan(r.get(k, np.nan)) else f"{r[k]:.1f}"
                   for k in ("memory_mib", "state_mib"))
@@ -20,16 +20,16 @@ def _fmt_row(r: dict) -> str:
             f"{state} |{flops} |")
 
 
-def _write(rows, sweep_rows, peak, out_dir, optimizer):
+def write_results(rows, sweep_rows, peak, out_dir, optimizer):
     header = ("| workload | N | method | compile s | steps/s median | steps/s min | "
               "vs pmap loop | step MiB/device | state MiB/device | FLOP/s of peak |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    tunables = os.environ.get("GLIBC_TUNABLES") or "none"  # see dpax.xla_cpu.hostenv
+    tunables = os.environ.get("GLIBC_TUNABLES") or "none"  # malloc settings move XLA:CPU
     text = [f"dpax bench, {time.strftime('%Y-%m-%d')}, {machine}, jax {jax.__version__}, "
             f"{jax.default_backend()}; matmul peak {peak / 1e9:.1f} GFLOP/s (f32, one device); "
             f"GLIBC_TUNABLES {tunables}; every method trains with {optimizer}",
-            "", header] + [_fmt_row(r) for r in rows]
+            "", header] + [format_row(r) for r in rows]
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(text) + "\n")
     with open(os.path.join(out_dir, "results.json"), "w") as f:

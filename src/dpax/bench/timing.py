@@ -7,9 +7,6 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
-
 
 @dataclasses.dataclass
 class Method:
@@ -37,22 +34,9 @@ def time_interleaved(methods: list[Method], steps: int, repeats: int) -> dict[st
     return rates
 
 
-def _first_call(name: str, run: Callable[[int], None], k: int = 1) -> Method:
+def first_call(name: str, run: Callable[[int], None], k: int = 1) -> Method:
     t0 = time.perf_counter()
     run(k)
     return Method(name, time.perf_counter() - t0, run)
-
-
-def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
-    """This machine's f32 matmul FLOP/s on one device: the yardstick for mlp."""
-    a = jnp.ones((size, size), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    f(a).block_until_ready()
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        best = max(best, 2 * size**3 / (time.perf_counter() - t0))
-    return best
 
 

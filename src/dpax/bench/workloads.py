@@ -42,8 +42,8 @@ class Workload:
         return OPTIMIZERS[self.optimizer]()
 
 
-# What every method of one bench run trains with; Adam by default: what the
-# seeds and most users train with (issue 20), SGD kept for reference rows.
+# What every method of one bench run trains with; Adam by default: what most
+# users train with; SGD kept for reference rows.
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.01),
     "momentum": lambda: optax.sgd(0.01, momentum=0.9),
@@ -57,7 +57,7 @@ def _dense_flops(sizes):
 
 
 # Steps per repeat are multiples of 8, so --steps-per-call 8 runs whole calls only.
-# The GPT of issue 18's harness: 4 blocks of width 128, 4 heads, 64 tokens.
+# A small GPT: 4 blocks of width 128, 4 heads, 64 tokens.
 GPT_SHAPE = {"layers": 4, "width": 128, "heads": 4}
 GPT_SEQ = 64
 

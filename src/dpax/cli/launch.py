@@ -8,6 +8,7 @@ and the launcher returns the first failure's exit code.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -17,6 +18,30 @@ import threading
 import time
 
 from dpax.errors import DpaxError
+
+NAME = "launch"
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser(
+        NAME, help="run `dpax train` as several local processes",
+        description="Start P processes of one multi-process run: "
+                    "dpax launch --nprocs 2 --devices-per-process 2 -- --steps 100")
+    parser.add_argument("--nprocs", type=int, required=True, metavar="P",
+                        help="number of processes")
+    parser.add_argument("--devices-per-process", type=int, default=None, metavar="D",
+                        help="devices per process (default: all local; on CPU, 8 simulated)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="coordinator port (default: a free one)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show every rank's output, not only rank 0's")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER,
+                        help="-- then the flags of dpax train")
+
+
+def run(args: argparse.Namespace) -> int:
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    return launch(train_args, args.nprocs, args.devices_per_process, args.port, args.verbose)
 
 GRACE_S = 5  # SIGTERM, then SIGKILL after this long
 

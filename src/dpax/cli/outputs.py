@@ -1,16 +1,25 @@
-"""Files a run leaves in `--out`: checked before any work starts, written
-atomically (a crash leaves the old file or the new one, never half of one)."""
+"""What a run leaves in `--out` and shows on the terminal: its config, the
+directory policy (checked before any work starts), the metric writers, and
+files written atomically (a crash leaves the old file or the new one, never
+half of one)."""
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import json
 import os
 import shutil
 import tempfile
 
 import numpy as np
+from flax import nnx, traverse_util
 
+from dpax import config as cfg
 from dpax.errors import DpaxError
+from dpax.writers import MultiWriter
+from dpax.writers.console import console_writer
+from dpax.writers.csv_file import CsvWriter
+from dpax.writers.jsonl import JsonlWriter
 
 # What `dpax train --out DIR` writes; a directory holding any of them holds a run.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.csv", "params.npz", "metrics.png",
@@ -47,6 +56,22 @@ def writable_file(path: str, what: str, suffixes: tuple[str, ...]) -> None:
         raise DpaxError(f"cannot write `{what}={path}`: {e.strerror or e}") from None
 
 
+def check_dirs(out: OutputConfig, checkpoint, writer_process: bool) -> list[str]:
+    """Refuse an `out` that holds another run (unless overwriting or resuming)
+    and make sure every output directory can be written; returns the
+    directories this made. `checkpoint`: the run's `CheckpointConfig`."""
+    created = []
+    if out.out is not None and writer_process:
+        if holds_run(out.out) and not out.overwrite and checkpoint.resume is None:
+            raise DpaxError(f"`out={out.out}` already holds a run; give a new `out`, "
+                            "`overwrite=True` to replace it, or `resume` to continue it")
+        if writable_dir(out.out, "out"):
+            created.append(out.out)
+    if checkpoint.dir is not None and writable_dir(checkpoint.dir, "checkpoint_dir"):
+        created.append(checkpoint.dir)
+    return created
+
+
 def holds_run(path: str) -> bool:
     return os.path.isdir(path) and any(os.path.exists(os.path.join(path, f))
                                        for f in RUN_FILES)
@@ -62,6 +87,27 @@ def clear_run(path: str) -> None:
             os.remove(target)
 
 
+def flat_params(params: nnx.State) -> dict[str, np.ndarray]:
+    """One host array per parameter path, e.g. `conv1/kernel` or `layers/0/bias`."""
+    flat = traverse_util.flatten_dict(nnx.to_pure_dict(params))
+    return {"/".join(map(str, k)): np.asarray(v) for k, v in flat.items()}
+
+
+def summary_line(ev: dict, steps: int | None = None, speed: float | None = None) -> str:
+    """A run's (or a checkpoint's) eval metrics in one line."""
+    parts = []
+    if "accuracy" in ev:
+        parts.append(f"eval accuracy {ev['accuracy']:.3f}")
+    parts.append(f"eval loss {ev['loss']:.4g}")
+    if "bpb" in ev:
+        parts.append(f"bits/byte {ev['bpb']:.3f}  perplexity {ev['perplexity']:.3g}")
+    if steps is not None:
+        parts.append(f"steps {steps}")
+    if speed is not None:
+        parts.append(f"{speed:.1f} steps/s")
+    return "  ".join(parts)
+
+
 def save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
     tmp = path + ".tmp.npz"
     np.savez(tmp, **arrays)
@@ -75,10 +121,68 @@ def save_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def json_safe(value):
-    """Strict JSON has no NaN or infinity: they are written as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, list):
-        return [json_safe(v) for v in value]
-    return value
+def keep_metrics_up_to(path: str, step: int) -> None:
+    """Drop log rows past a resumed step, so every step is logged once."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(rows)
+    os.replace(tmp, path)
+
+
+@dataclasses.dataclass
+class OutputConfig:
+    """Where a run's files go and what the terminal shows."""
+
+    out: str | None = cfg.field(None, "run directory for metrics.jsonl and params.npz",
+                                how=True)
+    overwrite: bool = cfg.field(False, "replace the run already in --out (default: refuse)",
+                                how=True)
+    tensorboard: bool = cfg.field(
+        False, "also write TensorBoard event files to --out/tensorboard", how=True)
+    profile_steps: str | None = cfg.field(
+        None, "A:B: a JAX profiler trace of steps A..B into --out/profile (Perfetto/TensorBoard)",
+        how=True)
+    quiet: bool = cfg.field(False, "no progress output, only the summary line and errors",
+                            how=True)
+    verbose: bool = cfg.field(False, "plain progress lines even on a terminal, plus run "
+                              "details", how=True)
+
+    def check(self) -> None:
+        cfg.directory(self, "out")
+        if self.profile_steps is not None:
+            self.profile_range()
+            if self.out is None:
+                raise DpaxError("`profile_steps` needs `out` for the trace")
+        if self.tensorboard and self.out is None:
+            raise DpaxError("`tensorboard` needs `out` for the event files")
+        if self.quiet and self.verbose:
+            raise DpaxError("give `quiet` or `verbose`, not both")
+
+    def profile_range(self) -> tuple[int, int]:
+        """First and last step (1-based, inclusive) of --profile-steps A:B."""
+        a, sep, b = (self.profile_steps or "").partition(":")
+        if not (sep and a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b)):
+            raise DpaxError(f"`profile_steps` must be A:B with 1 <= A <= B, e.g. 10:20; "
+                            f"got {self.profile_steps!r}")
+        return int(a), int(b)
+
+    def writers(self, total: int, start: int, log, writer_process: bool) -> MultiWriter:
+        """The run's metric writers: progress on `log` (None: none), and on
+        process 0 the files in `out`, continued past step `start`."""
+        writers = []
+        if log is not None and not self.quiet:
+            writers.append(console_writer(total, start, log, self.verbose))
+        if self.out is not None and writer_process:
+            jsonl = os.path.join(self.out, "metrics.jsonl")
+            keep_metrics_up_to(jsonl, start)
+            writers.append(JsonlWriter(jsonl, append=start > 0))
+            writers.append(CsvWriter(os.path.join(self.out, "metrics.csv"), append=start > 0))
+            if self.tensorboard:
+                from dpax.writers.tensorboard import TensorBoardWriter  # tensorboardX: slow import
+
+                writers.append(TensorBoardWriter(os.path.join(self.out, "tensorboard")))
+        return MultiWriter(writers)

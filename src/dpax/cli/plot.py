@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
 from dpax.cli.outputs import writable_file
 from dpax.errors import DpaxError
+
+NAME = "plot"
 
 PANELS = (("loss", ("loss", "eval_loss")), ("accuracy", ("accuracy", "eval_accuracy")),
           ("learning rate", ("lr",)), ("steps / s", ("steps_per_sec",)))
@@ -72,3 +75,17 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> str:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser(NAME, help="PNG plots of runs' metrics, overlaid",
+                            description="Plot loss, accuracy, LR and steps/s of one or more "
+                                        "runs.")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="directories from --out")
+    parser.add_argument("--out", default=None, metavar="FILE.png",
+                        help="where to write (default: next to the runs)")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"wrote {plot_runs(args.run_dirs, args.out)}")
+    return 0

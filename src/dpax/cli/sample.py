@@ -3,9 +3,50 @@ checkpoint, with the EMA params when the run kept them."""
 
 from __future__ import annotations
 
-from dpax.cli.run import load_checkpoint
+import argparse
+import dataclasses
+
+from dpax import config as cfg
+from dpax.cli import devices
+from dpax.cli.flags import add_flags, config_from_args
+from dpax.cli.job import load_checkpoint
 from dpax.errors import DpaxError
 from dpax.models.generate import check, generate
+
+NAME = "sample"
+
+
+@dataclasses.dataclass
+class SampleConfig:
+    """`dpax sample`: a language model's continuation of a prompt."""
+
+    checkpoint: str = cfg.field(None, "a checkpoint of dpax train --model gpt (newest step) "
+                                "or one step directory", required=True, metavar="PATH")
+    prompt: str = cfg.field("def ", "the text to continue")
+    tokens: int = cfg.field(200, "bytes to generate")
+    temperature: float = cfg.field(0.8, "sampling temperature (0: always the most likely "
+                                   "byte)")
+    seed: int = cfg.field(0, "seed of the sampling")
+
+    def check(self) -> None:
+        cfg.whole(self, "seed", 0)
+        check(self.prompt.encode(), self.tokens, self.temperature)
+
+
+def add_parser(sub) -> None:
+    add_flags(sub.add_parser(
+        NAME, help="continue a prompt with a trained language model",
+        description="Print a language model's continuation of --prompt (dpax train "
+                    "--model gpt --data text makes one)."), SampleConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = cfg.validate(config_from_args(args, SampleConfig))
+    devices.start(1)
+    text = sample_checkpoint(config.checkpoint, config.prompt, config.tokens,
+                             config.temperature, config.seed)
+    print(config.prompt + text)
+    return 0
 
 
 def sample_checkpoint(path: str, prompt: str, tokens: int = 200, temperature: float = 0.8,

@@ -1,6 +1,7 @@
 """The data path, host side: examples -> the padded, masked batch of each step.
 
-  datasets   the datasets the CLI names, users' .npz files, the train/eval split
+  datasets   the datasets the CLI names, users' .npz files, the train/eval split,
+             `DataConfig`
   sources    examples on disk read by index: ArrayRecord, Parquet, saved HF datasets
   prepare    `dpax prepare`: examples to ArrayRecord shards
   text       byte-token windows of text files
@@ -9,21 +10,8 @@
   pipeline   the batches of each step on Grain, checkpointable
 """
 
-from dpax._submodules import lazy_submodules
-from dpax.data.datasets import (
-    DATASETS,
-    Dataset,
-    check_name,
-    digits,
-    is_text,
-    load,
-    random_images,
-    read_inputs,
-    regression,
-    true_regression_params,
-)
+from dpax._submodules import lazy
 
-__all__ = ["DATASETS", "Dataset", "check_name", "digits", "is_text", "load", "random_images",
-           "read_inputs", "regression", "true_regression_params"]
-
-__getattr__ = lazy_submodules(__name__)
+_DATASETS = ("DATASETS", "DataConfig", "Dataset", "digits", "is_text", "load",
+             "random_images", "read_inputs", "regression", "true_regression_params")
+__getattr__ = lazy(__name__, dict.fromkeys(_DATASETS, "dpax.data.datasets"))

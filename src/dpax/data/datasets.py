@@ -13,7 +13,8 @@ import zipfile
 
 import numpy as np
 
-from dpax.data import sources, text
+from dpax import config as cfg
+from dpax.data import augment, sources, text
 from dpax.errors import DpaxError, DpaxWarning
 
 # The data never depends on --seed: runs with different seeds see the same split.
@@ -52,7 +53,7 @@ def _split(name, x, y, task, n_out) -> Dataset:
 
 
 def regression(n: int = 800, dim: int = 5) -> Dataset:
-    """Seed 000's synthetic linear data: y = x w + b + 0.1 noise."""
+    """Synthetic linear data: y = x w + b + 0.1 noise."""
     rng = np.random.default_rng(DATA_SEED)
     w, b = true_regression_params(dim)
     x = rng.normal(size=(n, dim)).astype(np.float32)
@@ -200,3 +201,43 @@ def load(name: str, seq_len: int = DEFAULT_SEQ_LEN, x_column: str = "x",
     if sources.is_streamed(name):
         return from_table(sources.open_table(name, x_column, y_column))
     return DATASETS[name]()
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where the examples come from and how each batch is made of them."""
+
+    name: str = cfg.field(
+        "digits", "data: regression, digits, random-images, a path to a .npz, text (the "
+        "Python standard library's sources) or text:PATH (a text file or a directory of "
+        "them; byte tokens), or examples streamed from disk: a directory or glob of "
+        "ArrayRecord shards (dpax prepare), Parquet files, or a saved Hugging Face dataset",
+        flag="data")
+    x_column: str = cfg.field("x", "streamed data: the column (feature) of inputs")
+    y_column: str = cfg.field("y", "streamed data: the column (feature) of labels or targets")
+    seq_len: int = cfg.field(DEFAULT_SEQ_LEN, "text: tokens per training window (gpt's "
+                             "context length)")
+    augment: str | None = cfg.field(
+        None, "images: crop, flip or crop,flip; each example's draw comes from the seed, the "
+        "step and its place in the global batch, so any device count trains the same")
+    workers: int = cfg.field(
+        0, "Grain worker processes that read and decode batches (0: the training thread)",
+        how=True, flag="data_workers")
+
+    def check(self) -> None:
+        check_name(self.name)
+        augment.parse(self.augment)
+        cfg.whole(self, "seq_len")
+        cfg.whole(self, "workers", low=0)
+
+    @property
+    def is_text(self) -> bool:
+        return is_text(self.name)
+
+    def load(self) -> Dataset:
+        """The dataset, its augmentation checked against its examples."""
+        ds = load(self.name, self.seq_len, self.x_column, self.y_column)
+        aug = augment.parse(self.augment)
+        if aug is not None:
+            aug.check(ds.input_shape)
+        return ds

@@ -57,6 +57,15 @@ def examples(data: Any, y: Any = None) -> dict:
 
 
 
+def check_length(steps: int | None, epochs: int | None, steps_name: str = "steps") -> None:
+    """A run's length is `steps` or `epochs`, not both, each >= 1."""
+    if steps is not None and epochs is not None:
+        raise DpaxError(f"give exactly one of `{steps_name}` or `epochs`, not both")
+    for name, value in ((steps_name, steps), ("epochs", epochs)):
+        if value is not None and value < 1:
+            raise DpaxError(f"`{name}` must be >= 1, got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
     """Epoch-aligned global batches over `n_examples`, in a seeded order."""
@@ -73,14 +82,10 @@ class BatchPlan:
                     default_epochs: int | None = None, steps_name: str = "steps") -> int:
         """Steps of a run: `steps`, else `epochs` passes (else `default_epochs`).
         `steps_name` is what the caller calls `steps`, for its errors."""
-        if steps is not None and epochs is not None:
-            raise DpaxError(f"give exactly one of `{steps_name}` or `epochs`, not both")
+        check_length(steps, epochs, steps_name)
         epochs = epochs if steps is not None or epochs is not None else default_epochs
         if steps is None and epochs is None:
             raise DpaxError(f"give exactly one of `{steps_name}` or `epochs`")
-        for name, value in ((steps_name, steps), ("epochs", epochs)):
-            if value is not None and value < 1:
-                raise DpaxError(f"`{name}` must be >= 1, got {value}")
         return steps if steps is not None else epochs * self.steps_per_epoch
 
     def indices(self, step: int) -> np.ndarray:

@@ -28,6 +28,14 @@ REMAT_POLICIES = {
 }
 
 
+def check_shape(width: int, heads: int, remat: str) -> None:
+    """The GPT's rules on its options (the config checks them with this too)."""
+    if width % heads:
+        raise DpaxError(f"gpt: `width` {width} must be a multiple of `heads` {heads}")
+    if remat not in REMAT_POLICIES:
+        raise DpaxError(f"`remat` must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
+
+
 class Block(nnx.Module):
     """x + attn(ln(x)), then x + mlp(ln(x))."""
 
@@ -59,10 +67,7 @@ class GPT(nnx.Module):
     def __init__(self, vocab: int, seq_len: int, *, layers: int = 4, width: int = 128,
                  heads: int = 4, dropout: float = 0.0, remat: str = "none",
                  rngs: nnx.Rngs):
-        if width % heads:
-            raise DpaxError(f"gpt: `width` {width} must be a multiple of `heads` {heads}")
-        if remat not in REMAT_POLICIES:
-            raise DpaxError(f"`remat` must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
+        check_shape(width, heads, remat)
         self.seq_len, self.remat = seq_len, remat
         init = nnx.initializers.normal(0.02)  # GPT-2's
         self.wte = nnx.Embed(vocab, width, embedding_init=init, rngs=rngs)

@@ -38,6 +38,7 @@ class BatchContext:
     key: jax.Array | None  # typed PRNG key for this step
     axis: str | None  # the device axis, or None on one device / outside dpax
     sync_batchnorm: bool = True  # Linen's nn.BatchNorm: global statistics (`dpax.models.bridge`)
+    pack: bool = False  # all-reduce operands packed (`dpax.parallel.collectives`)
     calls: int = 0  # dropout layers called so far: each gets its own stream
 
 
@@ -72,7 +73,10 @@ def global_moments(x: jax.Array, feature_axes: tuple[int, ...], ctx: BatchContex
             jnp.sum(rows) * per_row)
     # The running averages take the sums typed as replicated; the
     # normalization the per-device ones. Both come from one all-reduce.
-    replicated, per_device = (sums, sums) if ctx.axis is None else synced_sum(sums, ctx.axis)
+    if ctx.axis is None:
+        replicated = per_device = sums
+    else:
+        replicated, per_device = synced_sum(sums, ctx.axis, ctx.pack)
     return _moments(*per_device), jax.lax.stop_gradient(_moments(*replicated))
 
 

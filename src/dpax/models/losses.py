@@ -21,7 +21,7 @@ def classification_loss(model, batch):
 
 
 def regression_loss(model, batch):
-    """Squared error per example (seed 000's mean squared error, before the mean)."""
+    """Squared error per example (the mean squared error before the mean)."""
     pred = model(batch["x"]).astype(jnp.float32).reshape(batch["y"].shape)
     return jnp.square(pred - batch["y"]), {}
 

@@ -1,4 +1,4 @@
-"""Built-in Flax NNX models, each written for ONE device, as the seeds teach.
+"""Built-in Flax NNX models, each written for ONE device.
 
 Any `nnx.Module` works with dpax; these are the ones the CLI can name.
 """
@@ -13,7 +13,7 @@ from dpax.errors import DpaxError
 
 
 class Linear(nnx.Module):
-    """y = x w + b on flattened inputs (seed 000's linear regression)."""
+    """y = x w + b on flattened inputs (linear regression)."""
 
     def __init__(self, in_shape: tuple[int, ...], n_out: int, *, rngs: nnx.Rngs):
         self.dense = nnx.Linear(math.prod(in_shape), n_out, rngs=rngs)
@@ -40,7 +40,7 @@ class MLP(nnx.Module):
 
 
 class CNN(nnx.Module):
-    """Seed 004's CNN: two conv + max-pool blocks and a dense head, on NHWC images."""
+    """Two conv + max-pool blocks and a dense head, on NHWC images."""
 
     def __init__(self, in_shape: tuple[int, ...], n_out: int, *, rngs: nnx.Rngs):
         h, w, c = in_shape

@@ -10,6 +10,6 @@ function runs on all of them.
   arrays        device arrays on the host
 """
 
-from dpax._submodules import lazy_submodules
+from dpax._submodules import lazy
 
-__getattr__ = lazy_submodules(__name__)
+__getattr__ = lazy(__name__)

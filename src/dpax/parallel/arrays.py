@@ -27,7 +27,7 @@ def host_leaf(x: Any) -> Any:
 def replicate(tree: Any, n: int) -> Any:
     """Stack `n` copies of every leaf along a new leading axis (pmap layout), on
     the host. `jax.pmap(f, in_axes=None)` with nothing mapped fails on current
-    JAX; this is what the seeds' broadcast trick meant."""
+    JAX; this is what broadcasting with pmap was for."""
     def stack(x):
         if is_key(x):  # typed PRNG keys: stack their data, then wrap it again
             data = np.asarray(jax.random.key_data(x))

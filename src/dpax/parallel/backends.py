@@ -1,7 +1,7 @@
 """Two ways to run one per-device function on N devices, with the same numbers.
 
 `shard_map` (jit + shard_map over a 1-D `data` mesh) is the path JAX recommends
-and the one that spans hosts; `pmap` keeps the seeds' API for users who know it.
+and the one that spans hosts; `pmap` keeps the API `jax.pmap` users know.
 Each backend owns its layouts: where state and batches live, and how results
 come back to the host.
 """
@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from dpax.errors import DpaxError
 from dpax.parallel.arrays import host_leaf, is_key, replicate, unreplicate
 from dpax.parallel.mesh import AXIS
-from dpax.xla_cpu.compile_options import ChosenJit
+from dpax.parallel.platform import Platform
 
 BACKENDS = ("shard_map", "pmap")
 DEFAULT_BACKEND = "shard_map"
@@ -48,10 +48,10 @@ class ShardMapBackend:
 
     name = "shard_map"
 
-    def __init__(self, devices: Sequence[jax.Device], compile_options: dict | None = None):
+    def __init__(self, devices: Sequence[jax.Device], platform: Platform):
         self.devices = list(devices)
         self.n = len(self.devices)
-        self.compile_options = compile_options  # None: chosen per step (`compile_options`)
+        self.platform = platform
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
         self._replicated = NamedSharding(self.mesh, P())
         self._rows = NamedSharding(self.mesh, P(AXIS))
@@ -119,11 +119,10 @@ class ShardMapBackend:
         """`fn` under jit, its inputs (and, with `out_specs`, its outputs) laid
         out by PartitionSpecs over the mesh; the first argument donated."""
         out = None if out_specs is None else self._shardings(out_specs)
-        return ChosenJit(
+        return self.platform.compile(
             lambda options: jax.jit(fn, in_shardings=self._shardings(in_specs),
                                     out_shardings=out, donate_argnums=(0,) if donate else (),
-                                    compiler_options=options),
-            self.devices[0].platform, self.compile_options)
+                                    compiler_options=options))
 
     def _wrap(self, fn: Callable, out_specs, donate: bool, batch_spec=None,
               state_spec=None, carries_metrics: bool = False) -> Callable:
@@ -145,20 +144,20 @@ class ShardMapBackend:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
                             is_leaf=lambda x: isinstance(x, P))
 
-    def train(self, fn: Callable, state_spec=None) -> Callable:
+    def stepper(self, fn: Callable, state_spec=None) -> Callable:
         """`fn(state, metric sums, shard) -> (state, metric sums)`, per device;
         `state_spec` lays out a state that is not fully replicated."""
         out_state = P() if state_spec is None else state_spec
         return self._wrap(fn, (out_state, P()), donate=True, state_spec=state_spec,
                           carries_metrics=True)
 
-    def train_multi(self, fn: Callable, state_spec=None) -> Callable:
+    def multi_stepper(self, fn: Callable, state_spec=None) -> Callable:
         """`fn(state, metric sums, batches)`, batches stacked along a leading step axis."""
         out_state = P() if state_spec is None else state_spec
         return self._wrap(fn, (out_state, P()), donate=True, batch_spec=P(None, AXIS),
                           state_spec=state_spec, carries_metrics=True)
 
-    def train_global(self, fn: Callable, state_spec, steps_axis: bool = False) -> Callable:
+    def global_stepper(self, fn: Callable, state_spec, steps_axis: bool = False) -> Callable:
         """`fn(state, metric sums, batch) -> (state, metric sums)` of the whole
         stored state and batch, under jit (it maps its own per-device part);
         `steps_axis`: batches stacked along a leading step axis."""
@@ -194,16 +193,15 @@ class ShardMapBackend:
 
 
 class PmapBackend:
-    """The seeds' layout: a leading device axis on state and batches."""
+    """`jax.pmap`'s layout: a leading device axis on state and batches."""
 
     name = "pmap"
 
-    def __init__(self, devices: Sequence[jax.Device], compile_options: dict | None = None):
+    def __init__(self, devices: Sequence[jax.Device], platform: Platform):
         check_backend(self.name, jax.process_count())
-        if compile_options:  # jax.pmap takes none
-            raise DpaxError("`compile_options` need `backend=shard_map`")
         self.devices = list(devices)
         self.n = len(self.devices)
+        self.platform = platform  # jax.pmap takes no compile options
         # pmap on current JAX is jit + shard_map over exactly this mesh, so
         # placing inputs with its sharding means pmap never copies them again.
         self.mesh = Mesh(np.array(self.devices), (AXIS,))
@@ -233,10 +231,10 @@ class PmapBackend:
             fn, axis_name=AXIS, devices=self.devices, donate_argnums=(0,) if donate else ()
         )
 
-    def train(self, fn: Callable, state_spec=None) -> Callable:
+    def stepper(self, fn: Callable, state_spec=None) -> Callable:
         return self._wrap(fn, donate=True)  # no state_spec: `layout` allows none with pmap
 
-    def train_multi(self, fn: Callable, state_spec=None) -> Callable:
+    def multi_stepper(self, fn: Callable, state_spec=None) -> Callable:
         return self._wrap(fn, donate=True)
 
     def reduce(self, fn: Callable, state_spec=None) -> Callable:
@@ -258,6 +256,6 @@ class PmapBackend:
         return jax.tree.map(lambda x: np.asarray(x).reshape((-1,) + x.shape[2:]), tree)
 
 
-def make_backend(name: str, devices: Sequence[jax.Device], compile_options: dict | None = None):
+def make_backend(name: str, devices: Sequence[jax.Device], platform: Platform):
     check_backend(name, jax.process_count())
-    return {"shard_map": ShardMapBackend, "pmap": PmapBackend}[name](devices, compile_options)
+    return {"shard_map": ShardMapBackend, "pmap": PmapBackend}[name](devices, platform)

@@ -1,9 +1,12 @@
-"""Sums over the devices of a mesh axis: packed, and in one fixed order.
+"""Sums over the devices of a mesh axis: in one fixed order, and packed on
+XLA:CPU.
 
-Packing: `jax.lax.psum` of a pytree lowers to one all-reduce with one operand
-per leaf, and XLA:CPU's in-process collectives meet at a rendezvous once per
-operand. Packing the small leaves into one flat buffer per dtype makes it one
-rendezvous; GPU compilers combine small all-reduces in the same spirit.
+Packing (with the XLA:CPU tuning, `dpax.parallel.platform`): `jax.lax.psum`
+of a pytree lowers to one all-reduce with one operand per leaf, and XLA:CPU's
+in-process collectives meet at a rendezvous once per operand. Packing the
+small leaves into one flat buffer per dtype makes it one rendezvous. GPU and
+TPU compilers combine small all-reduces themselves, so elsewhere the tree
+goes to `psum` as it is. Either way every element's sum is the same.
 
 Order: a float sum depends on the order of its terms. XLA:CPU's in-process
 all-reduce adds the devices' values in rank order (0 + x0 + x1 + ...); across
@@ -99,12 +102,15 @@ def _sum(leaves: list, axis: str) -> list:
     return jax.lax.psum(leaves, axis)
 
 
-def psum_packed(tree: Any, axis: str) -> Any:
-    """`jax.lax.psum(tree, axis)`, the small leaves sent as one flat buffer per
-    dtype, large leaves as they are."""
+def psum_tree(tree: Any, axis: str, pack: bool = False) -> Any:
+    """`jax.lax.psum(tree, axis)` (in rank order across processes on CPU);
+    `pack`: the small leaves sent as one flat buffer per dtype, large leaves
+    as they are."""
     if jax.lax.axis_size(axis) == 1:  # nothing to add up (the backends run one
         return tree                     # device without the replication check)
     leaves, treedef = jax.tree.flatten(tree)
+    if not pack:
+        return jax.tree.unflatten(treedef, _sum(leaves, axis))
     groups: dict[Any, list[int]] = {}
     large = []
     for i, leaf in enumerate(leaves):
@@ -128,16 +134,16 @@ def psum_packed(tree: Any, axis: str) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-def pmean_packed(tree: Any, axis: str) -> Any:
-    """`jax.lax.pmean(tree, axis)` as one all-reduce (see `psum_packed`)."""
+def pmean_tree(tree: Any, axis: str, pack: bool = False) -> Any:
+    """`jax.lax.pmean(tree, axis)` (see `psum_tree`)."""
     n = jax.lax.axis_size(axis)
     return jax.tree.map(lambda s, x: (s / n).astype(jnp.result_type(x)),
-                        psum_packed(tree, axis), tree)
+                        psum_tree(tree, axis, pack), tree)
 
 
-def synced_sum(tree: Any, axis: str) -> tuple[Any, Any]:
-    """`psum_packed` for values a model differentiates through (SyncBatchNorm's
-    statistics), whose backward pass sums the cotangents with `psum_packed` too.
+def synced_sum(tree: Any, axis: str, pack: bool = False) -> tuple[Any, Any]:
+    """`psum_tree` for values a model differentiates through (SyncBatchNorm's
+    statistics), whose backward pass sums the cotangents with `psum_tree` too.
 
     Returns the sums twice, from one all-reduce: typed as replicated (for what
     the step returns, e.g. running averages) and typed per device ("varying",
@@ -147,28 +153,28 @@ def synced_sum(tree: Any, axis: str) -> tuple[Any, Any]:
     """
     if jax.lax.axis_size(axis) == 1:
         return tree, tree
-    return _synced(tree, axis)
+    return _synced(tree, axis, pack)
 
 
 def _varying(tree: Any, axis: str) -> Any:
     return jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), tree)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _synced(tree: Any, axis: str) -> tuple[Any, Any]:
-    total = psum_packed(tree, axis)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _synced(tree: Any, axis: str, pack: bool) -> tuple[Any, Any]:
+    total = psum_tree(tree, axis, pack)
     return total, _varying(total, axis)
 
 
-def _synced_fwd(tree, axis):
-    return _synced(tree, axis), None
+def _synced_fwd(tree, axis, pack):
+    return _synced(tree, axis, pack), None
 
 
-def _synced_bwd(axis, _, cotangents):
+def _synced_bwd(axis, pack, _, cotangents):
     # d(sum_e x_e)/dx_d = 1 on every device d: each input gets every device's
     # cotangent. A replicated output's cotangent is already that total.
     replicated, per_device = cotangents
-    total = jax.tree.map(jnp.add, replicated, psum_packed(per_device, axis))
+    total = jax.tree.map(jnp.add, replicated, psum_tree(per_device, axis, pack))
     return (_varying(total, axis),)
 
 

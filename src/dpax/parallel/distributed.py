@@ -8,16 +8,57 @@ turns a wrong one into a one-line error.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 
 import jax
 
+from dpax import config as cfg
 from dpax.errors import DpaxError
 
 # A rank that stops answering is declared dead after this many seconds; the
 # others then stop instead of waiting forever in a collective.
 DEFAULT_TIMEOUT_S = 30
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    """Joining a multi-process run (`dpax launch` sets these; a cluster JAX
+    detects needs none)."""
+
+    coordinator: str | None = cfg.field(
+        None, "HOST:PORT of process 0, for multi-process runs (or use dpax launch)", how=True)
+    num_processes: int | None = cfg.field(None, "processes in a multi-process run", how=True)
+    process_id: int | None = cfg.field(None, "this process's rank, 0..num-processes-1",
+                                       how=True)
+    timeout: int = cfg.field(
+        DEFAULT_TIMEOUT_S, "seconds before an unreachable coordinator or a dead rank stops the "
+        "run", how=True)
+
+    def check(self) -> None:
+        check_args(self.coordinator, self.num_processes, self.process_id, self.timeout)
+
+    @property
+    def processes(self) -> int:
+        return self.num_processes or 1
+
+
+def check_args(coordinator: str | None, num_processes: int | None, process_id: int | None,
+               timeout: int) -> None:
+    """The rules on joining a run, checked before anything starts."""
+    given = [v is not None for v in (coordinator, num_processes, process_id)]
+    if any(given) and not all(given):
+        raise DpaxError("give `coordinator`, `num_processes` and `process_id` together")
+    if timeout < 1:
+        raise DpaxError(f"`timeout` must be >= 1 second, got {timeout}")
+    if not any(given):
+        return
+    parse_address(coordinator)
+    if num_processes < 1:
+        raise DpaxError(f"`num_processes` must be >= 1, got {num_processes}")
+    if not 0 <= process_id < num_processes:
+        raise DpaxError(f"`process_id` must be in [0, {num_processes}), got {process_id}")
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -80,21 +121,13 @@ def initialize(
     stay single-process. With all three: join `coordinator` as `process_id` of
     `num_processes`.
     """
-    given = [v is not None for v in (coordinator, num_processes, process_id)]
-    if any(given) and not all(given):
-        raise DpaxError("give `coordinator`, `num_processes` and `process_id` together")
-    if not any(given):
+    check_args(coordinator, num_processes, process_id, timeout)
+    if coordinator is None:
         if _cluster_detected():
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             jax.distributed.initialize(heartbeat_timeout_seconds=timeout)
         return
     host, port = parse_address(coordinator)
-    if num_processes < 1:
-        raise DpaxError(f"`num_processes` must be >= 1, got {num_processes}")
-    if not 0 <= process_id < num_processes:
-        raise DpaxError(f"`process_id` must be in [0, {num_processes}), got {process_id}")
-    if timeout < 1:
-        raise DpaxError(f"`timeout` must be >= 1 second, got {timeout}")
     if num_processes == 1:
         return
     _check_reachable(host, port, process_id, timeout)

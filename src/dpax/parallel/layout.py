@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from dpax.errors import DpaxError
 from dpax.parallel.arrays import is_key
-from dpax.parallel.collectives import psum_packed, reduce_scatter
+from dpax.parallel.collectives import psum_tree, reduce_scatter
 from dpax.parallel.mesh import AXIS
 
 SHARDINGS = ("replicated", "optimizer", "full")
@@ -115,7 +115,11 @@ class Layout(Protocol):
     # True: the whole step runs per device (the state is one replica);
     # False: the update runs on the logical state under jit (`dpax.training.step`).
     per_device_update: bool
+    # True: each param's gradient is reduced as the backward pass produces it
+    # (FSDP), so the step hands `reduce` gradients already reduced.
+    grads_in_backward: bool
     splits: Any
+    pack: bool  # all-reduce operands packed (`dpax.parallel.collectives`)
 
     def grad_target(self, params, dtypes) -> tuple[Any, Callable]:
         """Per device: (what to differentiate, how the model's params come from it)."""
@@ -132,9 +136,11 @@ class Replicated:
 
     name = "replicated"
     per_device_update = True
+    grads_in_backward = False
 
-    def __init__(self, state, n: int = 1):
+    def __init__(self, state, n: int = 1, pack: bool = False):
         self.splits = jax.tree.map(lambda x: Split(tuple(np.shape(x)), n), state)
+        self.pack = pack
 
     def grad_target(self, params, dtypes):
         # Differentiate this device's own loss sum. Without the cast, shard_map
@@ -145,7 +151,8 @@ class Replicated:
     def reduce(self, loss_sum, count, sums, grad_sums):
         # One all-reduce for everything (sums add up exactly across devices),
         # packed into as few buffers as possible.
-        loss_sum, count, grad_sums, sums = psum_packed((loss_sum, count, grad_sums, sums), AXIS)
+        loss_sum, count, grad_sums, sums = psum_tree((loss_sum, count, grad_sums, sums), AXIS,
+                                                     self.pack)
         return loss_sum, count, sums, grad_sums
 
     def full_params(self, params):
@@ -159,8 +166,9 @@ class _Sharded:
     per_device_update = False
     grads_in_backward = False  # FSDP: reduce-scattered as the backward pass runs
 
-    def __init__(self, state, n: int, split_params: bool):
+    def __init__(self, state, n: int, split_params: bool, pack: bool):
         self.n = n
+        self.pack = pack
         self.grad_splits = jax.tree.map(lambda x: Split.best(np.shape(x), n), state.params)
 
         def split(x):
@@ -182,7 +190,7 @@ class _Sharded:
     def reduce(self, loss_sum, count, sums, grad_sums):
         if not self.grads_in_backward:
             grad_sums = jax.tree.map(lambda s, g: s.scatter_sum(g), self.grad_splits, grad_sums)
-        loss_sum, count, sums = psum_packed((loss_sum, count, sums), AXIS)
+        loss_sum, count, sums = psum_tree((loss_sum, count, sums), AXIS, self.pack)
         return loss_sum, count, sums, grad_sums
 
 
@@ -191,8 +199,8 @@ class ZeRO1(_Sharded):
 
     name = "optimizer"
 
-    def __init__(self, state, n: int):
-        super().__init__(state, n, split_params=False)
+    def __init__(self, state, n: int, pack: bool = False):
+        super().__init__(state, n, split_params=False, pack=pack)
 
     grad_target = Replicated.grad_target
     full_params = Replicated.full_params
@@ -209,8 +217,8 @@ class FSDP(_Sharded):
 
     name = "full"
 
-    def __init__(self, state, n: int, grad_accum: int = 1):
-        super().__init__(state, n, split_params=True)
+    def __init__(self, state, n: int, grad_accum: int = 1, pack: bool = False):
+        super().__init__(state, n, split_params=True, pack=pack)
         self.grads_in_backward = grad_accum == 1
 
     def grad_target(self, params, dtypes):
@@ -331,10 +339,11 @@ def check_sharding(sharding: str, backend: str) -> None:
 
 
 def make_layout(sharding: str, backend, state, grad_accum: int = 1) -> Layout:
-    """The layout named `sharding` for a logical `state` on the backend's devices."""
-    check_sharding(sharding, backend.name)
+    """The layout named `sharding` (checked: `check_sharding`) for a logical
+    `state` on the backend's devices."""
+    pack = backend.platform.pack_collectives
     if sharding == "replicated":
-        return Replicated(state, backend.n)
+        return Replicated(state, backend.n, pack)
     if sharding == "optimizer":
-        return ZeRO1(state, backend.n)
-    return FSDP(state, backend.n, grad_accum)
+        return ZeRO1(state, backend.n, pack)
+    return FSDP(state, backend.n, grad_accum, pack)

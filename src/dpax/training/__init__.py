@@ -1,5 +1,8 @@
 """Training: the step, the loop around it, and the `Trainer` that holds both.
 
+  state        TrainState: everything a step changes; its start and its EMA
+  sums         a shard's masked sums of the loss, metrics and weights
+  update       from the global sums to the new state (clipping, skipped steps, EMA)
   step         the training step (per-device gradients, the update), eval, predict
   compiled     the steps a Trainer compiles, over the state's flat leaves
   metrics      typed metrics: how each adds up over steps and devices
@@ -11,6 +14,6 @@
   check        `check_equivalence`: N devices against one, and the likely cause
 """
 
-from dpax._submodules import lazy_submodules
+from dpax._submodules import lazy
 
-__getattr__ = lazy_submodules(__name__)
+__getattr__ = lazy(__name__)

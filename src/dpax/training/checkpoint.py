@@ -11,6 +11,7 @@ renames it when complete, so a half-written save is never taken for a good one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -20,7 +21,31 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from dpax import config as cfg
 from dpax.errors import DpaxError, RunFailed
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """Where a run's checkpoints go, how often, and which one it resumes from."""
+
+    dir: str | None = cfg.field(None, "directory for Orbax checkpoints", how=True,
+                                flag="checkpoint_dir")
+    every: int = cfg.field(0, "steps between checkpoints (0: only at the end)", how=True,
+                           flag="checkpoint_every")
+    keep: int = cfg.field(3, "checkpoints to keep", how=True)
+    resume: str | None = cfg.field(
+        None, "resume from the newest checkpoint in --checkpoint-dir, or from PATH",
+        nargs="?", const="latest", how=True)
+
+    def check(self) -> None:
+        cfg.directory(self, "dir")
+        cfg.whole(self, "every", low=0)
+        cfg.whole(self, "keep")
+        if self.every and self.dir is None:
+            raise DpaxError("`checkpoint_every` needs `checkpoint_dir`")
+        if self.resume == "latest" and self.dir is None:
+            raise DpaxError("`resume` without a PATH needs `checkpoint_dir`")
 
 
 class Checkpointer:

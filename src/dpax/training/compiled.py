@@ -16,9 +16,9 @@ from jax.sharding import PartitionSpec as P
 
 from dpax.parallel.layout import Layout, Replicated, specs
 from dpax.training import metrics
+from dpax.training.state import TrainState
 from dpax.training.step import (
     StepOptions,
-    TrainState,
     make_eval_step,
     make_multi_step,
     make_predict_step,
@@ -51,20 +51,20 @@ class CompiledSteps:
         def metrics_only(state, batch):  # traced (never compiled), for the metrics' shapes
             return train_step(state, batch)[1]
 
-        train, multi = self._flat("train", summing, True), self._flat(
-            "train_multi", make_multi_step(summing), True)
+        multi = make_multi_step(summing, unroll=backend.platform.unroll_steps)
+        train, multi = self._flat("train", summing, True), self._flat("train_multi", multi, True)
         metrics_only = self._flat("metrics_only", metrics_only)
         if layout.per_device_update:  # the whole step runs per device
-            self.train = backend.train(train, leaf_specs)
-            self.train_multi = backend.train_multi(multi, leaf_specs)
+            self.train = backend.stepper(train, leaf_specs)
+            self.train_multi = backend.multi_stepper(multi, leaf_specs)
             self._metrics_only = backend.reduce(metrics_only, leaf_specs)
         else:  # the update runs on the logical state under jit
-            self.train = backend.train_global(train, leaf_specs)
-            self.train_multi = backend.train_global(multi, leaf_specs, steps_axis=True)
+            self.train = backend.global_stepper(train, leaf_specs)
+            self.train_multi = backend.global_stepper(multi, leaf_specs, steps_axis=True)
             self._metrics_only = metrics_only
         self.packing: metrics.Packing | None = None
         self._zero_sums = None
-        eval_step = make_eval_step(graphdef, loss_fn, layout)
+        eval_step = make_eval_step(graphdef, loss_fn, layout, options)
         self.eval = backend.reduce(self._flat("eval", eval_step), leaf_specs)
         self.predict = None
         if predict_fn is not None:

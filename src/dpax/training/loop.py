@@ -3,7 +3,7 @@ of steps), metrics read at log boundaries, periodic host work as hooks.
 
     for steps, batch in device_calls(...):     # placed ahead of time
         sums = run(steps, batch, sums)          # asynchronous: no host sync
-        in_flight.add(sums)                     # XLA:CPU only: bound the queue
+        in_flight.add(sums)                     # bound the queue where asked
         if log is due: row = read(sums); hooks.on_log(step, row)
         hooks.after_step(step)                  # checkpoint, preemption, profile
 
@@ -23,10 +23,6 @@ from typing import Any
 
 import jax
 
-# XLA:CPU's cross-device rendezvous aborts ("Termination timeout for all
-# reduce") when too many multi-device steps are queued; two in flight keep the
-# device busy while the host prepares the next batch. Other platforms queue freely.
-CPU_MAX_IN_FLIGHT = 2
 # Batches made ready this many calls ahead of the step that uses them, so that
 # work for batch i+1 overlaps step i.
 PREFETCH = 2
@@ -92,7 +88,7 @@ class Steps:
     in_flight: int | None  # calls that may queue before the host waits; None: any
 
 
-def train(steps: Steps, sized_batches: Iterable[tuple[int, dict]], *, start: int,
+def run(steps: Steps, sized_batches: Iterable[tuple[int, dict]], *, start: int,
           total: int | None, log_every: int, hooks: Iterable[Hook] = (),
           steps_per_epoch: int | None = None) -> list[dict]:
     """Run every batch of `sized_batches` ((padded size, host batch) pairs);

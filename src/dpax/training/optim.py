@@ -1,4 +1,4 @@
-"""Optax optimizers and learning-rate schedules by name.
+"""Optax optimizers and learning-rate schedules by name, and their config.
 
 The schedule is a function of the step count that lives in the optimizer
 state, so a changing learning rate never recompiles the step.
@@ -6,14 +6,45 @@ state, so a changing learning rate never recompiles the step.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import optax
 
-from dpax.errors import DpaxError
+from dpax import config as cfg
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 SCHEDULES = ("constant", "warmup-cosine")
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """The optimizer and its learning-rate schedule."""
+
+    name: str = cfg.field("adam", "sgd, momentum, adam or adamw", flag="optimizer")
+    lr: float = cfg.field(3e-3, "peak learning rate")
+    schedule: str = cfg.field("constant", "constant or warmup-cosine")
+    warmup_steps: int = cfg.field(0, "linear warmup steps")
+    scale_lr: bool = cfg.field(False, "scale lr by batch-size / reference-batch (linear rule)")
+    reference_batch: int = cfg.field(128, "batch size the lr was tuned for (with --scale-lr)")
+    momentum: float = cfg.field(0.9, "momentum of the momentum optimizer")
+    weight_decay: float = cfg.field(1e-4, "weight decay of adamw")
+
+    def check(self) -> None:
+        cfg.one_of(self, "name", OPTIMIZERS)
+        cfg.one_of(self, "schedule", SCHEDULES)
+        cfg.number(self, "lr", 0, low_open=True)
+        cfg.whole(self, "warmup_steps", low=0)
+        cfg.whole(self, "reference_batch")
+        cfg.number(self, "momentum", 0, 1)
+        cfg.number(self, "weight_decay", 0)
+
+    def build(self, batch_size: int, total_steps: int
+              ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+        """The optimizer for a run of `total_steps` with global batches of
+        `batch_size`, and its schedule (to report the learning rate)."""
+        lr = scaled_lr(self.lr, batch_size, self.reference_batch) if self.scale_lr else self.lr
+        schedule = _schedule(lr, self.schedule, self.warmup_steps, total_steps)
+        return _optimizer(self.name, schedule, self.momentum, self.weight_decay), schedule
 
 
 def scaled_lr(lr: float, global_batch: int, reference_batch: int) -> float:
@@ -21,37 +52,34 @@ def scaled_lr(lr: float, global_batch: int, reference_batch: int) -> float:
     return lr * global_batch / reference_batch
 
 
-def make_schedule(
-    lr: float, schedule: str = "constant", warmup_steps: int = 0, total_steps: int = 1
-) -> optax.Schedule:
+def make_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
+                  total_steps: int = 1) -> optax.Schedule:
     """A learning-rate schedule: constant (after optional linear warmup) or
     linear warmup then cosine decay to 0 at `total_steps`."""
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        raise DpaxError(f"`lr` must be a finite number > 0, got {lr!r}")
-    if schedule not in SCHEDULES:
-        raise DpaxError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    cfg.validate(OptimizerConfig(lr=lr, schedule=schedule, warmup_steps=warmup_steps))
+    return _schedule(lr, schedule, warmup_steps, total_steps)
+
+
+def make_optimizer(name: str, schedule: optax.Schedule, momentum: float = 0.9,
+                   weight_decay: float = 1e-4) -> optax.GradientTransformation:
+    """One of `OPTIMIZERS`, driven by `schedule`."""
+    cfg.validate(OptimizerConfig(name=name, momentum=momentum, weight_decay=weight_decay))
+    return _optimizer(name, schedule, momentum, weight_decay)
+
+
+def _schedule(lr, schedule, warmup_steps, total_steps) -> optax.Schedule:
     if schedule == "warmup-cosine":
         return optax.warmup_cosine_decay_schedule(
-            0.0, lr, warmup_steps, max(total_steps, warmup_steps + 1)
-        )
+            0.0, lr, warmup_steps, max(total_steps, warmup_steps + 1))
     if warmup_steps:
         return optax.join_schedules(
             [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)],
-            [warmup_steps],
-        )
+            [warmup_steps])
     return optax.constant_schedule(lr)
 
 
-def make_optimizer(
-    name: str, schedule: optax.Schedule, momentum: float = 0.9, weight_decay: float = 1e-4
-) -> optax.GradientTransformation:
-    """One of OPTIMIZERS, driven by `schedule`."""
-    if name == "sgd":
-        return optax.sgd(schedule)
-    if name == "momentum":
-        return optax.sgd(schedule, momentum=momentum)
-    if name == "adam":
-        return optax.adam(schedule)
-    if name == "adamw":
-        return optax.adamw(schedule, weight_decay=weight_decay)
-    raise DpaxError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+def _optimizer(name, schedule, momentum, weight_decay) -> optax.GradientTransformation:
+    return {"sgd": lambda: optax.sgd(schedule),
+            "momentum": lambda: optax.sgd(schedule, momentum=momentum),
+            "adam": lambda: optax.adam(schedule),
+            "adamw": lambda: optax.adamw(schedule, weight_decay=weight_decay)}[name]()

@@ -9,6 +9,7 @@ the host reads them only at log boundaries.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -22,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpax import config as cfg
 from dpax.data.augment import Augment
 from dpax.data.batches import batch_rows, padded_size
 from dpax.data.pipeline import (
@@ -35,15 +37,66 @@ from dpax.data.pipeline import (
 from dpax.errors import DpaxError, TooManyBadSteps
 from dpax.models.layers import has_per_device_state, synchronize
 from dpax.parallel import layout as layouts
+from dpax.parallel import platform
 from dpax.parallel.arrays import is_key
-from dpax.parallel.backends import DEFAULT_BACKEND, make_backend
-from dpax.parallel.layout import make_layout
-from dpax.parallel.mesh import select_devices
+from dpax.parallel.backends import DEFAULT_BACKEND, check_backend, make_backend
+from dpax.parallel.layout import check_sharding, make_layout
+from dpax.parallel.mesh import MAX_SIMULATED_DEVICES, select_devices
 from dpax.training import loop, metrics
 from dpax.training.compiled import CompiledSteps
-from dpax.training.step import LossFn, StepOptions, TrainState, check_optimizer, init_state
+from dpax.training.state import TrainState, init_state
+from dpax.training.step import StepOptions
+from dpax.training.sums import LossFn
+from dpax.training.update import check_optimizer
 
 PRECISIONS = {"fp32": None, "bf16": jnp.bfloat16}  # name -> compute dtype (None: as stored)
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """How a `Trainer` trains: its devices, where the state lives, and what its
+    step computes besides the mean gradient. The fields are `Trainer`'s
+    keyword arguments of the same names."""
+
+    devices: int | None = cfg.field(
+        None, "devices per process (default: all local accelerators; on CPU, 8 simulated)",
+        how=True)
+    backend: str = cfg.field(DEFAULT_BACKEND, "shard_map (jit + shard_map) or pmap", how=True)
+    sharding: str = cfg.field(
+        "replicated", "where the state lives: replicated; optimizer (ZeRO-1: optimizer state "
+        "1/N per device); full (FSDP: params, gradients and optimizer state 1/N per device); "
+        "shard_map backend", how=True)
+    grad_accum: int = cfg.field(1, "micro-batches per device, accumulated in the step",
+                                how=True)
+    precision: str = cfg.field("fp32", "fp32, or bf16 compute on fp32 master params")
+    allreduce_dtype: str = cfg.field("fp32", "dtype of the gradient all-reduce: fp32 or bf16")
+    clip_norm: float | None = cfg.field(None, "clip the reduced gradient to this global norm")
+    ema_decay: float | None = cfg.field(
+        None, "keep an EMA of the params with this decay (e.g. 0.999); eval uses it")
+    max_bad_steps: int | None = cfg.field(
+        10, "stop (exit 3) after this many non-finite steps in a row, checked at log steps",
+        how=True)
+    sync_batchnorm: bool = cfg.field(
+        True, "BatchNorm statistics over the global batch (--no-sync-batchnorm: per "
+              "device, not equivalent to one device)")
+    steps_per_call: int = cfg.field(
+        1, "training steps per compiled call (a scan over batches on the device)", how=True)
+    xla_cpu_tuning: bool | None = cfg.field(
+        None, "on CPU devices, dpax's XLA:CPU tuning (the same numbers; default on, or "
+        f"{platform.ENV}=0/1); GPUs and TPUs never take it", how=True)
+
+    def check(self) -> None:
+        for name in ("devices", "grad_accum", "max_bad_steps", "steps_per_call"):
+            cfg.whole(self, name)
+        if self.devices is not None and self.devices > MAX_SIMULATED_DEVICES:
+            raise DpaxError(f"`devices={self.devices}` is over the cap of "
+                            f"{MAX_SIMULATED_DEVICES}; use fewer devices")
+        check_backend(self.backend, 1)
+        check_sharding(self.sharding, self.backend)
+        cfg.one_of(self, "precision", PRECISIONS)
+        cfg.one_of(self, "allreduce_dtype", PRECISIONS)
+        cfg.number(self, "clip_norm", 0, low_open=True)
+        cfg.number(self, "ema_decay", 0, 1, low_open=True)
 
 
 class Trainer:
@@ -63,6 +116,8 @@ class Trainer:
       backend: "shard_map" (default) or "pmap"; both give the same numbers.
       predict_fn: `predict_fn(model, batch) -> one output per example`.
       schedule: the learning-rate schedule, only to report the LR as a metric.
+      seed: the key behind dropout masks (with the step and each example's
+        global index, so masks do not depend on the device count).
       grad_accum: micro-batches per device shard, accumulated inside the step.
       precision: "fp32", or "bf16" for bf16 forward/backward on fp32 params.
       allreduce_dtype: "fp32" or "bf16" for the gradient all-reduce.
@@ -70,8 +125,6 @@ class Trainer:
         (non-finite) steps in a row, checked at log boundaries; None: never.
       steps_per_call: run this many steps in one compiled call (a scan over
         batches already on the device): fewer launches for small models.
-      seed: the key behind dropout masks (with the step and each example's
-        global index, so masks do not depend on the device count).
       sync_batchnorm: convert `nnx.BatchNorm` layers to `SyncBatchNorm`, and
         compute Linen `nn.BatchNorm` layers (`dpax.from_linen`) the same way
         (global masked statistics). False keeps per-device statistics (the
@@ -88,9 +141,10 @@ class Trainer:
       ema_decay: keep an exponential moving average of the params with this
         decay (in (0, 1); it ramps up from 0.1 over the first steps), laid out
         like the params, in checkpoints, and used by `evaluate` and `predict`.
-      compile_options: XLA options for every compiled step (shard_map backend),
-        e.g. `{}` for XLA's defaults; None: dpax's per-step choice
-        (`dpax.xla_cpu.compile_options`: XLA:CPU's older emitters for steps that pool).
+      xla_cpu_tuning: on CPU devices, build the steps with dpax's XLA:CPU
+        tuning (`dpax.parallel.platform`); the same numbers either way. None:
+        on, unless the environment sets `DPAX_XLA_CPU_TUNING=0`. GPU and TPU
+        devices never take it.
     """
 
     def __init__(
@@ -100,56 +154,49 @@ class Trainer:
         optimizer: optax.GradientTransformation,
         *,
         devices: int | Sequence[jax.Device] | None = None,
-        backend: str = DEFAULT_BACKEND,
         predict_fn: Callable | None = None,
         schedule: optax.Schedule | None = None,
-        grad_accum: int = 1,
-        precision: str = "fp32",
-        allreduce_dtype: str = "fp32",
-        max_bad_steps: int | None = 10,
-        steps_per_call: int = 1,
         seed: int = 0,
-        sync_batchnorm: bool = True,
-        sharding: str = "replicated",
-        clip_norm: float | None = None,
-        ema_decay: float | None = None,
-        compile_options: dict[str, Any] | None = None,
-        shard_optimizer_state: bool | None = None,
+        **options: Any,
     ):
-        if shard_optimizer_state is not None:
-            raise DpaxError("`shard_optimizer_state` is now `sharding='optimizer'` "
-                            "(or 'full' to shard the params too)")
-        devs = devices if isinstance(devices, (list, tuple)) else select_devices(devices)
-        self.backend = make_backend(backend, devs, compile_options)
+        listed = isinstance(devices, (list, tuple))
+        try:
+            config = TrainerConfig(devices=None if listed else devices, **options)
+        except TypeError:
+            known = [f.name for f in dataclasses.fields(TrainerConfig)]
+            unknown = sorted(set(options) - set(known))
+            raise DpaxError(f"Trainer takes no argument {', '.join(unknown)}; its options "
+                            f"are {', '.join(known)}") from None
+        cfg.validate(config)
+        self.config = config
+        devs = list(devices) if listed else select_devices(devices)
+        self.platform = platform.for_devices(devs, config.xla_cpu_tuning)
+        self.backend = make_backend(config.backend, devs, self.platform)
         self.n_devices = self.backend.n
-        self.grad_accum = grad_accum
-        self.max_bad_steps = max_bad_steps
-        if not isinstance(steps_per_call, int) or steps_per_call < 1:
-            raise DpaxError(f"`steps_per_call` must be >= 1, got {steps_per_call!r}")
-        self.steps_per_call = steps_per_call
-        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
-            raise DpaxError(f"`ema_decay` must be in (0, 1), e.g. 0.999; got {ema_decay!r}")
+        self.grad_accum = config.grad_accum
+        self.max_bad_steps = config.max_bad_steps
+        self.steps_per_call = config.steps_per_call
         self._user_model = model
         # dpax's own copy, its BatchNorm and Dropout layers made N-independent:
         # the user's model keeps its classes (and gets the trained state after `fit`).
         model = nnx.clone(model)
-        synchronize(model, batchnorm=sync_batchnorm)
+        synchronize(model, batchnorm=config.sync_batchnorm)
         self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-        options = StepOptions(grad_accum=grad_accum,
-                              compute_dtype=compute_dtype(precision, "precision"),
-                              allreduce_dtype=compute_dtype(allreduce_dtype, "allreduce_dtype"),
-                              average_state=has_per_device_state(model),
-                              sync_batchnorm=sync_batchnorm, clip_norm=clip_norm,
-                              ema_decay=ema_decay,
-                              cpu_backward=self.backend.devices[0].platform == "cpu")
-        self._graphdef, state = init_state(model, optimizer, seed, ema=ema_decay is not None)
+        step_options = StepOptions(
+            grad_accum=config.grad_accum, compute_dtype=PRECISIONS[config.precision],
+            allreduce_dtype=PRECISIONS[config.allreduce_dtype],
+            average_state=has_per_device_state(model), sync_batchnorm=config.sync_batchnorm,
+            clip_norm=config.clip_norm, ema_decay=config.ema_decay,
+            backward=self.platform.backward, pack=self.platform.pack_collectives)
+        ema = config.ema_decay is not None
+        self._graphdef, state = init_state(model, optimizer, seed, ema=ema)
         check_optimizer(optimizer, state)
-        self.layout = make_layout(sharding, self.backend, state, grad_accum)
+        self.layout = make_layout(config.sharding, self.backend, state, config.grad_accum)
         self._specs = layouts.specs(self.layout)
         self.state = self.backend.put_state(layouts.stored(self.layout, _on_host(state)),
                                             self._specs)
         self._steps = CompiledSteps(self.backend, self._graphdef, state, self.layout, loss_fn,
-                                    optimizer, schedule, options, predict_fn)
+                                    optimizer, schedule, step_options, predict_fn)
         self.traces = self._steps.traces  # compilations per step kind
 
     # The state lives as a flat list of arrays (`dpax.training.compiled`).
@@ -260,7 +307,7 @@ class Trainer:
 
     def _train(self, sized, start, total, log_every, hooks, steps_per_epoch=None) -> list[dict]:
         try:
-            return loop.train(self._loop_steps(), sized, start=start, total=total,
+            return loop.run(self._loop_steps(), sized, start=start, total=total,
                               log_every=log_every, hooks=hooks, steps_per_epoch=steps_per_epoch)
         finally:
             self._update_model()
@@ -283,10 +330,8 @@ class Trainer:
             old, trained))
 
     def _in_flight(self) -> int | None:
-        """Calls that may queue: XLA:CPU aborts when too many multi-device calls
-        do (`loop.CPU_MAX_IN_FLIGHT`); other platforms queue freely."""
-        cpu_multi = self.n_devices > 1 and self.backend.devices[0].platform == "cpu"
-        return loop.CPU_MAX_IN_FLIGHT if cpu_multi else None
+        """Calls that may queue before the host waits (`dpax.parallel.platform`)."""
+        return self.platform.max_in_flight
 
     def _loop_steps(self) -> loop.Steps:
         return loop.Steps(
@@ -393,13 +438,6 @@ class Trainer:
             raise DpaxError("this Trainer keeps no EMA; give it `ema_decay` to have one")
         params = self.ema_params if use_ema else self.params
         return nnx.merge(self._graphdef, params, self.backend.host(self.state.model_state))
-
-
-def compute_dtype(name: str, argument: str = "precision"):
-    """The dtype a precision name computes in (None: the stored dtype)."""
-    if name not in PRECISIONS:
-        raise DpaxError(f"`{argument}` must be one of {', '.join(PRECISIONS)}, got {name!r}")
-    return PRECISIONS[name]
 
 
 def _on_host(tree):

@@ -12,17 +12,25 @@ class MetricWriter(Protocol):
 
 
 class MultiWriter:
-    """Fans one row out to several writers."""
+    """Fans one row out to several writers; a context manager that closes them."""
 
     def __init__(self, writers: list[MetricWriter]):
         self._writers = writers
+
+    def __enter__(self) -> MultiWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def write(self, step: int, row: dict) -> None:
         for w in self._writers:
             w.write(step, row)
 
     def close(self) -> None:
-        for w in self._writers:
+        """Close every writer once (a second call does nothing)."""
+        writers, self._writers = self._writers, []
+        for w in writers:
             w.close()
 
 

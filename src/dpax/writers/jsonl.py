@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-
-from dpax.cli.outputs import json_safe
+import math
 
 
 class JsonlWriter:
@@ -21,3 +20,12 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+def json_safe(value):
+    """Strict JSON has no NaN or infinity: they are written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value

@@ -5,6 +5,6 @@
   hostenv           glibc malloc settings for steps with large temporaries
 """
 
-from dpax._submodules import lazy_submodules
+from dpax._submodules import lazy
 
-__getattr__ = lazy_submodules(__name__)
+__getattr__ = lazy(__name__)

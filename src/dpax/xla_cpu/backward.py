@@ -1,4 +1,4 @@
-"""The backward pass rewritten for what XLA:CPU compiles well; the same values.
+"""The backward pass rewritten for what XLA:CPU compiles well; the same math.
 
 Three things in a JAX gradient make XLA:CPU slow or memory-hungry:
 
@@ -24,13 +24,15 @@ Three things in a JAX gradient make XLA:CPU slow or memory-hungry:
   before the block's cotangent exists.
 
 - **Max pooling.** The gradient of `reduce_window_max` is a
-  `select_and_scatter_add`, which XLA:CPU runs as a loop over windows: 23-35 ms
-  for a 2x2 pool of 128x32x32x32, most of the benchmark cnn's step. Where
-  windows do not overlap (the usual 2x2 stride 2), each element belongs to one
-  window, and the scatter is a choice: a one-hot of each window's first max
-  times its cotangent (1.8 ms, the same bits). The pool itself becomes a max
-  over the window axes of a reshape, so the step keeps no windowed op.
+  `select_and_scatter_add`, which XLA:CPU runs as a loop over windows, most
+  of a small conv net's step. Where windows do not overlap (the usual 2x2
+  stride 2), each element belongs to one window, and the scatter is a choice:
+  a one-hot of each window's first max times its cotangent (the same bits).
+  The pool itself becomes a max over the window axes of a reshape, so the
+  step keeps no windowed op.
 
+The pools keep their bits. A weight gradient whose dot now runs on another
+kernel can round differently in the last bits; nothing else changes.
 Measurements: benchmarks/README.md ("The GPT against jit + NamedSharding",
 "Activation checkpointing on XLA:CPU", "Max pooling's gradient").
 """
@@ -77,7 +79,7 @@ def _is_folded_pair(eqn, made_by: dict) -> bool:
         return False
     # Only a dot that contracts several dimensions (batch and tokens): a 2-D
     # dense layer's folded dot runs faster than the dot plus the transpose the
-    # barrier leaves (the mlp: 8-15% a step, benchmarks/README.md).
+    # barrier leaves (benchmarks/README.md, "Adam and SGD against the hand loop").
     (contracting, _), _ = dot.params["dimension_numbers"]
     return len(contracting) > 1
 
@@ -130,8 +132,7 @@ def _pool_gradient(source, operand, *, select_prim, window_dimensions, **_):
     """`select_and_scatter_add` for non-overlapping windows, as XLA defines it:
     each window's cotangent goes to its first max (min for `le`) in row-major
     order, the rest get zero; elements no window covers get zero. Exact: one
-    product by 1 or 0 per element and no sums. XLA:CPU ran the scatter as a
-    loop, 13-20x slower (benchmarks/README.md)."""
+    product by 1 or 0 per element and no sums."""
     win = tuple(window_dimensions)
     out = source.shape  # whole windows per dimension
     rank = len(win)

@@ -35,9 +35,9 @@ def primitives(jaxpr: Jaxpr | ClosedJaxpr) -> set[str]:
     return names
 
 
-def for_step(jaxpr: Jaxpr | ClosedJaxpr, platform: str) -> dict[str, Any]:
-    """The compile options dpax uses for a step traced to `jaxpr` on `platform`."""
-    if platform == "cpu" and primitives(jaxpr) & WINDOWED:
+def for_step(jaxpr: Jaxpr | ClosedJaxpr) -> dict[str, Any]:
+    """The XLA:CPU compile options for a step traced to `jaxpr`."""
+    if primitives(jaxpr) & WINDOWED:
         return dict(OLD_FUSION_EMITTERS)
     return {}
 
@@ -46,24 +46,20 @@ class ChosenJit:
     """A jitted step whose compile options are chosen at its first call, from
     its trace; later calls go straight to the chosen `jax.jit`.
 
-    `build(options)` returns the `jax.jit` for a dict of options. Given
-    `options`, those are used as they are; None: chosen by `for_step`. The
-    choosing trace lands in jit's trace cache, which the chosen jit shares, so
-    nothing is traced twice.
+    `build(options)` returns the `jax.jit` for a dict of options, chosen by
+    `for_step`. The choosing trace lands in jit's trace cache, which the
+    chosen jit shares, so nothing is traced twice.
     """
 
-    def __init__(self, build: Callable[[dict], Any], platform: str,
-                 options: dict[str, Any] | None = None):
+    def __init__(self, build: Callable[[dict], Any]):
         self._build = build
-        self._platform = platform
-        self.options = options
+        self.options: dict[str, Any] | None = None  # chosen at the first call
         self._jit = None  # built at the first call outside a trace
 
     def _chosen(self, args) -> Any:
         if self._jit is None:
             default = self._build({})
-            if self.options is None:
-                self.options = for_step(default.trace(*args).jaxpr, self._platform)
+            self.options = for_step(default.trace(*args).jaxpr)
             self._jit = default if not self.options else self._build(self.options)
         return self._jit
 

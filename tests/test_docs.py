@@ -1,5 +1,6 @@
-"""The README is tested: its Python block runs, its flag table matches the
-config, and every command in its bash blocks runs (or says why it cannot)."""
+"""The README and the docs pages are tested: their Python blocks run, the
+flag table matches the config, every command in their bash blocks runs (or
+says why it cannot), and the architecture page lists every module."""
 
 import os
 import pathlib
@@ -10,33 +11,57 @@ import sys
 import numpy as np
 import pytest
 
-from dpax.cli import flags_markdown
+from dpax.cli.flags import flags_markdown
+from dpax.cli.job import TrainConfig
 
 pytestmark = pytest.mark.slow  # starts dpax processes or trains long
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
+PAGES = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
+TEXTS = {"README.md": README, **PAGES}
 NOT_RUN = "# not run in tests:"
 
 
-def test_readme_python_block_runs(capsys):
-    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
-    assert blocks, "README lost its API example"
-    for code in blocks:
-        exec(compile(code, "README.md", "exec"), {})
+def blocks(kind: str) -> list[tuple[str, str]]:
+    """(page, block) of every fenced block of `kind`, each distinct block once."""
+    seen, out = set(), []
+    for name, text in TEXTS.items():
+        for block in re.findall(rf"```{kind}\n(.*?)```", text, re.S):
+            if block not in seen:
+                seen.add(block)
+                out.append((name, block))
+    return out
+
+
+def test_python_blocks_run(capsys):
+    found = blocks("python")
+    assert any(name == "README.md" for name, _ in found), "README lost its API example"
+    for name, code in found:
+        exec(compile(code, name, "exec"), {})
     assert "'examples': 359" in capsys.readouterr().out
 
 
 def test_flag_table_is_generated_from_the_config():
-    table = README.split("<!-- flags:start -->\n")[1].split("<!-- flags:end -->")[0]
-    assert table.strip() == flags_markdown(), "README flag table is stale: run `make docs`"
+    table = PAGES["cli.md"].split("<!-- flags:start -->\n")[1].split("<!-- flags:end -->")[0]
+    assert table.strip() == flags_markdown(TrainConfig), "flag table is stale: run `make docs`"
+
+
+def test_the_readme_is_a_front_door_and_the_architecture_page_lists_every_module():
+    assert len(README.splitlines()) <= 200
+    package = ROOT / "src" / "dpax"
+    listed = PAGES["architecture.md"]
+    for path in package.rglob("*.py"):
+        if path.name in ("__init__.py", "__main__.py", "_submodules.py"):
+            continue
+        assert f" {path.name} " in listed or f" {path.name}\n" in listed, path
 
 
 def bash_lines():
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+    for _, block in blocks("bash"):
         lines += [ln.strip() for ln in block.splitlines() if ln.strip()]
-    return lines
+    return list(dict.fromkeys(lines))  # a command shown on two pages runs once
 
 
 def test_every_readme_command_runs(tmp_path):
@@ -84,4 +109,4 @@ def test_every_readme_command_runs(tmp_path):
 @pytest.mark.parametrize("command", ["train", "launch", "eval", "predict", "plot", "check",
                                      "bench", "devices", "sample", "prepare"])
 def test_every_subcommand_is_documented(command):
-    assert f"dpax {command}" in README
+    assert f"dpax {command}" in README and f"dpax {command}" in PAGES["cli.md"]

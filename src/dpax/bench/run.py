@@ -1,0 +1,123 @@
+"""The bench's config and its run: every method of every workload, timed in
+turns (`timing`) against the hand-written loops (`baselines`), written as
+tables and plots (`report`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+
+from dpax import config as cfg
+from dpax.bench.baselines import bench_dpax, bench_jit, bench_pmap_loop
+from dpax.bench.report import format_row, write_results
+from dpax.bench.timing import time_interleaved
+from dpax.bench.workloads import OPTIMIZERS, WORKLOADS
+from dpax.errors import DpaxError
+from dpax.parallel.layout import check_sharding
+from dpax.parallel.mesh import matmul_peak
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """`dpax bench`: dpax against hand-written pmap and jit loops."""
+
+    workloads: str = cfg.field("tiny,mlp,cnn,digits,gpt",
+                               "comma-separated: tiny, mlp, cnn, digits, gpt")
+    optimizer: str = cfg.field("adam", "what every method trains with: sgd, momentum, adam, "
+                               "adamw")
+    devices: str = cfg.field("1,2,4,8", "device counts, comma-separated", metavar="N,N")
+    repeats: int = cfg.field(5, "timed repeats")
+    steps: int | None = cfg.field(None, "steps per repeat (default: per workload)")
+    steps_per_call: int = cfg.field(8, "K for the dpax/k=K row (1 leaves it out)")
+    sweep: bool = cfg.field(True, "also the examples/s vs batch size sweep")
+    sharding: str = cfg.field("replicated", "comma-separated state layouts to time on "
+                              "shard_map: replicated, optimizer, full (one dpax/<layout> row "
+                              "each)")
+    out: str = cfg.field("benchmarks/results", "where results.md, results.json and PNGs go",
+                         metavar="DIR")
+
+    def names(self) -> list[str]:
+        return [w for w in self.workloads.split(",") if w]
+
+    def layouts(self) -> list[str]:
+        return [m for m in self.sharding.split(",") if m]
+
+    def counts(self) -> list[int]:
+        try:
+            return [int(n) for n in self.devices.split(",")]
+        except ValueError:
+            raise DpaxError(f"`devices` must be comma-separated counts, got "
+                            f"{self.devices!r}") from None
+
+    def check(self) -> None:
+        unknown = [w for w in self.names() if w not in WORKLOADS]
+        if unknown or not self.names():
+            raise DpaxError(f"unknown workload(s) {', '.join(unknown) or '(none)'}; choose "
+                            f"from {', '.join(WORKLOADS)}")
+        if any(n < 1 for n in self.counts()):
+            raise DpaxError(f"`devices` must be counts >= 1, got {self.devices!r}")
+        cfg.one_of(self, "optimizer", OPTIMIZERS)
+        for name in ("repeats", "steps", "steps_per_call"):
+            cfg.whole(self, name)
+        for mode in self.layouts():
+            check_sharding(mode, "shard_map")
+
+
+def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
+              sweep=True, out_dir="benchmarks/results", shardings=(), log=print,
+              optimizer="adam") -> list[dict]:
+    """Measure everything, every method training with `optimizer` (a name in
+    `OPTIMIZERS`); write results.md, results.json and PNGs to `out_dir`."""
+    os.makedirs(out_dir, exist_ok=True)
+    peak = matmul_peak()
+    rows = []
+    for name in workloads:
+        w = dataclasses.replace(WORKLOADS[name], optimizer=optimizer)
+        s = steps or w.steps
+        jit = bench_jit(w, w.batch_size)
+        for n in device_counts:
+            if w.batch_size % n:
+                continue
+            methods = [bench_pmap_loop(w, n, w.batch_size), jit]
+            if n > 1:
+                methods.append(bench_jit(w, w.batch_size, n))
+            methods += [bench_dpax(w, n, backend, w.batch_size)
+                        for backend in ("shard_map", "pmap")]
+            if steps_per_call > 1:
+                methods.append(bench_dpax(w, n, "shard_map", w.batch_size, steps_per_call,
+                                          f"dpax/k={steps_per_call}"))
+            methods += [bench_dpax(w, n, "shard_map", w.batch_size, name=f"dpax/{mode}",
+                                   sharding=mode) for mode in shardings if mode != "replicated"]
+            rates = time_interleaved(methods, s, repeats)
+            loop_med = statistics.median(rates["pmap loop"])
+            for m in methods:
+                med = statistics.median(rates[m.name])
+                row = {"workload": name, "devices": n, "method": m.name,
+                       "compile_s": m.compile_s, "steps_per_sec": med, "min": min(rates[m.name]),
+                       "vs_pmap_loop": med / loop_med, "memory_mib": m.memory / 2**20,
+                       "state_mib": m.state / 2**20,
+                       "batch_size": w.batch_size, "optimizer": optimizer}
+                if w.flops_per_example:
+                    row["flops_frac"] = w.flops_per_example * w.batch_size * med / peak
+                rows.append(row)
+                log(format_row(row))
+    sweep_rows = _batch_sweep(repeats, steps, optimizer) if sweep else []
+    write_results(rows, sweep_rows, peak, out_dir, optimizer)
+    return rows
+
+
+def _batch_sweep(repeats, steps, optimizer, n=8):
+    rows = []
+    for name in ("mlp", "cnn"):
+        w = dataclasses.replace(WORKLOADS[name], optimizer=optimizer)
+        s = max(5, (steps or w.steps) // 2)
+        for b in (64, 128, 256, 512, 1024):
+            rates = time_interleaved([bench_pmap_loop(w, n, b),
+                                      bench_dpax(w, n, "shard_map", b)], s, repeats)
+            for method, r in rates.items():
+                rows.append({"workload": name, "batch_size": b, "method": method,
+                             "examples_per_sec": b * statistics.median(r)})
+    return rows
+
+

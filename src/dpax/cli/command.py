@@ -1,0 +1,93 @@
+"""The `dpax` command: `main`, its parser made of every command module's,
+and the exit code of each kind of failure. Bad input exits 2 with one line
+on stderr and no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+import warnings
+
+from dpax.cli import (
+    bench,
+    check,
+    devices,
+    evaluate,
+    launch,
+    plot,
+    predict,
+    prepare,
+    sample,
+    train,
+)
+from dpax.errors import DpaxError, DpaxWarning, Preempted, RunFailed, TooManyBadSteps, as_flags
+
+COMMANDS = (train, evaluate, predict, sample, check, bench, plot, prepare, launch, devices)
+
+EXIT_FAILED = 1  # the run started and could not go on; what was kept is said
+EXIT_USAGE = 2  # bad input: nothing ran
+EXIT_BAD_STEPS = 3  # too many non-finite steps in a row; last good params saved
+EXIT_PREEMPTED = 4  # SIGTERM/SIGINT: stopped at a step boundary, checkpoint saved
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        # argparse prints the whole usage block; one line that names the fix is kinder.
+        self.exit(EXIT_USAGE, f"dpax: error: {message} (see '{self.prog} -h')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dpax", description="Data-parallel training on JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    parser.commands = sub.choices  # name -> subparser, for errors that name the command
+    return parser
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """dpax's warnings as one `dpax: warning:` line; others as Python shows them."""
+    if issubclass(category, DpaxWarning):
+        print(f"dpax: warning: {as_flags(str(message))}", file=file or sys.stderr, flush=True)
+    else:
+        _python_showwarning(message, category, filename, lineno, file, line)
+
+
+_python_showwarning = warnings.showwarning
+
+
+def main(argv: list[str] | None = None) -> int:
+    with warnings.catch_warnings():  # restored for a caller that runs main() in-process
+        warnings.simplefilter("always", DpaxWarning)
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand, whose -h lists what it takes
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    command = next(c for c in COMMANDS if c.NAME == args.command)
+    try:
+        return command.run(args)
+    except DpaxError as e:
+        print(f"dpax: error: {as_flags(str(e))}", file=sys.stderr)
+        return EXIT_USAGE
+    except RunFailed as e:
+        print(f"dpax: error: {as_flags(str(e))}", file=sys.stderr)
+        return EXIT_FAILED
+    except Preempted as e:
+        print(f"dpax: {as_flags(str(e))}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except TooManyBadSteps as e:
+        print(f"dpax: stopped: {as_flags(str(e))}", file=sys.stderr)
+        return EXIT_BAD_STEPS
+    except KeyboardInterrupt:
+        print("dpax: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""`dpax devices`, and what every command does first: simulated CPU devices
+and the multi-process runtime, before JAX starts its backend."""
+
+from __future__ import annotations
+
+import argparse
+
+from dpax.parallel.distributed import DistributedConfig, initialize
+from dpax.parallel.mesh import describe, simulate_devices
+
+NAME = "devices"
+
+
+def start(devices: int | None = None, distributed: DistributedConfig | None = None) -> None:
+    """On CPU hosts a single process gets 8 simulated devices (or `devices` of
+    them, a subset used); each process of a multi-process run gets exactly
+    `devices`. Accelerators are unaffected."""
+    distributed = distributed or DistributedConfig()
+    if distributed.processes > 1:
+        simulate_devices(devices or 8)
+    else:
+        simulate_devices(max(devices or 8, 8))
+    initialize(distributed.coordinator, distributed.num_processes, distributed.process_id,
+               timeout=distributed.timeout)
+
+
+def add_parser(sub) -> None:
+    sub.add_parser(NAME, help="print the devices JAX sees")
+
+
+def run(args: argparse.Namespace) -> int:
+    start()
+    print(describe())
+    return 0

@@ -1,0 +1,60 @@
+"""Command-line flags derived from a config tree (`dpax.config`): one `--flag`
+per scalar field, with the field's default and help; the values of a command
+line are defaults < a `--config` YAML file < the flags given."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dpax import config as cfg
+from dpax.errors import DpaxError
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One `--flag` per scalar field of the tree rooted at `cls`."""
+    for leaf in cfg.flags(cls).values():
+        f, tp = leaf.field, leaf.types[0]
+        meta = f.metadata
+        helptext = meta.get("help", "")
+        if f.default is not None:
+            helptext += f" (default: {f.default})"
+        flag = "--" + leaf.flag.replace("_", "-")
+        # dest is the flag, default None everywhere: an unset flag leaves the
+        # config's default in charge.
+        common = {"dest": leaf.flag, "default": None, "help": helptext}
+        if "nargs" in meta:  # e.g. --resume [PATH]
+            parser.add_argument(flag, nargs=meta["nargs"], const=meta["const"],
+                                metavar="PATH", **common)
+        elif tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+        else:
+            metavar = meta.get("metavar") or {int: "N", float: "X"}.get(tp, "NAME")
+            parser.add_argument(flag, type=tp, metavar=metavar,
+                                required=meta.get("required", False), **common)
+
+
+def config_from_args(args: argparse.Namespace, cls: type) -> Any:
+    """The config of a parsed command line (its `--config` file, if it has one)."""
+    base = cls()
+    path = getattr(args, "config", None)
+    if path:
+        try:
+            base = cfg.from_dict(cls, cfg.read_yaml(path))
+        except DpaxError as e:
+            raise DpaxError(f"--config {path}: {e}") from None
+        except TypeError as e:
+            raise DpaxError(f"--config {path}: {e}") from None
+    given = {name: getattr(args, name) for name in cfg.flags(cls)
+             if getattr(args, name, None) is not None}
+    return cfg.with_flags(base, **given)
+
+
+def flags_markdown(cls: type) -> str:
+    """The flag table of a command, from its config tree, grouped as it nests."""
+    lines = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for leaf in cfg.leaves(cls):
+        f = leaf.field
+        default = "" if f.default is None else f"`{f.default}`"
+        lines.append(f"| `--{leaf.flag.replace('_', '-')}` | {default} | {f.metadata['help']} |")
+    return "\n".join(lines)

@@ -1,0 +1,210 @@
+"""`dpax train`: one training job, as a Python call (`train(config)`) and a
+command. Everything that can be checked is checked before anything is
+written; the params are saved whatever stops the run."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+
+import numpy as np
+
+from dpax import config as cfg
+from dpax.cli import devices, outputs
+from dpax.cli.flags import add_flags, config_from_args
+from dpax.cli.job import Job, TrainConfig, build, check_same_meaning
+from dpax.errors import DpaxError, Preempted, RunFailed, TooManyBadSteps
+from dpax.models.gpt import flops_per_token
+from dpax.parallel.distributed import is_writer
+from dpax.parallel.mesh import describe, peak_flops
+from dpax.training import hooks
+from dpax.training.checkpoint import Checkpointer, locate
+from dpax.training.trainer import Trainer
+
+NAME = "train"
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser(NAME, help="train a model data-parallel",
+                            description="Train a model data-parallel on N devices.")
+    parser.add_argument("--config", metavar="FILE.yaml",
+                        help="load a config (e.g. a run's config.yaml); flags override it")
+    add_flags(parser, TrainConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = cfg.validate(config_from_args(args, TrainConfig))
+    devices.start(config.trainer.devices, config.distributed)
+    train(config)
+    return 0
+
+
+@dataclasses.dataclass
+class RunResult:
+    trainer: Trainer
+    history: list[dict]
+    eval: dict
+    steps: int
+    steps_per_sec: float
+
+    def summary(self) -> str:
+        return outputs.summary_line(self.eval, self.steps, self.steps_per_sec)
+
+
+def train(config: TrainConfig, *, log="stdout") -> RunResult:
+    """Run one training job: writes `metrics.jsonl` and `params.npz` to
+    `config.output.out` and checkpoints to `config.checkpoint.dir`.
+
+    Args:
+      log: a text stream for progress lines, None for silence; "stdout" is
+        sys.stdout at call time (so a redirected stdout is honoured).
+    """
+    if log == "stdout":
+        log = sys.stdout
+    cfg.validate(config)
+    out = config.output
+    writer_process = is_writer()  # only process 0 prints progress and writes --out
+    with _removed_if_unused(outputs.check_dirs(out, config.checkpoint, writer_process)):
+        job = build(config)
+        config.check_length(job.total)
+        ckpt = None if config.checkpoint.dir is None else Checkpointer(
+            config.checkpoint.dir, config.checkpoint.keep)
+        data_iter = job.input(0)  # batches of steps 0..total-1
+        start = 0
+        if config.checkpoint.resume is not None:
+            start, data_restored = _resume(config, ckpt, job.trainer, data_iter)
+            if not data_restored:  # saved by another process count: rebuilt from the step
+                data_iter = job.input(start)
+    if not writer_process:
+        log = None
+    if out.out is not None and writer_process:
+        if out.overwrite:
+            outputs.clear_run(out.out)
+        outputs.save_text(os.path.join(out.out, "config.yaml"), config.to_yaml())
+    if log is not None and not out.quiet:
+        print(f"dpax: {config.model.name} on {job.ds.name}, {job.trainer.n_devices} device(s) "
+              f"({config.trainer.backend}), global batch {config.batch_size}, {job.total} steps"
+              + (f", resumed at step {start}" if start else ""), file=log, flush=True)
+        if out.verbose:
+            print(describe(), file=log)
+            print(config.to_yaml().rstrip(), file=log, flush=True)
+    # After the header line: a bar drawn before it would be broken by it.
+    with out.writers(job.total, start, log, writer_process) as writer:
+        result = _run(job, ckpt, data_iter, start, writer, writer_process)
+    if log is not None:
+        print(result.summary(), file=log, flush=True)
+    return result
+
+
+def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
+         writer_process: bool) -> RunResult:
+    """Train from the trainer's step to the end, then save and evaluate."""
+    config, trainer, ds, total = job.config, job.trainer, job.ds, job.total
+    position, write = hooks.TrackPosition(data_iter, start), hooks.Write(writer)
+    checkpoint = None if ckpt is None else hooks.Checkpoint(
+        ckpt, trainer, data_iter, job.meta(), config.checkpoint.every)
+    profile = None
+    if config.output.profile_steps is not None:
+        profile = hooks.Profile(os.path.join(config.output.out, "profile"),
+                                *config.output.profile_range(), trainer)
+
+    def save_params(params: dict | None = None) -> str | None:
+        if config.output.out is None:
+            return None
+        path = os.path.join(config.output.out, "params.npz")
+        if writer_process:
+            outputs.save_npz(path, outputs.flat_params(trainer.params) if params is None
+                             else params)
+        return path
+
+    def kept(e: RunFailed, path: str | None, what: str) -> RunFailed:
+        return RunFailed(f"{e}; {what} are in {path}" if path
+                         else f"{e}; no `out`, so the params were not saved")
+
+    with hooks.StopOnSignal(checkpoint) as stop:
+        run_hooks = [hooks.Evaluate(trainer, {"x": ds.x_eval, "y": ds.y_eval},
+                                    config.eval_every, total),
+                     _language_model(job), write, position, stop, checkpoint, profile]
+        try:
+            history = trainer.fit(ds.x_train, ds.y_train, batch_size=config.batch_size,
+                                  until_step=total, seed=config.seed,
+                                  log_every=config.log_every, batches=data_iter,
+                                  hooks=[h for h in run_hooks if h is not None])
+        except (TooManyBadSteps, Preempted):
+            save_params()  # the last good params, whatever happens next
+            raise
+        except RunFailed as e:
+            raise kept(e, save_params(), f"the params of step {position.step}") from None
+        finally:
+            if profile is not None:
+                profile.close()
+            data_iter.close()  # stops Grain worker processes, if any
+    speed = write.steady_speed(total)
+    if speed is None:
+        speed = history[-1]["steps_per_sec"] if history else 0.0
+    # A step skips a non-finite gradient; new params can still overflow (or an
+    # optimizer's hyperparameter be NaN through the Python API). Checked once,
+    # on the host copy params.npz needs anyway: such a run does not end in success.
+    final = outputs.flat_params(trainer.params)
+    if not all(np.isfinite(v).all() for v in final.values()):
+        raise RunFailed(f"the params are not finite after step {total}: an update overflowed "
+                        "or an optimizer hyperparameter is not finite; lower `lr` or clip "
+                        "gradients (`clip_norm`). params.npz was not written")
+    path = save_params(final)  # before the last checkpoint: a failed save must not cost them
+    if ckpt is not None:
+        try:
+            ckpt.save(total, trainer.state_dict(), data_iter, job.meta())
+            ckpt.close()
+        except RunFailed as e:
+            raise kept(e, path, "the final params") from None
+    ev = trainer.evaluate(ds.x_eval, ds.y_eval)
+    if ds.task == "lm":
+        ev.update(hooks.LanguageModel.eval_row(ev["loss"]))
+        ev.pop("weight", None)
+    writer.write(total, {f"eval_{k}": v for k, v in ev.items()})
+    return RunResult(trainer, history, ev, total, speed)
+
+
+def _language_model(job: Job) -> hooks.LanguageModel | None:
+    """The LM metrics hook for text data: FLOPs per token from the model's
+    shape, the peak from a matmul measured here."""
+    if job.ds.task != "lm":
+        return None
+    m = job.config.model
+    seq_len = job.config.data.seq_len
+    n = job.trainer.param_count - seq_len * m.width  # the position table only adds
+    return hooks.LanguageModel(flops_per_token(n, m.layers, m.width, seq_len),
+                               peak_flops(job.trainer.backend.devices))
+
+
+@contextlib.contextmanager
+def _removed_if_unused(created: list[str]):
+    """Bad input found after the output check leaves no directory behind: the
+    ones the check made are removed while still empty."""
+    try:
+        yield
+    except DpaxError:
+        for path in created:
+            if os.path.isdir(path) and not os.listdir(path):
+                os.rmdir(path)
+        raise
+
+
+def _resume(config: TrainConfig, ckpt: Checkpointer | None, trainer: Trainer,
+            data_iter) -> tuple[int, bool]:
+    """Load the checkpoint into `trainer` (and `data_iter`, when it was saved by
+    as many processes); returns (step, whether the data position was restored)."""
+    if config.checkpoint.resume == "latest":
+        directory, step = ckpt.directory, None
+    else:
+        directory, step = locate(config.checkpoint.resume)
+    source = ckpt if ckpt is not None and ckpt.directory == directory else Checkpointer(directory)
+    step, state, meta = source.restore(
+        trainer.state_template(), data_iter, step,
+        check=lambda meta: check_same_meaning(meta["config"], config))
+    trainer.load_state_dict(state)
+    restored = meta["data_restored"] and data_iter.next_step == step
+    return step, restored  # else the caller starts the batches at `step`

@@ -1,0 +1,81 @@
+"""The models the command line can name, and their config."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from flax import nnx
+
+from dpax import config as cfg
+from dpax.errors import DpaxError
+from dpax.models import gpt
+from dpax.models.simple import CNN, CNNBN, MLP, Linear, deep_mlp
+
+
+def _gpt(in_shape: tuple[int, ...], n_out: int, *, rngs: nnx.Rngs, **options) -> gpt.GPT:
+    """`dpax.models.gpt.GPT` for text windows of `in_shape = (seq_len + 1,)` tokens
+    (`dpax.data.text`) and a vocabulary of `n_out`."""
+    return gpt.GPT(n_out, in_shape[0] - 1, rngs=rngs, **options)
+
+
+MODELS: dict[str, Callable[..., nnx.Module]] = {
+    "linear": Linear, "mlp": MLP, "cnn": CNN, "cnn-bn": CNNBN, "deep-mlp": deep_mlp, "gpt": _gpt}
+# The models that take text windows (task "lm"), and only those.
+TEXT_MODELS = ("gpt",)
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Which model, and the shape of those that take options (gpt)."""
+
+    name: str = cfg.field("cnn", "model: linear, mlp, cnn, cnn-bn (BatchNorm + dropout), "
+                          "deep-mlp (~100M params), or gpt (a transformer, for text data)",
+                          flag="model")
+    layers: int = cfg.field(4, "gpt: transformer blocks")
+    width: int = cfg.field(128, "gpt: embedding width")
+    heads: int = cfg.field(4, "gpt: attention heads (a divisor of --width)")
+    dropout: float = cfg.field(0.0, "gpt: dropout rate (masks independent of the device "
+                               "count)")
+    remat: str = cfg.field("none", "gpt: activation checkpointing per block: none, block "
+                           "(keep only block inputs) or dots (keep matmul outputs)", how=True)
+
+    def check(self) -> None:
+        cfg.one_of(self, "name", MODELS)
+        for name in ("layers", "width", "heads"):
+            cfg.whole(self, name)
+        cfg.number(self, "dropout", 0, 1)
+        gpt.check_shape(self.width, self.heads, self.remat)
+
+    @property
+    def takes_text(self) -> bool:
+        return self.name in TEXT_MODELS
+
+    def options(self) -> dict:
+        """The keyword options of the models that take them."""
+        if not self.takes_text:
+            return {}
+        return {"layers": self.layers, "width": self.width, "heads": self.heads,
+                "dropout": self.dropout, "remat": self.remat}
+
+    def build(self, in_shape: tuple[int, ...], n_out: int, seed: int,
+              task: str | None = None) -> nnx.Module:
+        return make_model(self.name, in_shape, n_out, seed, task, **self.options())
+
+
+def make_model(name: str, in_shape: tuple[int, ...], n_out: int, seed: int,
+               task: str | None = None, **options) -> nnx.Module:
+    """Build a registered model for inputs of `in_shape` (no batch axis);
+    `options` go to the models that take them (gpt: layers, width, heads,
+    dropout, remat)."""
+    if name not in MODELS:
+        raise DpaxError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    if name in ("cnn", "cnn-bn") and len(in_shape) != 3:
+        raise DpaxError(
+            f"{name} needs NHWC images, the data has examples of shape {in_shape}; "
+            "use --model mlp or linear"
+        )
+    if task is not None and (task == "lm") != (name in TEXT_MODELS):
+        raise DpaxError(f"{name} does not fit {task} data; use --model gpt with --data text "
+                        "(or text:PATH), and other models with other data")
+    return MODELS[name](tuple(in_shape), n_out, rngs=nnx.Rngs(seed), **options)

@@ -1,0 +1,77 @@
+"""What a run does differently on XLA:CPU, behind one switch.
+
+GPU and TPU runs take the generic path: JAX's own backward pass, XLA's
+default compile options, one plain `psum` of the gradient tree, a rolled
+`scan` for several steps per call. On CPU devices, with the XLA:CPU tuning on
+(the default there), the step takes what `dpax.xla_cpu` measured faster on
+XLA:CPU, with the same numbers: its backward rewrite, compile options chosen
+per step, small all-reduce operands packed into one buffer behind a barrier,
+an unrolled scan. `dpax.xla_cpu` is imported here only, and only for CPU
+devices with the tuning on: a JAX release that moves the internals it uses
+cannot break GPU or TPU runs.
+
+One thing stays on CPU whatever the switch, because it prevents a failure
+rather than a slowdown: XLA:CPU's cross-device rendezvous aborts ("Termination
+timeout for all reduce") when too many multi-device calls are queued, so at
+most `CPU_MAX_IN_FLIGHT` are. It changes no number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from dpax.errors import DpaxError
+
+# Turns the XLA:CPU tuning off (0) or on (1) where `xla_cpu_tuning` is not given.
+ENV = "DPAX_XLA_CPU_TUNING"
+CPU_MAX_IN_FLIGHT = 2
+
+
+def _plain_jit(build: Callable[[dict], Any]) -> Any:
+    return build({})
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """How the steps of one Trainer are built for its devices' platform."""
+
+    name: str  # "cpu", "gpu", "tpu", ...
+    xla_cpu_tuning: bool
+    # Wraps the per-device gradient function (`jax.value_and_grad(...)`), or None.
+    backward: Callable[[Callable], Callable] | None = None
+    # `compile(build)`: a jitted step from `build(compiler_options) -> jax.jit(...)`.
+    compile: Callable[[Callable[[dict], Any]], Any] = _plain_jit
+    pack_collectives: bool = False  # small all-reduce operands in one buffer
+    unroll_steps: bool = False  # several steps per call as an unrolled scan
+    max_in_flight: int | None = None  # calls queued before the host waits; None: any
+
+
+def tuning_default() -> bool:
+    """`xla_cpu_tuning` when not given: on, unless `DPAX_XLA_CPU_TUNING=0`."""
+    value = os.environ.get(ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise DpaxError(f"{ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def for_devices(devices: Sequence[jax.Device], xla_cpu_tuning: bool | None = None) -> Platform:
+    """The platform of `devices`; `xla_cpu_tuning` (None: `tuning_default()`)
+    matters only for CPU devices."""
+    name = devices[0].platform
+    if name != "cpu":
+        return Platform(name, xla_cpu_tuning=False)
+    in_flight = CPU_MAX_IN_FLIGHT if len(devices) > 1 else None
+    tuned = tuning_default() if xla_cpu_tuning is None else xla_cpu_tuning
+    if not tuned:
+        return Platform(name, xla_cpu_tuning=False, max_in_flight=in_flight)
+    # Imported here, for CPU devices only: the gate the module docstring describes.
+    from dpax.xla_cpu.backward import for_xla_cpu
+    from dpax.xla_cpu.compile_options import ChosenJit
+
+    return Platform(name, xla_cpu_tuning=True, backward=for_xla_cpu, compile=ChosenJit,
+                    pack_collectives=True, unroll_steps=True, max_in_flight=in_flight)

@@ -1,0 +1,50 @@
+"""The training state: everything a step changes, in the model's shapes (a
+`Layout` lays it out on the devices), what it starts as, and its EMA."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a step changes, laid out on the devices by a `Layout`."""
+
+    step: jax.Array
+    params: nnx.State  # nnx.Param variables: what the optimizer updates
+    model_state: nnx.State  # every other model variable (e.g. batch statistics)
+    opt_state: optax.OptState
+    bad_in_a_row: jax.Array  # consecutive steps skipped for a non-finite loss or gradient
+    rng: jax.Array  # raw key data; step keys are fold_in(rng, step): N-independent
+    # Exponential moving average of the params (laid out like them), or None.
+    ema: nnx.State | None = None
+
+
+def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 0,
+               ema: bool = False):
+    """Split a model into its static graph and a logical `TrainState` (one
+    copy, in the model's shapes; `dpax.parallel.layout` lays it out); `ema`: with an
+    EMA of the params, which starts as a copy of them."""
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    # Separate buffers: one buffer in two donated fields would be donated twice.
+    step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+    rng = jax.random.key_data(jax.random.key(seed))
+    average = jax.tree.map(lambda a: jnp.array(a, copy=True), params) if ema else None
+    return graphdef, TrainState(step, params, model_state, tx.init(params), bad, rng, average)
+
+
+def ema_update(ema, params, step, decay: float):
+    """The EMA after `step` (0-based) with `params`: its decay ramps up as
+    min(decay, (1 + step) / (10 + step)) (TensorFlow's `num_updates` rule), so
+    the first updates do not pin the average to the initial params."""
+    t = step.astype(jnp.float32)
+    d = jnp.minimum(jnp.float32(decay), (1.0 + t) / (10.0 + t))
+    return jax.tree.map(lambda e, p: d * e + (1.0 - d) * p.astype(e.dtype), ema, params)
+
+
+def eval_params(state: TrainState):
+    """The params evaluation and sampling use: the EMA when the state keeps one."""
+    return state.params if state.ema is None else state.ema

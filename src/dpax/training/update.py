@@ -1,0 +1,136 @@
+"""The update: from a step's sums over the global batch to the new state and
+the step's metrics. The same math wherever it runs: per device on a replica
+of the state, or under jit on the logical state of a sharded layout."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from dpax.errors import DpaxError
+from dpax.training.metrics import Last, Total
+from dpax.training.state import TrainState, ema_update
+from dpax.training.sums import example_metrics
+
+
+@struct.dataclass
+class Reduced:
+    """One step's sums over the global batch, as the update takes them."""
+
+    loss_sum: jax.Array
+    count: jax.Array  # examples, or the loss's weights, summed
+    sums: dict  # {metric: sum}
+    grads: Any  # gradient sums, laid out as the layout's update takes them
+    model_state: Any  # the model's new non-param state (e.g. running averages)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateOptions:
+    """What the update does besides the optimizer's step; each is part of the result."""
+
+    skip_nonfinite: bool = True  # a NaN/inf loss or gradient leaves the state unchanged
+    clip_norm: float | None = None  # clip the mean gradient to this global norm
+    ema_decay: float | None = None  # keep an EMA of the params with this decay
+
+
+def sum_of_squares(tree) -> jax.Array:
+    """Sum of every squared element in f32: non-finite if any element is (or if
+    the norm overflows f32, a gradient no step should apply either). One
+    reduction per leaf: a concatenation of the leaves would be copied first."""
+    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree))
+
+
+def tx_update(tx, grads, opt_state, params, loss):
+    """`tx.update` with the global batch's mean loss as `value` for the
+    transformations that take extra arguments (e.g. reduce_on_plateau)."""
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+        return tx.update(grads, opt_state, params, value=loss)
+    return tx.update(grads, opt_state, params)
+
+
+def check_optimizer(tx: optax.GradientTransformation, state: TrainState) -> None:
+    """Refuse, before training, a transformation the step cannot call: one
+    that wants more than the gradients, params and the loss (a line search's
+    `value_fn` evaluates the loss at trial params)."""
+    grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32),
+                         state.params)
+    try:
+        jax.eval_shape(lambda g, s, p: tx_update(tx, g, s, p, jnp.float32(0)),
+                       grads, state.opt_state, state.params)
+    except TypeError as e:
+        if "required keyword-only argument" not in str(e):
+            raise
+        wanted = str(e).rpartition("argument")[2].strip(": s")
+        raise DpaxError(
+            f"the optimizer's update needs {wanted}: dpax gives an optax update the "
+            "gradients, params and the batch's mean loss (`value`), not a loss function "
+            "(e.g. a line search: optax.scale_by_backtracking_linesearch, optax.lbfgs); "
+            "use an optimizer without one") from None
+
+
+def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | None = None,
+                options: UpdateOptions = UpdateOptions()
+                ) -> Callable[[TrainState, Reduced], tuple[TrainState, dict]]:
+    """The update from a step's global sums: `(state, reduced) -> (state,
+    metrics)`. The same math wherever it runs: per device on a replica of the
+    state, or under jit on the logical state of a sharded layout (XLA then
+    partitions it, collectives included)."""
+
+    def update(state: TrainState, r: Reduced):
+        # One pass over the summed gradients gives the norm and the finiteness
+        # test (a NaN or inf anywhere makes the sum of squares non-finite); the
+        # division then fuses into the update instead of being stored and read
+        # twice more.
+        sq = sum_of_squares(r.grads)
+        norm = jnp.sqrt(sq) / r.count
+        finite = jnp.isfinite(sq) & jnp.isfinite(r.loss_sum)
+
+        def apply():
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32) / r.count, r.grads)
+            if options.clip_norm is not None:  # optax.clip_by_global_norm's formula
+                small = norm < options.clip_norm
+                grads = jax.tree.map(
+                    lambda g: jax.lax.select(small, g, g / norm * options.clip_norm), grads)
+            updates, opt_state = tx_update(tx, grads, state.opt_state, state.params,
+                                            r.loss_sum / r.count)
+            return optax.apply_updates(state.params, updates), opt_state
+
+        model_state = r.model_state
+        if options.skip_nonfinite:
+            # A branch, not a select of new against old: the good path writes
+            # the update once instead of making one more pass over params and
+            # moments (and the donated buffers are updated in place). A
+            # non-finite step leaves the state as it was, the counters aside.
+            params, opt_state = jax.lax.cond(finite, apply,
+                                             lambda: (state.params, state.opt_state))
+            model_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), model_state,
+                                       state.model_state)
+            bad = jnp.where(finite, 0, state.bad_in_a_row + 1)
+        else:
+            params, opt_state = apply()
+            bad = jnp.zeros_like(state.bad_in_a_row)
+        ema = state.ema
+        if options.ema_decay is not None:
+            ema = ema_update(ema, params, state.step, options.ema_decay)
+            if options.skip_nonfinite:
+                ema = jax.tree.map(lambda a, b: jnp.where(finite, a, b), ema, state.ema)
+        new = state.replace(step=state.step + 1, params=params, model_state=model_state,
+                            opt_state=opt_state, bad_in_a_row=bad, ema=ema)
+        # A skipped step adds nothing to the logged means; it is counted instead.
+        loss_sum, count, sums = jax.tree.map(lambda v: jnp.where(finite, v, 0.0),
+                                             (r.loss_sum, r.count, r.sums))
+        metrics = example_metrics(loss_sum, count, sums)
+        metrics["skipped"] = Total(1.0 - finite.astype(jnp.float32))
+        metrics["bad_in_a_row"] = Last(new.bad_in_a_row)
+        metrics["grad_norm"] = Last(norm)
+        if schedule is not None:
+            metrics["lr"] = Last(jnp.asarray(schedule(state.step), jnp.float32))
+        return new, metrics
+
+    return update
