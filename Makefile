@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-fast lint docs bench clean
+.PHONY: setup train test test-fast test-generic lint docs docs-site bench clean
 
 setup: $(STAMP)
 
@@ -20,20 +20,32 @@ train: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples scripts
 
+# The documentation site, built strictly: a broken link or a page missing
+# from the nav fails the build.
+docs-site: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(or $(SITE),site)
+
 test: lint
+	$(MAKE) docs-site SITE=$$(mktemp -d)
 	$(BIN)/pytest
+	$(MAKE) test-generic
+
+# The equivalence tests again with the XLA:CPU tuning off: the code path GPUs
+# and TPUs take (dpax.parallel.platform).
+test-generic: $(STAMP)
+	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest -m equivalence
 
 # The unit tier: no test marked slow (those start dpax processes or train long).
 test-fast: lint
 	$(BIN)/pytest -m "not slow"
 
-# The README's flag table is generated from TrainConfig; a test checks it is current.
+# The flag table in docs/cli.md is generated from TrainConfig; a test checks it is current.
 docs: $(STAMP)
-	$(BIN)/python scripts/update_readme_flags.py
+	$(BIN)/python scripts/update_flag_table.py
 
 # About 15 minutes here; rewrites benchmarks/results/.
 bench: $(STAMP)
 	$(BIN)/dpax bench --repeats 7 --out benchmarks/results
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache
