@@ -31,14 +31,26 @@ def train_cnn_bn(n, sync=True, steps=10, batch_size=61):
 
 
 @pytest.mark.equivalence
-def test_cnn_bn_on_8_devices_equals_1_device_and_unsynced_does_not():
-    p1, s1, _ = train_cnn_bn(1)
-    p8, s8, t8 = train_cnn_bn(8)
-    diff_p, diff_s = max_diff(p8, p1), max_diff(s8, s1)
-    print(f"cnn-bn 8 vs 1 device, batch 61: params {diff_p:.2e}, batch stats {diff_s:.2e}")
-    assert diff_p <= 1e-5 and diff_s <= 1e-5
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cnn_bn_steps_on_8_devices_equal_1_device(seed):
+    """Each step on 8 devices from the state one device had before it: the
+    params, loss and batch statistics of one device's step, for several seeds.
+    (Two runs side by side drift apart on some seeds: the last bits of the
+    global sums differ, and a max pool's near-tie can flip; see check.py.)"""
+    ds = digits()
+    result = dpax.check_equivalence(
+        lambda: models.make_model("cnn-bn", ds.input_shape, ds.n_out, seed=seed),
+        losses.classification_loss, ds.x_train, ds.y_train, devices=8, batch_size=61,
+        steps=3)
+    print(result.report())
+    assert result.equivalent and max(result.param_diff, result.state_diff) <= 1e-5
+
+
+def test_cnn_bn_replicas_stay_in_sync_and_unsynced_statistics_differ():
+    p1, s1, _ = train_cnn_bn(1, steps=3)
+    _, _, t8 = train_cnn_bn(8, steps=3)
     assert dpax.replicas_in_sync(t8.state)
-    pu, su, tu = train_cnn_bn(8, sync=False)
+    pu, su, tu = train_cnn_bn(8, sync=False, steps=3)
     print(f"--no-sync-batchnorm: params {max_diff(pu, p1):.2e}, batch stats "
           f"{max_diff(su, s1):.2e}")
     assert max_diff(pu, p1) > 1e-3 and max_diff(su, s1) > 1e-3

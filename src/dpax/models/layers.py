@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpax.parallel.collectives import synced_sum
+from dpax.parallel.collectives import exact_sums
 
 
 @dataclasses.dataclass
@@ -62,21 +62,29 @@ def current() -> BatchContext | None:
 
 def global_moments(x: jax.Array, feature_axes: tuple[int, ...], ctx: BatchContext):
     """Mean and (biased) variance over every axis but `feature_axes`, over the
-    real rows of the GLOBAL batch (one psum of sums, squared sums and the
-    count). Returns them twice: per device (to normalize with: differentiated)
-    and replicated (for running averages: state the step returns)."""
-    axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
+    real rows of the GLOBAL batch. Returns them twice: per device (to
+    normalize with: differentiated) and replicated (for running averages:
+    state the step returns).
+
+    The sums are exact sums (`dpax.parallel.collectives.exact_sums`): the
+    statistics have the same bits on one device and on N, so the layer's
+    output does too, and a max pool after it breaks its ties alike."""
     rows = ctx.mask.reshape((-1,) + (1,) * (x.ndim - 1)).astype(jnp.float32)
     xf = x.astype(jnp.float32)
     per_row = x.size // (x.shape[0] * math.prod(x.shape[a] for a in feature_axes))
-    sums = (jnp.sum(xf * rows, axes), jnp.sum(jnp.square(xf) * rows, axes),
-            jnp.sum(rows) * per_row)
-    # The running averages take the sums typed as replicated; the
-    # normalization the per-device ones. Both come from one all-reduce.
+    # Summed axes first, flattened: the rows the exact sums add along axis 0.
+    # (Each example's own sums first would be cheaper, but XLA reduces an
+    # example's values in another order in a batch of another size.)
+    features = tuple(x.shape[a] for a in feature_axes)
+
+    def flat(v):
+        return jnp.moveaxis(v, feature_axes, range(-len(features), 0)).reshape((-1,) + features)
+
+    values = (flat(xf * rows), flat(jnp.square(xf) * rows), rows.reshape(-1) * per_row)
     if ctx.axis is None:
-        replicated = per_device = sums
+        replicated = per_device = tuple(jnp.sum(v, 0) for v in values)
     else:
-        replicated, per_device = synced_sum(sums, ctx.axis, ctx.pack)
+        replicated, per_device = exact_sums(values, ctx.axis)
     return _moments(*per_device), jax.lax.stop_gradient(_moments(*replicated))
 
 

@@ -8,6 +8,16 @@ small leaves into one flat buffer per dtype makes it one rendezvous. GPU and
 TPU compilers combine small all-reduces themselves, so elsewhere the tree
 goes to `psum` as it is. Either way every element's sum is the same.
 
+Exact sums (`exact_sums`): a float sum depends on the order of its terms, and
+one device adds a batch's rows in another order than N devices do. Where that
+last bit would change what a model computes (a BatchNorm's statistics, which
+a max pool's near-tie can turn into a different gradient), the sums are
+compensated: pairwise TwoSum keeps every rounding error, the devices' partial
+sums are combined in one fixed order, and the total is rounded once. That is
+the correctly rounded sum but in very rare cases, so one device and N
+devices get the same bits. (Summing in float64 instead did not hold in a
+compiled step: XLA may sum a converted value in its original type.)
+
 Order: a float sum depends on the order of its terms. XLA:CPU's in-process
 all-reduce adds the devices' values in rank order (0 + x0 + x1 + ...); across
 processes XLA:CPU uses gloo, whose ring adds them in another order. A run on 2
@@ -141,41 +151,95 @@ def pmean_tree(tree: Any, axis: str, pack: bool = False) -> Any:
                         psum_tree(tree, axis, pack), tree)
 
 
-def synced_sum(tree: Any, axis: str, pack: bool = False) -> tuple[Any, Any]:
-    """`psum_tree` for values a model differentiates through (SyncBatchNorm's
-    statistics), whose backward pass sums the cotangents with `psum_tree` too.
-
-    Returns the sums twice, from one all-reduce: typed as replicated (for what
-    the step returns, e.g. running averages) and typed per device ("varying",
-    for the math that is differentiated). On the second, JAX adds no all-reduce
-    of its own where it meets per-device values, so the backward pass has one
-    sum, in the same order whatever the processes.
-    """
-    if jax.lax.axis_size(axis) == 1:
-        return tree, tree
-    return _synced(tree, axis, pack)
-
-
 def _varying(tree: Any, axis: str) -> Any:
     return jax.tree.map(lambda x: jax.lax.pcast(x, axis, to="varying"), tree)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _synced(tree: Any, axis: str, pack: bool) -> tuple[Any, Any]:
-    total = psum_tree(tree, axis, pack)
-    return total, _varying(total, axis)
+# -- exact sums ------------------------------------------------------------------------------
+def two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """a + b and its rounding error, exactly: s + e == a + b (Knuth's TwoSum;
+    XLA keeps IEEE semantics, it does not reassociate float additions)."""
+    s = a + b
+    b_part = s - a
+    return s, (a - (s - b_part)) + (b - b_part)
 
 
-def _synced_fwd(tree, axis, pack):
-    return _synced(tree, axis, pack), None
+def _compensated(hi: jax.Array, lo: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(hi, lo) of the sum along axis 0 of the pairs (hi, lo) (lo None: zeros),
+    pairwise: each level's rounding errors are kept in lo."""
+    if lo is None:  # the first level needs no zeros
+        if hi.shape[0] % 2:
+            hi = jnp.pad(hi, [(0, 1)] + [(0, 0)] * (hi.ndim - 1))
+        half = hi.shape[0] // 2
+        hi, lo = two_sum(hi[:half], hi[half:]) if half else (hi, jnp.zeros_like(hi))
+    while hi.shape[0] > 1:
+        if hi.shape[0] % 2:  # a zero row is exact
+            pad = [(0, 1)] + [(0, 0)] * (hi.ndim - 1)
+            hi, lo = jnp.pad(hi, pad), jnp.pad(lo, pad)
+        half = hi.shape[0] // 2  # contiguous halves: what vector units read best
+        s, e = two_sum(hi[:half], hi[half:])
+        hi, lo = s, (lo[:half] + lo[half:]) + e
+    # Normalized (|lo| at most half an ulp of hi), so that adding the lo parts
+    # of several such sums plainly loses nothing that matters.
+    return two_sum(hi[0], lo[0])
 
 
-def _synced_bwd(axis, pack, _, cotangents):
-    # d(sum_e x_e)/dx_d = 1 on every device d: each input gets every device's
+def _exact_totals(values: tuple, axis: str) -> tuple:
+    """The sums over axis 0 and over the devices, each rounded once."""
+    n = jax.lax.axis_size(axis)
+    return tuple(_compensated_total(v, axis, n) for v in values)
+
+
+def _as_rounded(v: jax.Array) -> jax.Array:
+    """`v` as float32 values: a product (x * x) fused into the additions that
+    sum it becomes a fused multiply-add, rounded otherwise (or not at all), and
+    two programs would sum other values. A max with the lowest float (v
+    itself, but for -inf) stops that fusion."""
+    return jnp.maximum(v, jnp.finfo(v.dtype).min)
+
+
+def _compensated_total(v: jax.Array, axis: str, n: int) -> jax.Array:
+    hi, lo = _compensated(_as_rounded(v))
+    if n > 1:
+        # Every device's (hi, lo) in its own row: a psum with one nonzero term
+        # per element is exact, and the rows are then added in rank order.
+        slot = jax.nn.one_hot(jax.lax.axis_index(axis), n, dtype=v.dtype)
+        slot = slot.reshape((n,) + (1,) * hi.ndim)
+        hi, lo = _compensated(jax.lax.psum(slot * hi, axis), jax.lax.psum(slot * lo, axis))
+    return hi + lo
+
+
+def exact_sums(values: tuple, axis: str) -> tuple[tuple, tuple]:
+    """The sums along axis 0 of each array of `values` (this device's rows)
+    and over the devices of `axis`, with the same bits however the rows are
+    split over devices (module docstring). Returned twice, from the same
+    values: typed as replicated (for what the step returns, e.g. running
+    averages) and typed per device ("varying", for math that is
+    differentiated: JAX then adds no all-reduce of its own where it meets
+    per-device values). The backward pass is a plain sum's: every row gets
+    the total's cotangent, summed over the devices."""
+    return _exact(tuple(values), axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _exact(values: tuple, axis: str) -> tuple[tuple, tuple]:
+    totals = _exact_totals(values, axis)
+    return totals, _varying(totals, axis)
+
+
+def _exact_fwd(values, axis):
+    return _exact(values, axis), tuple(v.shape for v in values)
+
+
+def _exact_bwd(axis, shapes, cotangents):
+    # d(sum_e x_e)/dx_d = 1 on every device d: each row gets every device's
     # cotangent. A replicated output's cotangent is already that total.
     replicated, per_device = cotangents
-    total = jax.tree.map(jnp.add, replicated, psum_tree(per_device, axis, pack))
-    return (_varying(total, axis),)
+    if jax.lax.axis_size(axis) > 1:
+        per_device = jax.lax.psum(per_device, axis)
+    totals = jax.tree.map(jnp.add, replicated, per_device)
+    return (tuple(_varying(jnp.broadcast_to(t, shape), axis)
+                  for t, shape in zip(totals, shapes)),)
 
 
-_synced.defvjp(_synced_fwd, _synced_bwd)
+_exact.defvjp(_exact_fwd, _exact_bwd)
