@@ -183,6 +183,9 @@ def truncate(path):
     ("mixed shapes", "different sizes"),
     ("splits", "give one split's directory"),
     ("empty dir", "holds no *.array_record shards"),
+    ("only shard deleted", "is missing"),  # dpax.json still lists it
+    ("unknown x column", "hold the columns x and y, not 'nope'"),
+    ("unknown y column", "hold the columns x and y, not 'label'"),
 ])
 def test_bad_streamed_data_is_one_line_and_exit_2(stored, tmp_path, capsys, damage, needle):
     import shutil
@@ -193,11 +196,21 @@ def test_bad_streamed_data_is_one_line_and_exit_2(stored, tmp_path, capsys, dama
 
     x, y, paths = stored
     bad = str(tmp_path / "bad")
-    if damage in ("missing shard", "truncated shard", "no meta"):
+    flags = []
+    if damage in ("missing shard", "truncated shard", "no meta", "unknown x column",
+                  "unknown y column"):
         shutil.copytree(paths["array_record"], bad)
+        flags = {"unknown x column": ["--x-column", "nope"],
+                 "unknown y column": ["--y-column", "label"]}.get(damage, [])
         first = os.path.join(bad, sorted(os.listdir(bad))[0])
         {"missing shard": os.remove, "truncated shard": truncate,
-         "no meta": lambda _: os.remove(os.path.join(bad, sources.META))}[damage](first)
+         "no meta": lambda _: os.remove(os.path.join(bad, sources.META))}.get(
+            damage, lambda _: None)(first)
+    elif damage == "only shard deleted":
+        prepare.prepare(paths["npz"], bad, progress=False)  # one shard: 300 small images
+        for f in os.listdir(bad):
+            if f.endswith(sources.SUFFIX):
+                os.remove(os.path.join(bad, f))
     elif damage == "missing column":
         os.makedirs(bad)
         pq.write_table(pa.table({"image": arrow_images(x), "y": y}), f"{bad}/a.parquet")
@@ -212,7 +225,7 @@ def test_bad_streamed_data_is_one_line_and_exit_2(stored, tmp_path, capsys, dama
     out = str(tmp_path / "run")
     capsys.readouterr()
     code = main(["train", "--data", bad, "--devices", "2", "--steps", "20", "--batch-size",
-                 "64", "--out", out])
+                 "64", "--out", out, *flags])
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err, err

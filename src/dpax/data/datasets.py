@@ -95,7 +95,9 @@ def read_npz(path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as f:
             missing = sorted(set(names) - set(f.files))
             if missing:
-                raise DpaxError(f"{path} lacks array(s) {', '.join(missing)}; save it with {how}")
+                has = ", ".join(f.files) or "none"
+                raise DpaxError(f"{path} lacks array(s) {', '.join(missing)} (it has {has}); "
+                                f"name them with --x-column/--y-column, or save it with {how}")
             return {n: f[n] for n in names}
     except DpaxError:
         raise
@@ -104,10 +106,11 @@ def read_npz(path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
                         f"write it with {how}") from None
 
 
-def from_npz(path: str) -> Dataset:
-    """A user's `.npz` with arrays `x` (examples first) and `y` (labels or targets)."""
-    arrays = read_npz(path, ("x", "y"))
-    return labelled(path, arrays["x"], arrays["y"])
+def from_npz(path: str, x_key: str = "x", y_key: str = "y") -> Dataset:
+    """A user's `.npz` with arrays `x` (examples first) and `y` (labels or
+    targets), or the arrays named `x_key` and `y_key`."""
+    arrays = read_npz(path, (x_key, y_key))
+    return labelled(path, arrays[x_key], arrays[y_key])
 
 
 def from_table(table) -> Dataset:
@@ -197,7 +200,7 @@ def load(name: str, seq_len: int = DEFAULT_SEQ_LEN, x_column: str = "x",
     if is_text(name):
         return Dataset(*text.load(name.partition(":")[2] or None, seq_len), "lm", text.VOCAB)
     if name.endswith(".npz"):
-        return from_npz(name)
+        return from_npz(name, x_column, y_column)
     if sources.is_streamed(name):
         return from_table(sources.open_table(name, x_column, y_column))
     return DATASETS[name]()
@@ -213,8 +216,9 @@ class DataConfig:
         "them; byte tokens), or examples streamed from disk: a directory or glob of "
         "ArrayRecord shards (dpax prepare), Parquet files, or a saved Hugging Face dataset",
         flag="data")
-    x_column: str = cfg.field("x", "streamed data: the column (feature) of inputs")
-    y_column: str = cfg.field("y", "streamed data: the column (feature) of labels or targets")
+    x_column: str = cfg.field("x", "an .npz's array or streamed data's column of inputs")
+    y_column: str = cfg.field("y", "an .npz's array or streamed data's column of labels or "
+                              "targets")
     seq_len: int = cfg.field(DEFAULT_SEQ_LEN, "text: tokens per training window (gpt's "
                              "context length)")
     augment: str | None = cfg.field(

@@ -30,12 +30,15 @@ CHUNK_ROWS = 4096  # read from the source at a time: memory stays small for any 
 
 def open_source(src: str, x_column: str = "x", y_column: str = "y"):
     """The table `src` names: an .npz (loaded), or what `sources.open_table` reads."""
+    takes = ("dpax prepare takes an .npz, Parquet file(s) (a file, a directory or a glob) "
+             "or a saved Hugging Face dataset's directory")
+    if not (os.path.exists(src) or any(ch in src for ch in "*?[")):
+        raise DpaxError(f"{src!r} does not exist; {takes}")
     if src.endswith(".npz"):
-        arrays = read_npz(src, ("x", "y"))
-        return sources.ArrayTable(arrays["x"], src, arrays["y"])
+        arrays = read_npz(src, (x_column, y_column))
+        return sources.ArrayTable(arrays[x_column], src, arrays[y_column])
     if not sources.is_streamed(src):
-        raise DpaxError(f"cannot read {src!r}; give an .npz, a Parquet file or directory, or "
-                        "a saved Hugging Face dataset's directory")
+        raise DpaxError(f"cannot read {src!r}; {takes}")
     return sources.open_table(src, x_column, y_column)
 
 

@@ -112,7 +112,8 @@ class ArrayRecordTable:
         import grain
 
         if key not in ("x", "y"):
-            raise DpaxError(f"{name}: dpax prepare's records hold 'x' and 'y', not {key!r}")
+            raise DpaxError(f"{name}: dpax prepare's records hold the columns x and y, not "
+                            f"{key!r}; drop --x-column or give x")
         self.name, self.key = name, key
         self.x_shape = tuple(meta["x_shape"]) if key == "x" else ()
         self.x_dtype = np.dtype(meta[f"{key}_dtype"])
@@ -310,8 +311,12 @@ class HuggingFaceTable(_ArrowTable):
                                              f"{self.name}: column {self.x_key!r}"))
 
 
-def _array_record(paths: list[str], name: str, key: str = "x") -> ArrayRecordTable:
+def _array_record(paths: list[str], name: str, key: str = "x",
+                  y_key: str | None = "y") -> ArrayRecordTable:
     """Shards and the dpax.json + labels.npy `dpax prepare` wrote beside them."""
+    if y_key not in (None, "y"):
+        raise DpaxError(f"{name}: dpax prepare's records hold the columns x and y, not "
+                        f"{y_key!r}; drop --y-column or give y")
     where = os.path.dirname(paths[0])
     meta_path = os.path.join(where, META)
     if not os.path.isfile(meta_path):
@@ -332,7 +337,7 @@ def _array_record(paths: list[str], name: str, key: str = "x") -> ArrayRecordTab
     if missing:
         raise DpaxError(f"{name}: shard {missing[0]} is missing; copy it back or write the "
                         "shards again with dpax prepare")
-    if set(paths) != set(expected):  # a glob naming some shards only
+    if paths != [meta_path] and set(paths) != set(expected):  # a glob naming some shards only
         raise DpaxError(f"{name}: names {len(paths)} of the {len(expected)} shards in "
                         f"{where}; give the directory")
     return ArrayRecordTable(expected, meta, labels, name, key)
@@ -351,6 +356,8 @@ def open_table(name: str, x_key: str = "x", y_key: str | None = "y"):
     if os.path.isdir(name):
         if any(os.path.isfile(os.path.join(name, f)) for f in HF_MARKERS):
             return HuggingFaceTable(name, x_key, y_key)
+        if os.path.isfile(os.path.join(name, META)):  # dpax prepare's: its list of shards
+            return _array_record([os.path.join(name, META)], name, x_key, y_key)
         paths = sorted(glob.glob(os.path.join(name, "*" + SUFFIX)))
         paths = paths or sorted(glob.glob(os.path.join(name, "*.parquet")))
         if not paths:
@@ -362,7 +369,7 @@ def open_table(name: str, x_key: str = "x", y_key: str | None = "y"):
             raise DpaxError(f"data {name!r} names no file; give an existing path")
     kinds = {os.path.splitext(p)[1] for p in paths}
     if kinds == {SUFFIX}:
-        return _array_record(paths, name, x_key)
+        return _array_record(paths, name, x_key, y_key)
     if kinds == {".parquet"}:
         return ParquetTable(paths, x_key, y_key, name)
     raise DpaxError(f"data {name!r} names {', '.join(sorted(kinds))} files; give only "

@@ -32,6 +32,12 @@ EVAL_FRACTION = 0.02  # of the documents (at least one, when there are two or mo
 # something to hold out.
 WINDOWS_PER_DOCUMENT = 64
 DATA_SEED = 0  # the split never depends on --seed
+# A file is text when at most this share of its bytes are control bytes no text
+# holds (NUL and the like; tabs, newlines and escapes are text): text in any
+# 8-bit encoding passes, a program or an image does not.
+MAX_BINARY_SHARE = 0.01
+_CONTROL = np.zeros(256, bool)
+_CONTROL[[*range(0, 9), *range(14, 27), *range(28, 32), 127]] = True
 
 
 def stdlib_dir() -> str:
@@ -62,9 +68,21 @@ def documents(path: str | None, seq_len: int) -> list[tuple[str, bytes]]:
 def _read(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
-            return f.read()
+            data = f.read()
     except OSError as e:
         raise DpaxError(f"cannot read text file {path}: {e.strerror}") from None
+    share = binary_share(data)
+    if share > MAX_BINARY_SHARE:
+        raise DpaxError(f"{path} is not text: {100 * share:.0f}% of its bytes are control "
+                        "bytes (a program or an image?); give text files for text:PATH")
+    return data
+
+
+def binary_share(data: bytes) -> float:
+    """The share of `data`'s bytes that are control bytes no text holds."""
+    if not data:
+        return 0.0
+    return float(np.mean(_CONTROL[np.frombuffer(data, np.uint8)]))
 
 
 def windows(doc: bytes, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
