@@ -105,3 +105,15 @@ def test_what_is_trained_holds_the_fields_a_resume_may_not_change():
 def test_from_flags_refuses_an_unknown_name():
     with pytest.raises(DpaxError, match="unknown field"):
         TrainConfig.from_flags(learning_rate=0.1)
+
+
+@pytest.mark.parametrize("flags, lr", [
+    ({"model": "mlp"}, 3e-3),
+    ({"model": "deep-mlp"}, 1e-4),  # 3e-3 diverges on its 4096-wide layers (loss 96)
+    ({"model": "deep-mlp", "lr": 0.01}, 0.01),
+    ({"model": "mlp", "lr": 0.01, "scale_lr": True, "batch_size": 256}, 0.02),
+])
+def test_the_learning_rate_is_the_flag_else_the_models_else_the_default(flags, lr):
+    c = cfg.validate(TrainConfig.from_flags(**flags))
+    _, schedule = c.optimizer.build(c.batch_size, 10, c.model.lr)
+    assert float(schedule(0)) == pytest.approx(lr)

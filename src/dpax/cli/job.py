@@ -80,9 +80,10 @@ class TrainConfig:
             raise DpaxError(f"`profile_steps={self.output.profile_steps}` starts after the "
                             f"run's last step {total}; profile steps within 1..{total}")
         if self.optimizer.warmup_steps >= total:
+            lr = self.optimizer.resolved_lr(self.model.lr)
             warnings.warn(f"the warmup ({self.optimizer.warmup_steps} steps) is not shorter "
                           f"than the run ({total} steps): the learning rate never reaches "
-                          f"{self.optimizer.lr:g}", DpaxWarning, stacklevel=2)
+                          f"{lr:g}", DpaxWarning, stacklevel=2)
 
     def to_yaml(self) -> str:
         """The resolved config; `dpax train --config FILE` runs it again."""
@@ -128,7 +129,7 @@ def build(config: TrainConfig) -> Job:
 def make_trainer(config: TrainConfig, task: str, input_shape: tuple[int, ...], n_out: int,
                  total: int) -> Trainer:
     """The config's model (for examples of `input_shape`), optimizer and Trainer."""
-    tx, schedule = config.optimizer.build(config.batch_size, total)
+    tx, schedule = config.optimizer.build(config.batch_size, total, config.model.lr)
     loss_fn, predict_fn = losses.for_task(task)
     model = config.model.build(input_shape, n_out, config.seed, task)
     return Trainer(model, loss_fn, tx, predict_fn=predict_fn, schedule=schedule,

@@ -21,6 +21,10 @@ def _gpt(in_shape: tuple[int, ...], n_out: int, *, rngs: nnx.Rngs, **options) ->
 
 MODELS: dict[str, Callable[..., nnx.Module]] = {
     "linear": Linear, "mlp": MLP, "cnn": CNN, "cnn-bn": CNNBN, "deep-mlp": deep_mlp, "gpt": _gpt}
+# Learning rates of models that the default (`dpax.training.optim.DEFAULT_LR`)
+# does not train: Adam moves every weight by about lr a step, so a layer's
+# output moves by about lr x its fan-in; 3e-3 x 4096 diverges.
+MODEL_LR = {"deep-mlp": 1e-4}
 # The models that take text windows (task "lm"), and only those.
 TEXT_MODELS = ("gpt",)
 
@@ -46,6 +50,12 @@ class ModelConfig:
             cfg.whole(self, name)
         cfg.number(self, "dropout", 0, 1)
         gpt.check_shape(self.width, self.heads, self.remat)
+
+    @property
+    def lr(self) -> float | None:
+        """The learning rate a run of this model takes unless told otherwise
+        (None: the optimizer's default)."""
+        return MODEL_LR.get(self.name)
 
     @property
     def takes_text(self) -> bool:

@@ -13,6 +13,7 @@ import optax
 from dpax import config as cfg
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+DEFAULT_LR = 3e-3  # unless the model has its own (`dpax.models.registry.ModelConfig.lr`)
 SCHEDULES = ("constant", "warmup-cosine")
 
 
@@ -21,7 +22,8 @@ class OptimizerConfig:
     """The optimizer and its learning-rate schedule."""
 
     name: str = cfg.field("adam", "sgd, momentum, adam or adamw", flag="optimizer")
-    lr: float = cfg.field(3e-3, "peak learning rate")
+    lr: float | None = cfg.field(None, f"peak learning rate (default: the model's, "
+                                 f"{DEFAULT_LR:g}; deep-mlp 1e-4)")
     schedule: str = cfg.field("constant", "constant or warmup-cosine")
     warmup_steps: int = cfg.field(0, "linear warmup steps")
     scale_lr: bool = cfg.field(False, "scale lr by batch-size / reference-batch (linear rule)")
@@ -32,19 +34,25 @@ class OptimizerConfig:
     def check(self) -> None:
         cfg.one_of(self, "name", OPTIMIZERS)
         cfg.one_of(self, "schedule", SCHEDULES)
-        cfg.number(self, "lr", 0, low_open=True)
+        if self.lr is not None:
+            cfg.number(self, "lr", 0, low_open=True)
         cfg.whole(self, "warmup_steps", low=0)
         cfg.whole(self, "reference_batch")
         cfg.number(self, "momentum", 0, 1)
         cfg.number(self, "weight_decay", 0)
 
-    def build(self, batch_size: int, total_steps: int
+    def build(self, batch_size: int, total_steps: int, model_lr: float | None = None
               ) -> tuple[optax.GradientTransformation, optax.Schedule]:
         """The optimizer for a run of `total_steps` with global batches of
-        `batch_size`, and its schedule (to report the learning rate)."""
-        lr = scaled_lr(self.lr, batch_size, self.reference_batch) if self.scale_lr else self.lr
+        `batch_size`, and its schedule (to report the learning rate). Unless
+        `lr` is set: the model's learning rate, else `DEFAULT_LR`."""
+        lr = self.resolved_lr(model_lr)
+        lr = scaled_lr(lr, batch_size, self.reference_batch) if self.scale_lr else lr
         schedule = _schedule(lr, self.schedule, self.warmup_steps, total_steps)
         return _optimizer(self.name, schedule, self.momentum, self.weight_decay), schedule
+
+    def resolved_lr(self, model_lr: float | None = None) -> float:
+        return self.lr or model_lr or DEFAULT_LR
 
 
 def scaled_lr(lr: float, global_batch: int, reference_batch: int) -> float:
