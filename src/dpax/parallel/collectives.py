@@ -235,8 +235,7 @@ def _exact_bwd(axis, shapes, cotangents):
     # d(sum_e x_e)/dx_d = 1 on every device d: each row gets every device's
     # cotangent. A replicated output's cotangent is already that total.
     replicated, per_device = cotangents
-    if jax.lax.axis_size(axis) > 1:
-        per_device = jax.lax.psum(per_device, axis)
+    per_device = psum_tree(per_device, axis)  # in rank order across processes
     totals = jax.tree.map(jnp.add, replicated, per_device)
     return (tuple(_varying(jnp.broadcast_to(t, shape), axis)
                   for t, shape in zip(totals, shapes)),)
