@@ -58,6 +58,11 @@ def bad_inputs(tmp_path):
         "out not writable": (["--out", str(a_file / "run")], "cannot write"),
         "binary config": (["--config", str(binary)], "not a text file"),
         "devices 0": (["--devices", "0"], "--devices"),
+        "a binary file as text": (["--model", "gpt", "--data", f"text:{sys.executable}"],
+                                  "is not text"),
+        "an npz array that is not there": (["--model", "mlp", "--data",
+                                            npz(tmp_path, "xy.npz", x=x, y=np.zeros(10)),
+                                            "--x-column", "nope"], "(it has x, y)"),
         "devices negative": (["--devices", "-2"], "--devices"),
         "devices over the cap": (["--devices", "100000"], "cap"),
         "batch 0": (["--batch-size", "0"], "--batch-size"),
@@ -269,13 +274,36 @@ def test_check_factory_with_the_wrong_signature_is_one_line(tmp_path, capsys, mo
 
 
 @pytest.mark.slow
+def test_resume_auto_starts_without_a_checkpoint_and_continues_with_one(tmp_path, capsys):
+    """One command line for a requeued job, whatever the checkpoint dir holds."""
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "run")
+    flags = ["train", "--model", "mlp", "--devices", "2", "--checkpoint-dir", ck, "--resume",
+             "auto", "--out", out, "--quiet"]
+    assert main([*flags, "--steps", "6"]) == 0  # nothing to resume: it starts
+    assert main([*flags, "--steps", "12"]) == 0  # continues at step 6
+    assert "resumed at step 6" not in capsys.readouterr().out  # --quiet
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "loss" in r] == [6, 10, 12]
+    assert main(["train", "--resume", "auto"]) == 2
+    assert "--resume auto needs --checkpoint-dir" in capsys.readouterr().err
+
+
+def test_prepare_names_every_source_it_takes(tmp_path, capsys):
+    assert main(["prepare", str(tmp_path / "nope.npz"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "Parquet" in err and "Hugging Face" in err, err
+
+
 def test_warnings_are_one_line_and_the_run_goes_on(tmp_path, capsys):
     x = np.random.default_rng(0).random((40, 6)).astype(np.float32)
     sparse = npz(tmp_path, "sparse.npz", x=x, y=np.where(np.arange(40) % 2, 100000, 0))
-    for argv, needle in [(["--warmup-steps", "100", "--steps", "10"], "never reaches"),
-                         (["--data", sparse, "--model", "mlp", "--steps", "2"],
-                          "2 distinct labels but its largest is 100000")]:
-        assert main(["train", *argv, "--devices", "2", "--quiet"]) == 0
+    for argv, needle in [(["--warmup-steps", "100", "--steps", "10", "--devices", "2"],
+                          "never reaches"),
+                         (["--data", sparse, "--model", "mlp", "--steps", "2", "--devices", "1"],
+                          "2 distinct labels but its largest is 100000"),
+                         (["--batch-size", "3", "--devices", "8", "--steps", "2"],
+                          "5 of them see only padding every step; use a --batch-size that")]:
+        assert main(["train", *argv, "--quiet"]) == 0
         err = capsys.readouterr().err
         assert err.startswith("dpax: warning: ") and needle in err
         assert len(err.strip().splitlines()) == 1, err

@@ -102,7 +102,7 @@ def test_hooks_see_the_start_each_log_then_each_step():
 
 
 def test_the_in_flight_bound_is_for_xla_cpu_with_several_devices():
-    assert mlp_trainer(4)._loop_steps().in_flight == platform.CPU_MAX_IN_FLIGHT
+    assert mlp_trainer(4)._loop_steps().in_flight == platform.MAX_IN_FLIGHT
     assert mlp_trainer(1)._loop_steps().in_flight is None  # no rendezvous to overrun
 
 
@@ -110,14 +110,14 @@ def test_evaluate_and_predict_bound_their_queue_too(monkeypatch):
     """An eval set of many batches on 8 simulated devices once queued every
     call and XLA:CPU aborted ("Termination timeout for all reduce", found
     evaluating 280,000 examples in memory): all but the newest
-    `CPU_MAX_IN_FLIGHT` calls are waited for."""
+    `MAX_IN_FLIGHT` calls are waited for."""
     t, ds = mlp_trainer(8, predict_fn=dpax.classification_predict), digits()
     waits = []
     real = loop.jax.block_until_ready
     monkeypatch.setattr(loop.jax, "block_until_ready", lambda x: waits.append(1) or real(x))
     calls = -(-len(ds.x_eval) // 16)
     ev = t.evaluate(ds.x_eval, ds.y_eval, batch_size=16)
-    assert len(waits) == calls - platform.CPU_MAX_IN_FLIGHT and ev["examples"] == len(ds.x_eval)
+    assert len(waits) == calls - platform.MAX_IN_FLIGHT and ev["examples"] == len(ds.x_eval)
     waits.clear()
     assert len(t.predict(ds.x_eval, batch_size=16)) == len(ds.x_eval)
-    assert len(waits) == calls - platform.CPU_MAX_IN_FLIGHT
+    assert len(waits) == calls - platform.MAX_IN_FLIGHT

@@ -129,7 +129,7 @@ def test_killing_a_rank_stops_the_launch_and_leaves_no_process(tmp_path):
     (["--coordinator", "nosuchhost.invalid:1234", "--num-processes", "2",
       "--process-id", "1"], "does not resolve"),
     (["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "1",
-      "--timeout", "2"], "cannot reach the coordinator"),
+      "--init-timeout", "2"], "cannot reach the coordinator"),
     (["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "0",
       "--backend", "pmap"], "use --backend shard_map"),
     (["--num-processes", "2"], "together"),
@@ -241,7 +241,8 @@ import dpax
 from dpax.parallel import distributed
 pid = int(sys.argv[1])
 dpax.simulate_devices(2)
-distributed.initialize(sys.argv[2], 2, pid)
+distributed.initialize(distributed.DistributedConfig(coordinator=sys.argv[2], num_processes=2,
+                                                     process_id=pid))
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from dpax.parallel import collectives

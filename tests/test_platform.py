@@ -37,9 +37,9 @@ def test_cpu_devices_take_the_tuning_unless_it_is_off(monkeypatch):
     cpus = [SimpleNamespace(platform="cpu")] * 4
     on = platform.for_devices(cpus)
     assert on.xla_cpu_tuning and on.backward is for_xla_cpu and on.pack_collectives
-    assert on.unroll_steps and on.max_in_flight == platform.CPU_MAX_IN_FLIGHT
+    assert on.unroll_steps and on.max_in_flight == platform.MAX_IN_FLIGHT
     off = platform.for_devices(cpus, xla_cpu_tuning=False)
-    assert off == platform.Platform("cpu", False, max_in_flight=platform.CPU_MAX_IN_FLIGHT)
+    assert off == platform.Platform("cpu", False, max_in_flight=platform.MAX_IN_FLIGHT)
     monkeypatch.setenv(platform.ENV, "0")
     assert not platform.for_devices(cpus).xla_cpu_tuning
     assert platform.for_devices(cpus, xla_cpu_tuning=True).xla_cpu_tuning  # the argument wins

@@ -11,6 +11,13 @@ from __future__ import annotations
 
 import re
 
+# The `dpax` command's exit codes (docs/cli.md).
+EXIT_FAILED = 1  # the run started and could not go on; what was kept is said
+EXIT_USAGE = 2  # bad input: nothing ran
+EXIT_BAD_STEPS = 3  # too many non-finite steps in a row; last good params saved
+EXIT_PREEMPTED = 4  # SIGTERM/SIGINT/SIGUSR1: stopped at a step boundary, checkpoint saved
+EXIT_STALLED = 5  # a rank waited on its peers longer than --timeout (stacks printed)
+
 
 class DpaxException(Exception):
     """The base of every exception dpax raises on purpose: `except

@@ -21,14 +21,21 @@ from dpax.cli import (
     sample,
     train,
 )
-from dpax.errors import DpaxError, DpaxWarning, Preempted, RunFailed, TooManyBadSteps, as_flags
+from dpax.errors import (
+    EXIT_BAD_STEPS,
+    EXIT_FAILED,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    DpaxError,
+    DpaxWarning,
+    Preempted,
+    RunFailed,
+    TooManyBadSteps,
+    as_flags,
+)
 
 COMMANDS = (train, evaluate, predict, sample, check, bench, plot, prepare, launch, devices)
 
-EXIT_FAILED = 1  # the run started and could not go on; what was kept is said
-EXIT_USAGE = 2  # bad input: nothing ran
-EXIT_BAD_STEPS = 3  # too many non-finite steps in a row; last good params saved
-EXIT_PREEMPTED = 4  # SIGTERM/SIGINT: stopped at a step boundary, checkpoint saved
 
 
 class _Parser(argparse.ArgumentParser):

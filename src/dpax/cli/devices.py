@@ -13,15 +13,15 @@ NAME = "devices"
 
 def start(devices: int | None = None, distributed: DistributedConfig | None = None) -> None:
     """On CPU hosts a single process gets 8 simulated devices (or `devices` of
-    them, a subset used); each process of a multi-process run gets exactly
-    `devices`. Accelerators are unaffected."""
-    distributed = distributed or DistributedConfig()
+    them, a subset used); each process of a multi-process run (from flags, or
+    from a SLURM or Kubernetes environment) gets exactly `devices`.
+    Accelerators are unaffected."""
+    distributed = (distributed or DistributedConfig()).from_environment()
     if distributed.processes > 1:
         simulate_devices(devices or 8)
     else:
         simulate_devices(max(devices or 8, 8))
-    initialize(distributed.coordinator, distributed.num_processes, distributed.process_id,
-               timeout=distributed.timeout)
+    initialize(distributed)
 
 
 def add_parser(sub) -> None:

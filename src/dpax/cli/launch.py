@@ -3,7 +3,10 @@
 Each rank gets a free coordinator port and its `--process-id`; its output lines
 come back prefixed with `[rank i]` (rank 0's stdout only, unless verbose; every
 rank's stderr). When one rank fails the others are stopped, so nothing hangs,
-and the launcher returns the first failure's exit code.
+and the launcher says which rank failed first and why. With `--max-restarts
+K` a failed run (a rank killed, crashed or stalled) is started again, every
+rank, from the newest checkpoint, up to K times; a run that stopped on
+purpose (done, bad input, too many bad steps, a signal) is not.
 """
 
 from __future__ import annotations
@@ -17,9 +20,18 @@ import sys
 import threading
 import time
 
-from dpax.errors import DpaxError
+from dpax.errors import (
+    EXIT_BAD_STEPS,
+    EXIT_PREEMPTED,
+    EXIT_STALLED,
+    EXIT_USAGE,
+    DpaxError,
+)
 
 NAME = "launch"
+GRACE_S = 5  # SIGTERM, then SIGKILL after this long
+# Exit codes of a run that stopped on purpose: starting it again changes nothing.
+NO_RESTART = (0, EXIT_USAGE, EXIT_BAD_STEPS, EXIT_PREEMPTED, 130)
 
 
 def add_parser(sub) -> None:
@@ -33,6 +45,9 @@ def add_parser(sub) -> None:
                         help="devices per process (default: all local; on CPU, 8 simulated)")
     parser.add_argument("--port", type=int, default=None,
                         help="coordinator port (default: a free one)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="start a failed run again from its newest checkpoint, up to K "
+                             "times (needs --checkpoint-dir among the train flags)")
     parser.add_argument("--verbose", action="store_true",
                         help="show every rank's output, not only rank 0's")
     parser.add_argument("train_args", nargs=argparse.REMAINDER,
@@ -41,9 +56,8 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    return launch(train_args, args.nprocs, args.devices_per_process, args.port, args.verbose)
-
-GRACE_S = 5  # SIGTERM, then SIGKILL after this long
+    return launch(train_args, args.nprocs, args.devices_per_process, args.port, args.verbose,
+                  max_restarts=args.max_restarts)
 
 
 def free_port() -> int:
@@ -59,6 +73,8 @@ def _exit_code(rc: int) -> int:
 def _describe(rc: int) -> str:
     if rc < 0:
         return f"was killed by {signal.Signals(-rc).name}"
+    if rc == EXIT_STALLED:
+        return "stalled (it waited on its peers longer than --timeout)"
     return f"exited with code {rc}"
 
 
@@ -70,21 +86,64 @@ def _pump(stream, rank: int, show, out) -> None:
     stream.close()
 
 
+def _flag_given(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def resuming(train_args: list[str]) -> list[str]:
+    """The train flags of a restart: `--resume auto` instead of any `--resume
+    [PATH]` or `--overwrite` (a restart continues the run it restarts)."""
+    out, skip = [], False
+    for i, a in enumerate(train_args):
+        if skip:
+            skip = False
+            continue
+        if a == "--overwrite" or a.startswith("--resume="):
+            continue
+        if a == "--resume":
+            nxt = train_args[i + 1] if i + 1 < len(train_args) else "-"
+            skip = not nxt.startswith("-")  # its optional PATH
+            continue
+        out.append(a)
+    return [*out, "--resume", "auto"]
+
+
 def launch(train_args: list[str], nprocs: int, devices_per_process: int | None = None,
-           port: int | None = None, verbose: bool = False, out=sys.stdout) -> int:
-    """Run `dpax train TRAIN_ARGS` as `nprocs` processes; returns the exit code."""
+           port: int | None = None, verbose: bool = False, out=sys.stdout,
+           max_restarts: int = 0) -> int:
+    """Run `dpax train TRAIN_ARGS` as `nprocs` processes, started again from
+    the newest checkpoint up to `max_restarts` times when it fails; returns
+    the exit code."""
     if nprocs < 1:
         raise DpaxError(f"`nprocs` must be >= 1, got {nprocs}")
     if devices_per_process is not None and devices_per_process < 1:
         raise DpaxError(f"`devices_per_process` must be >= 1, got {devices_per_process}")
     if port is not None and not 0 < port < 65536:
         raise DpaxError(f"`port` must be in 1..65535, got {port}")
+    if max_restarts < 0:
+        raise DpaxError(f"`max_restarts` must be >= 0, got {max_restarts}")
+    if max_restarts and not _flag_given(train_args, "--checkpoint-dir"):
+        raise DpaxError("`max_restarts` needs --checkpoint-dir among the train flags: a "
+                        "restart continues from the newest checkpoint")
     taken = {"--coordinator", "--num-processes", "--process-id", "--devices"}
     clash = taken & {a.split("=")[0] for a in train_args}
     if clash:
         raise DpaxError(f"dpax launch sets {', '.join(sorted(clash))} itself; "
                         "use --devices-per-process for the device count")
-    port = port or free_port()
+    args = train_args
+    for attempt in range(max_restarts + 1):
+        code = _launch_once(args, nprocs, devices_per_process, port or free_port(), verbose,
+                            out)
+        if code in NO_RESTART or attempt == max_restarts:
+            return code
+        out.write(f"dpax launch: restart {attempt + 1} of {max_restarts}: every rank starts "
+                  "again from the newest checkpoint\n")
+        out.flush()
+        args, port = resuming(train_args), None  # a fresh port: the old one may linger
+    return code
+
+
+def _launch_once(train_args, nprocs, devices_per_process, port, verbose, out) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
@@ -105,36 +164,72 @@ def launch(train_args: list[str], nprocs: int, devices_per_process: int | None =
             t = threading.Thread(target=_pump, args=(stream, rank, show, out), daemon=True)
             t.start()
             pumps.append(t)
-    code = _wait(procs, out)
+    # A signal to the launcher (a scheduler's SIGTERM or SIGUSR1) goes to every
+    # rank: they agree on a step, save and stop (exit 4).
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)
+           if main_thread}
+    try:
+        code = _wait(procs, out)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     for t in pumps:
         t.join(timeout=GRACE_S)
     return code
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): it cannot answer."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
 def _wait(procs: list[subprocess.Popen], out) -> int:
+    """The run's exit code, once every rank exited (0, or 4 when they stopped
+    on a signal after saving), or at the first rank that failed (the others
+    are then killed: a save needs every rank, so theirs cannot finish)."""
     try:
         while True:
             codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0, EXIT_PREEMPTED)]
             if failed:
                 # A dead rank makes its peers abort inside a collective (SIGABRT)
-                # within milliseconds; name the rank that did not abort.
-                rank, rc = min(failed, key=lambda f: (f[1] == -signal.SIGABRT, f[0]))
-                out.write(f"dpax launch: rank {rank} {_describe(rc)}; stopping the other ranks\n")
+                # or stall; name the rank that did neither.
+                rank, rc = min(failed, key=lambda f: (f[1] in (-signal.SIGABRT, EXIT_STALLED),
+                                                      f[0]))
+                stopped = [r for r, p in enumerate(procs) if codes[r] is None and _stopped(p.pid)]
+                why = f"rank {rank} {_describe(rc)}"
+                if stopped:  # the peers stalled waiting on a rank that cannot run
+                    why += (f"; rank {', '.join(map(str, stopped))} is stopped (SIGSTOP?) "
+                            "and stalled the others")
+                out.write(f"dpax launch: {why}; stopping the other ranks\n")
                 out.flush()
-                _stop(procs)
+                _stop(procs, at_once=True)
                 return _exit_code(rc)
-            if all(c == 0 for c in codes):
-                return 0
+            if all(c is not None for c in codes):
+                return EXIT_PREEMPTED if EXIT_PREEMPTED in codes else 0
             time.sleep(0.1)
     except KeyboardInterrupt:
         _stop(procs)
         return 130
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every live rank's process group, SIGKILL what is left after GRACE_S."""
-    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, GRACE_S)):
+def _stop(procs: list[subprocess.Popen], at_once: bool = False) -> None:
+    """SIGTERM every live rank's process group (they save and stop), SIGKILL
+    what is left after GRACE_S; `at_once`: SIGKILL only (after a rank failed
+    the others cannot save: a save needs every rank)."""
+    steps = ((signal.SIGKILL, GRACE_S),) if at_once else (
+        (signal.SIGTERM, GRACE_S), (signal.SIGKILL, GRACE_S))
+    for sig, wait in steps:
         live = [p for p in procs if p.poll() is None]
         for p in live:
             try:

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import sys
 
+import jax
 import numpy as np
 
 from dpax import config as cfg
@@ -18,10 +19,11 @@ from dpax.cli.flags import add_flags, config_from_args
 from dpax.cli.job import Job, TrainConfig, build, check_same_meaning
 from dpax.errors import DpaxError, Preempted, RunFailed, TooManyBadSteps
 from dpax.models.gpt import flops_per_token
+from dpax.parallel import watchdog
 from dpax.parallel.distributed import is_writer
 from dpax.parallel.mesh import describe, peak_flops
 from dpax.training import hooks
-from dpax.training.checkpoint import Checkpointer, locate
+from dpax.training.checkpoint import AUTO, LATEST, Checkpointer, locate
 from dpax.training.trainer import Trainer
 
 NAME = "train"
@@ -74,8 +76,11 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             config.checkpoint.dir, config.checkpoint.keep)
         data_iter = job.input(0)  # batches of steps 0..total-1
         start = 0
-        if config.checkpoint.resume is not None:
-            start, data_restored = _resume(config, ckpt, job.trainer, data_iter)
+        resume = config.checkpoint.resume
+        if resume == AUTO:  # resume if there is something to resume, else start
+            resume = LATEST if ckpt.steps() else None
+        if resume is not None:
+            start, data_restored = _resume(resume, config, ckpt, job.trainer, data_iter)
             if not data_restored:  # saved by another process count: rebuilt from the step
                 data_iter = job.input(start)
     if not writer_process:
@@ -92,7 +97,7 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             print(describe(), file=log)
             print(config.to_yaml().rstrip(), file=log, flush=True)
     # After the header line: a bar drawn before it would be broken by it.
-    with out.writers(job.total, start, log, writer_process) as writer:
+    with out.writers(job.total, start, log, writer_process) as writer, _watched(config):
         result = _run(job, ckpt, data_iter, start, writer, writer_process)
     if log is not None:
         print(result.summary(), file=log, flush=True)
@@ -105,7 +110,8 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
     config, trainer, ds, total = job.config, job.trainer, job.ds, job.total
     position, write = hooks.TrackPosition(data_iter, start), hooks.Write(writer)
     checkpoint = None if ckpt is None else hooks.Checkpoint(
-        ckpt, trainer, data_iter, job.meta(), config.checkpoint.every)
+        ckpt, trainer, data_iter, job.meta(), config.checkpoint.every,
+        config.checkpoint.every_minutes)
     profile = None
     if config.output.profile_steps is not None:
         profile = hooks.Profile(os.path.join(config.output.out, "profile"),
@@ -168,6 +174,14 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
     return RunResult(trainer, history, ev, total, speed)
 
 
+def _watched(config: TrainConfig):
+    """A watchdog on the run's waits when it spans several processes (a
+    single process has no peer to wait for)."""
+    if jax.process_count() == 1:
+        return contextlib.nullcontext()
+    return watchdog.installed(config.distributed.timeout, jax.process_index())
+
+
 def _language_model(job: Job) -> hooks.LanguageModel | None:
     """The LM metrics hook for text data: FLOPs per token from the model's
     shape, the peak from a matmul measured here."""
@@ -193,14 +207,15 @@ def _removed_if_unused(created: list[str]):
         raise
 
 
-def _resume(config: TrainConfig, ckpt: Checkpointer | None, trainer: Trainer,
+def _resume(resume: str, config: TrainConfig, ckpt: Checkpointer | None, trainer: Trainer,
             data_iter) -> tuple[int, bool]:
-    """Load the checkpoint into `trainer` (and `data_iter`, when it was saved by
-    as many processes); returns (step, whether the data position was restored)."""
-    if config.checkpoint.resume == "latest":
+    """Load the checkpoint `resume` names (LATEST or a path) into `trainer` (and
+    `data_iter`, when it was saved by as many processes); returns (step,
+    whether the data position was restored)."""
+    if resume == LATEST:
         directory, step = ckpt.directory, None
     else:
-        directory, step = locate(config.checkpoint.resume)
+        directory, step = locate(resume)
     source = ckpt if ckpt is not None and ckpt.directory == directory else Checkpointer(directory)
     step, state, meta = source.restore(
         trainer.state_template(), data_iter, step,

@@ -1,31 +1,44 @@
 """Joining JAX's multi-process runtime (`jax.distributed`), with clear errors.
 
 One process per host, each owning its local devices; collectives span all of
-them. JAX aborts the process (a C++ stack trace, no Python exception) when the
-coordinator cannot be reached, so dpax checks the address from Python first and
-turns a wrong one into a one-line error.
+them. A process joins from its flags (`--coordinator --num-processes
+--process-id`, what `dpax launch` passes), or from its scheduler's
+environment: SLURM (`SLURM_*`, read through JAX's own SLURM support) or a
+Kubernetes Job (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, and
+`JAX_PROCESS_ID` or an indexed Job's `JOB_COMPLETION_INDEX`).
+
+JAX aborts the process (a C++ stack trace, no Python exception) when the
+coordinator cannot be reached, so dpax checks the address from Python first
+and turns a wrong one into a one-line error. Ranks that must act together on a
+host-side decision (a time-based checkpoint, a signal) agree on it through a
+tiny collective (`any_process`, `from_process_0`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import time
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from dpax import config as cfg
 from dpax.errors import DpaxError
+from dpax.parallel import watchdog
 
-# A rank that stops answering is declared dead after this many seconds; the
-# others then stop instead of waiting forever in a collective.
+# A rank that waits on its peers this long is stalled (`dpax.parallel.watchdog`).
 DEFAULT_TIMEOUT_S = 30
+# How long process 0 waits for every rank to join: a cold cluster starts slowly.
+DEFAULT_INIT_TIMEOUT_S = 300
 
 
 @dataclasses.dataclass
 class DistributedConfig:
-    """Joining a multi-process run (`dpax launch` sets these; a cluster JAX
-    detects needs none)."""
+    """Joining a multi-process run (`dpax launch` sets these; SLURM and
+    Kubernetes environments need none)."""
 
     coordinator: str | None = cfg.field(
         None, "HOST:PORT of process 0, for multi-process runs (or use dpax launch)", how=True)
@@ -33,15 +46,29 @@ class DistributedConfig:
     process_id: int | None = cfg.field(None, "this process's rank, 0..num-processes-1",
                                        how=True)
     timeout: int = cfg.field(
-        DEFAULT_TIMEOUT_S, "seconds before an unreachable coordinator or a dead rank stops the "
-        "run", how=True)
+        DEFAULT_TIMEOUT_S, "seconds a rank may wait on its peers before it prints its stacks "
+        "and exits (code 5); a dead rank is declared after twice this", how=True)
+    init_timeout: int = cfg.field(
+        DEFAULT_INIT_TIMEOUT_S, "seconds to wait for every process to join the run", how=True)
 
     def check(self) -> None:
         check_args(self.coordinator, self.num_processes, self.process_id, self.timeout)
+        cfg.whole(self, "init_timeout")
 
     @property
     def processes(self) -> int:
         return self.num_processes or 1
+
+    def from_environment(self) -> DistributedConfig:
+        """This config, or, when no flag names a run, the run the scheduler's
+        environment describes (unchanged when there is none)."""
+        if self.coordinator is not None:
+            return self
+        found = environment_run()
+        if found is None:
+            return self
+        return dataclasses.replace(self, coordinator=found[0], num_processes=found[1],
+                                   process_id=found[2])
 
 
 def check_args(coordinator: str | None, num_processes: int | None, process_id: int | None,
@@ -68,6 +95,60 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# -- the scheduler's environment ---------------------------------------------------------
+K8S = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES")
+
+
+def environment_run(environ=os.environ) -> tuple[str, int, int] | None:
+    """(coordinator, processes, this process's rank) from a Kubernetes Job's
+    or SLURM's environment, or None outside one."""
+    if all(k in environ for k in K8S):
+        rank = environ.get("JAX_PROCESS_ID", environ.get("JOB_COMPLETION_INDEX"))
+        if rank is None:
+            raise DpaxError("JAX_COORDINATOR_ADDRESS is set but neither JAX_PROCESS_ID nor "
+                            "JOB_COMPLETION_INDEX (an indexed Job's) says this process's rank")
+        return environ["JAX_COORDINATOR_ADDRESS"], int(environ["JAX_NUM_PROCESSES"]), int(rank)
+    slurm = _slurm()
+    if slurm is not None and slurm.is_env_present():
+        # JAX's own reading of SLURM: the coordinator is the step's first node,
+        # its port derived from the job id (JAX_COORDINATOR_PORT overrides it).
+        address = slurm.get_coordinator_address(None, environ.get("JAX_COORDINATOR_PORT"))
+        return address, slurm.get_process_count(), slurm.get_process_id()
+    return None
+
+
+def _other_cluster() -> bool:
+    """Whether JAX detects a cluster dpax does not read itself (Open MPI, cloud
+    TPU pods, ...): JAX then joins it on its own."""
+    try:  # private, but exactly JAX's own list
+        from jax._src import clusters
+    except ImportError:
+        return False
+    return any(c.is_env_present() for c in clusters.ClusterEnv._cluster_types
+               if c.__name__ not in ("Mpi4pyCluster", "SlurmCluster"))  # mpi4py is opt-in
+
+
+def _slurm():
+    try:  # private, but exactly JAX's own SLURM support
+        from jax._src.clusters.slurm_cluster import SlurmCluster
+    except ImportError:
+        return None
+    return SlurmCluster
+
+
+def slurm_local_devices(environ=os.environ) -> list[int] | None:
+    """The local GPUs one SLURM task may use. JAX gives each task only the GPU
+    of its local rank (one task per GPU, jax-ml/jax#16788); with one task per
+    node the task owns every GPU SLURM gave the node. None: leave it to JAX."""
+    if "SLURM_JOB_ID" not in environ or "SLURM_GPUS_ON_NODE" not in environ:
+        return None
+    nodes = int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1")))
+    if int(environ.get("SLURM_NTASKS", "1")) != nodes:  # several tasks on a node
+        return None
+    return list(range(int(environ["SLURM_GPUS_ON_NODE"])))
+
+
+# -- joining ---------------------------------------------------------------------------------
 def _check_reachable(host: str, port: int, process_id: int, timeout: float) -> None:
     try:
         socket.getaddrinfo(host, port)
@@ -92,52 +173,54 @@ def _check_reachable(host: str, port: int, process_id: int, timeout: float) -> N
             if time.monotonic() > deadline:
                 raise DpaxError(
                     f"process {process_id} cannot reach the coordinator at {host}:{port} "
-                    f"within {timeout:.0f}s; check `coordinator` and that process 0 is running"
-                ) from None
+                    f"within {timeout:.0f}s; check `coordinator` (or `init_timeout`) and "
+                    "that process 0 is running") from None
             time.sleep(0.5)
 
 
-def _cluster_detected() -> bool:
-    # The environments jax.distributed.initialize() finds by itself (SLURM,
-    # Open MPI, cloud TPU, ...). Private, but it is exactly JAX's own list.
-    try:
-        from jax._src import clusters
-    except ImportError:
-        return False
-    return any(c.is_env_present() for c in clusters.ClusterEnv._cluster_types
-               if c.__name__ != "Mpi4pyCluster")  # mpi4py is opt-in in JAX too
-
-
-def initialize(
-    coordinator: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    *,
-    timeout: int = DEFAULT_TIMEOUT_S,
-) -> None:
-    """Join the multi-process runtime before anything touches the JAX backend.
-
-    With no arguments: join the cluster JAX detects (SLURM, Open MPI, TPU), or
-    stay single-process. With all three: join `coordinator` as `process_id` of
-    `num_processes`.
-    """
-    check_args(coordinator, num_processes, process_id, timeout)
-    if coordinator is None:
-        if _cluster_detected():
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            jax.distributed.initialize(heartbeat_timeout_seconds=timeout)
+def initialize(config: DistributedConfig) -> None:
+    """Join the multi-process run `config` names (its flags, or the
+    scheduler's environment: `DistributedConfig.from_environment`) before
+    anything touches the JAX backend; a single process joins nothing."""
+    config = config.from_environment()
+    check_args(config.coordinator, config.num_processes, config.process_id, config.timeout)
+    if config.coordinator is None and _other_cluster():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(initialization_timeout=config.init_timeout,
+                                   heartbeat_timeout_seconds=2 * config.timeout + 10)
         return
-    host, port = parse_address(coordinator)
-    if num_processes == 1:
+    if config.processes == 1:
         return
-    _check_reachable(host, port, process_id, timeout)
+    host, port = parse_address(config.coordinator)
+    _check_reachable(host, port, config.process_id, config.init_timeout)
     # CPU devices of different processes talk over gloo; GPUs and TPUs ignore this.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"{host}:{port}", num_processes, process_id,
-                               initialization_timeout=timeout,
-                               heartbeat_timeout_seconds=timeout)
+    # A dead rank is declared after twice the stall timeout, so that a stalled
+    # rank's watchdog speaks first (with Python stacks, not JAX's C++ abort).
+    jax.distributed.initialize(f"{host}:{port}", config.num_processes, config.process_id,
+                               local_device_ids=slurm_local_devices(),
+                               initialization_timeout=config.init_timeout,
+                               heartbeat_timeout_seconds=2 * config.timeout + 10)
 
 
 def is_writer() -> bool:
     """Only process 0 writes run files."""
     return jax.process_index() == 0
+
+
+# -- agreeing on host-side decisions ------------------------------------------------------
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any (a collective: every
+    process calls it at the same point of its run)."""
+    if jax.process_count() == 1:
+        return flag
+    with watchdog.waiting():  # a peer that stopped would hang it
+        return bool(np.any(multihost_utils.process_allgather(np.array([flag], np.int32))))
+
+
+def from_process_0(flag: bool) -> bool:
+    """Process 0's `flag`, on every process (a collective, as `any_process`)."""
+    if jax.process_count() == 1:
+        return flag
+    with watchdog.waiting():
+        return bool(multihost_utils.broadcast_one_to_all(np.array(flag, np.int32)))

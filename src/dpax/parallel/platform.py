@@ -13,7 +13,10 @@ cannot break GPU or TPU runs.
 One thing stays on CPU whatever the switch, because it prevents a failure
 rather than a slowdown: XLA:CPU's cross-device rendezvous aborts ("Termination
 timeout for all reduce") when too many multi-device calls are queued, so at
-most `CPU_MAX_IN_FLIGHT` are. It changes no number.
+most `MAX_IN_FLIGHT` are. A multi-process run bounds them on every
+platform, so that a rank whose peer stopped waits at most a couple of steps'
+time while all are alive (`dpax.parallel.watchdog` times the waits). Neither
+changes a number.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dpax.errors import DpaxError
 
 # Turns the XLA:CPU tuning off (0) or on (1) where `xla_cpu_tuning` is not given.
 ENV = "DPAX_XLA_CPU_TUNING"
-CPU_MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT = 2
 
 
 def _plain_jit(build: Callable[[dict], Any]) -> Any:
@@ -59,13 +62,16 @@ def tuning_default() -> bool:
     return value == "1"
 
 
-def for_devices(devices: Sequence[jax.Device], xla_cpu_tuning: bool | None = None) -> Platform:
+def for_devices(devices: Sequence[jax.Device], xla_cpu_tuning: bool | None = None,
+                processes: int | None = None) -> Platform:
     """The platform of `devices`; `xla_cpu_tuning` (None: `tuning_default()`)
-    matters only for CPU devices."""
+    matters only for CPU devices. `processes`: of the run (default: JAX's)."""
     name = devices[0].platform
+    several = (jax.process_count() if processes is None else processes) > 1
     if name != "cpu":
-        return Platform(name, xla_cpu_tuning=False)
-    in_flight = CPU_MAX_IN_FLIGHT if len(devices) > 1 else None
+        return Platform(name, xla_cpu_tuning=False,
+                        max_in_flight=MAX_IN_FLIGHT if several else None)
+    in_flight = MAX_IN_FLIGHT if len(devices) > 1 or several else None
     tuned = tuning_default() if xla_cpu_tuning is None else xla_cpu_tuning
     if not tuned:
         return Platform(name, xla_cpu_tuning=False, max_in_flight=in_flight)

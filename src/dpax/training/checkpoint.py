@@ -23,6 +23,9 @@ import orbax.checkpoint as ocp
 
 from dpax import config as cfg
 from dpax.errors import DpaxError, RunFailed
+from dpax.parallel import watchdog
+
+LATEST, AUTO = "latest", "auto"  # --resume alone; --resume auto
 
 
 @dataclasses.dataclass
@@ -33,19 +36,26 @@ class CheckpointConfig:
                                 flag="checkpoint_dir")
     every: int = cfg.field(0, "steps between checkpoints (0: only at the end)", how=True,
                            flag="checkpoint_every")
+    every_minutes: float | None = cfg.field(
+        None, "also a checkpoint once this many minutes passed since the last (checked at "
+        "log steps; every process saves at the same step)", how=True,
+        flag="checkpoint_every_minutes")
     keep: int = cfg.field(3, "checkpoints to keep", how=True)
     resume: str | None = cfg.field(
-        None, "resume from the newest checkpoint in --checkpoint-dir, or from PATH",
-        nargs="?", const="latest", how=True)
+        None, "resume from the newest checkpoint in --checkpoint-dir, or from PATH; "
+        "--resume auto: resume if --checkpoint-dir holds one, else start (for requeued and "
+        "restarted jobs)", nargs="?", const=LATEST, how=True)
 
     def check(self) -> None:
         cfg.directory(self, "dir")
         cfg.whole(self, "every", low=0)
+        cfg.number(self, "every_minutes", 0, low_open=True)
         cfg.whole(self, "keep")
-        if self.every and self.dir is None:
-            raise DpaxError("`checkpoint_every` needs `checkpoint_dir`")
-        if self.resume == "latest" and self.dir is None:
-            raise DpaxError("`resume` without a PATH needs `checkpoint_dir`")
+        if (self.every or self.every_minutes) and self.dir is None:
+            raise DpaxError("`checkpoint_every` and `checkpoint_every_minutes` need "
+                            "`checkpoint_dir`")
+        if self.resume in (LATEST, AUTO) and self.dir is None:
+            raise DpaxError(f"`resume={self.resume}` needs `checkpoint_dir`")
 
 
 class Checkpointer:
@@ -75,13 +85,15 @@ class Checkpointer:
         args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if data is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data)
-        with self._failing_as(f"saving step {step}"):
+        # A save waits on the previous one and meets every process at a
+        # barrier: a peer that stopped would hang it, so the watchdog times it.
+        with self._failing_as(f"saving step {step}"), watchdog.waiting(step):
             self.manager.save(step, args=ocp.args.Composite(**args))
 
     def close(self) -> None:
         """Wait until every started save is on disk (a background write that
         failed raises here), then release the manager."""
-        with self._failing_as("finishing the last save"):
+        with self._failing_as("finishing the last save"), watchdog.waiting():
             self.manager.wait_until_finished()
         self.manager.close()
 

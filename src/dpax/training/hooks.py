@@ -5,7 +5,7 @@ is one small object with its own trigger (clu's `PeriodicAction` idea).
   Write           every log row to the writers; times the first log
   Evaluate        eval metrics added to the row every `every` steps
   Checkpoint      a save every `every` steps
-  StopOnSignal    SIGTERM/SIGINT: save, then stop at the step boundary
+  StopOnSignal    SIGTERM/SIGINT/SIGUSR1: save, then stop at a step boundary
   Profile         a JAX profiler trace of steps A..B
   LanguageModel   tokens/s, MFU, bits per byte and perplexity in the row
 """
@@ -22,6 +22,7 @@ import time
 import jax
 
 from dpax.errors import Preempted
+from dpax.parallel.distributed import any_process, from_process_0
 from dpax.training.loop import Every, Hook
 
 
@@ -81,39 +82,58 @@ class Evaluate(Hook):
 
 
 class Checkpoint(Hook):
-    """Saves the state, the data position and the run's meta every `every` steps."""
+    """Saves the state, the data position and the run's meta every `every`
+    steps, and once `every_minutes` passed since the last save. The clock is
+    read at log steps, and process 0's reading decides for every process, so
+    all of them save at the same step (a save is collective)."""
 
-    def __init__(self, ckpt, trainer, data_iter, meta: dict, every: int):
+    def __init__(self, ckpt, trainer, data_iter, meta: dict, every: int,
+                 every_minutes: float | None = None):
         self.ckpt, self.trainer, self.data_iter, self.meta = ckpt, trainer, data_iter, meta
         self.every = every
+        self.every_s = None if every_minutes is None else 60.0 * every_minutes
         self.due = None
+        self._last = time.monotonic()
+        self._time_due = False
 
     def on_start(self, step):
         self.due = Every(self.every, step)
+        self._last = time.monotonic()
+
+    def on_log(self, step, row):
+        if self.every_s is not None:
+            self._time_due = from_process_0(time.monotonic() - self._last >= self.every_s)
 
     def save(self, step: int) -> None:
         # state_dict() only when saving: with pmap it copies the state to the host.
         self.ckpt.save(step, self.trainer.state_dict(), self.data_iter, self.meta)
+        self._last, self._time_due = time.monotonic(), False
 
     def after_step(self, step):
-        if self.due(step):
+        if self.due(step) or self._time_due:
             self.save(step)
 
 
 class StopOnSignal(Hook):
-    """First SIGTERM/SIGINT: save a checkpoint (if any) and raise `Preempted`
-    at the next step boundary. Second: the default action, at once. A context
-    manager: the handlers are installed inside `with` only."""
+    """First SIGTERM, SIGINT or SIGUSR1 (what `sbatch --signal=USR1@90` sends
+    before a job's time limit): save a checkpoint (if any) and raise
+    `Preempted` at the next step boundary, or, with several processes, at the
+    next log step, where they agree to stop together (the save is collective).
+    Second: the default action, at once. A context manager: the handlers are
+    installed inside `with` only."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
     def __init__(self, checkpoint: Checkpoint | None):
         self.checkpoint = checkpoint
         self.signum = None
         self._old = {}
+        self._agreed = False  # several processes: every one stops at this log step
 
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
             return self  # signals reach only the main thread; nothing to catch here
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in self.SIGNALS:
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -121,21 +141,28 @@ class StopOnSignal(Hook):
         self.signum = signum
         # The default action comes back, so a second signal ends the process now.
         signal.signal(signum, self._old[signum])
-        print(f"dpax: {signal.Signals(signum).name} received: stopping at the next step "
+        when = "the next log step" if jax.process_count() > 1 else "the next step"
+        print(f"dpax: {signal.Signals(signum).name} received: stopping at {when} "
               "(send it again to exit now)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
 
+    def on_log(self, step, row):
+        if jax.process_count() > 1:
+            self._agreed = any_process(self.signum is not None)
+
     def after_step(self, step):
-        if self.signum is None:
+        stop = self._agreed if jax.process_count() > 1 else self.signum is not None
+        if not stop:
             return
         ckpt = self.checkpoint.ckpt if self.checkpoint else None
         if ckpt is not None:
             self.checkpoint.save(step)
             ckpt.close()
-        raise Preempted(f"stopped by {signal.Signals(self.signum).name} at step {step}"
+        cause = signal.Signals(self.signum).name if self.signum else "a signal to another rank"
+        raise Preempted(f"stopped by {cause} at step {step}"
                         + (f"; checkpoint saved in {ckpt.directory}, continue with `resume`"
                            if ckpt else "; no `checkpoint_dir`, so it cannot be resumed"))
 

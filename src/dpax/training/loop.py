@@ -23,6 +23,8 @@ from typing import Any
 
 import jax
 
+from dpax.parallel import watchdog
+
 # Batches made ready this many calls ahead of the step that uses them, so that
 # work for batch i+1 overlaps step i.
 PREFETCH = 2
@@ -115,7 +117,8 @@ def _run(steps: Steps, batches, zero, start, total, log_every, hooks, steps_per_
 
     def log(step):
         nonlocal pending, since
-        row = steps.read(pending)  # sync point: once per log
+        with watchdog.waiting(step):
+            row = steps.read(pending)  # sync point: once per log
         t, s = since
         elapsed = time.perf_counter() - t
         row.update(step=step, steps_per_sec=(step - s) / elapsed)
@@ -130,11 +133,13 @@ def _run(steps: Steps, batches, zero, start, total, log_every, hooks, steps_per_
 
     step = start
     log_due = Every(log_every, start)
+    compiled: set = set()  # the call shapes run once already (watchdog.calling)
     for n, batch in _prefetch(steps.place(batches), PREFETCH):
         step += n
-        sums = steps.run(n, batch, sums)
+        with watchdog.calling(compiled, (n, jax.tree.leaves(batch)[0].shape), step):
+            sums = steps.run(n, batch, sums)
         summed += n
-        queue.add(sums["scalars"])
+        queue.add(sums["scalars"], step)
         wanted = [hook.wants_row(step) for hook in hooks]  # every hook asked, every call
         log_now = log_due(step) or step == total or any(wanted)
         if log_now or summed >= STEPS_PER_SUM:
@@ -159,13 +164,14 @@ class InFlight:
         self.limit = limit
         self._queue: collections.deque = collections.deque()
 
-    def add(self, result) -> None:
-        """`result`: an output (pytree) of the call just dispatched."""
+    def add(self, result, step: int | None = None) -> None:
+        """`result`: an output (pytree) of the call just dispatched (at `step`)."""
         if self.limit is None:
             return
         self._queue.append(result)
         if len(self._queue) > self.limit:
-            jax.block_until_ready(self._queue.popleft())
+            with watchdog.waiting(step):
+                jax.block_until_ready(self._queue.popleft())
 
 
 def device_calls(sized_batches: Iterator, put_batch, put_batches,

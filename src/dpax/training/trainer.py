@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -34,10 +35,10 @@ from dpax.data.pipeline import (
     examples,
     train_input,
 )
-from dpax.errors import DpaxError, TooManyBadSteps
+from dpax.errors import DpaxError, DpaxWarning, TooManyBadSteps
 from dpax.models.layers import has_per_device_state, synchronize
 from dpax.parallel import layout as layouts
-from dpax.parallel import platform
+from dpax.parallel import platform, watchdog
 from dpax.parallel.arrays import is_key
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend, make_backend
 from dpax.parallel.layout import check_sharding, make_layout
@@ -270,6 +271,7 @@ class Trainer:
         total = plan.total_steps(until_step, epochs, steps_name="until_step")
         start = self.step
         size = self.padded(batch_size)
+        self._warn_idle(batch_size, batch_rows(data), size)
         made_here = batches is None
         if made_here:
             if augment is not None:
@@ -351,8 +353,21 @@ class Trainer:
     def _zero_sums(self, size: int | None, host_batch: dict) -> dict:
         return self._steps.zero_sums(self._leaves, self._input(host_batch, size))
 
+    def _warn_idle(self, batch_size: int, n_examples: int, size: int) -> None:
+        """Padding fills the devices after the real rows: warn when some
+        devices hold no real row at all (their compute is wasted)."""
+        real = min(batch_size, n_examples)
+        idle = self.n_devices - -(-real // (size // self.n_devices))
+        if idle <= 0:
+            return
+        fix = (f"the data holds only {n_examples} examples" if n_examples < batch_size
+               else f"use a `batch_size` that is a multiple of {self.n_devices}")
+        warnings.warn(f"batches of {real} examples on {self.n_devices} devices: {idle} of "
+                      f"them see only padding every step; {fix}", DpaxWarning, stacklevel=3)
+
     def _read(self, pending: list) -> dict:
-        host = self.backend.host(pending)  # sync point: once per log
+        with watchdog.waiting():
+            host = self.backend.host(pending)  # sync point: once per log
         row = metrics.summarize([self._steps.packing.unpack(h) for h in host])
         bad = int(row.pop("bad_in_a_row", 0))
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
@@ -369,11 +384,13 @@ class Trainer:
         data = examples(data, y)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
-        sums, queue = [], loop.InFlight(self._in_flight())
+        sums, queue, compiled = [], loop.InFlight(self._in_flight()), set()
         for b in eval_batches(data, batch_size, rows):
-            sums.append(self._steps.eval(self._leaves, self._input(b, size)))
+            with watchdog.calling(compiled, self._steps.eval):
+                sums.append(self._steps.eval(self._leaves, self._input(b, size)))
             queue.add(sums[-1])
-        return metrics.summarize(self.backend.host(sums))  # sync point
+        with watchdog.waiting():
+            return metrics.summarize(self.backend.host(sums))  # sync point
 
     def predict(self, data: Any, batch_size: int = EVAL_BATCH) -> Any:
         """One prediction per example of `data` (an array of inputs `x`, or a
@@ -385,11 +402,13 @@ class Trainer:
         data = examples(data)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
-        outs, queue = [], loop.InFlight(self._in_flight())
+        outs, queue, compiled = [], loop.InFlight(self._in_flight()), set()
         for b in eval_batches(data, batch_size, rows):
-            outs.append(self._steps.predict(self._leaves, self._input(b, size)))
+            with watchdog.calling(compiled, self._steps.predict):
+                outs.append(self._steps.predict(self._leaves, self._input(b, size)))
             queue.add(outs[-1])
-        flat = [self.backend.host_examples(o) for o in outs]  # sync point
+        with watchdog.waiting():
+            flat = [self.backend.host_examples(o) for o in outs]  # sync point
         # Batch i holds examples i*batch_size.. in order, then padding: cut it off.
         n = batch_rows(data)
         sizes = [min(batch_size, n - lo) for lo in range(0, n, batch_size)]

@@ -1,0 +1,246 @@
+"""Runs that survive a cluster: restarts from the newest checkpoint after a rank
+dies, a watchdog instead of a hang when a rank stops, SIGUSR1 and `--resume
+auto` for requeued jobs, joining a run from SLURM's or a Kubernetes Job's
+environment, and checkpoints on a clock every rank agrees on. The reference
+is always one uninterrupted process with as many devices."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dpax.cli import main
+from dpax.cli.launch import free_port
+from test_multiprocess import _children
+
+pytestmark = pytest.mark.slow  # starts dpax processes
+
+RUN = ["--batch-size", "50", "--optimizer", "sgd", "--lr", "0.1", "--log-every", "5"]
+
+
+def params(out) -> dict:
+    with np.load(os.path.join(out, "params.npz")) as p:
+        return {k: p[k] for k in p.files}
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in b)
+
+
+def logged_steps(out) -> list[int]:
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [r["step"] for r in rows if "loss" in r]
+
+
+def reference(tmp_path, steps, *flags):
+    """One process, 4 devices, uninterrupted: what 2 x 2 devices must give."""
+    out = str(tmp_path / "reference")
+    assert main(["train", *RUN, *flags, "--steps", str(steps), "--devices", "4",
+                 "--out", out]) == 0
+    return params(out), logged_steps(out)
+
+
+def start_launch(*args):
+    cmd = [sys.executable, "-m", "dpax", "launch", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def read_until(p, lines, predicate, timeout=240):
+    """Read the launch's output until a line satisfies `predicate`."""
+    deadline = time.monotonic() + timeout
+    for line in p.stdout:
+        lines.append((time.monotonic(), line))
+        if predicate(line):
+            return line
+        assert time.monotonic() < deadline, "".join(ln for _, ln in lines)[-3000:]
+    raise AssertionError("".join(ln for _, ln in lines)[-3000:])
+
+
+def step_of(line: str) -> int | None:
+    """The step of a rank-0 progress line (`[rank 0] step 25/80 ...`)."""
+    words = line.split()
+    if len(words) > 3 and words[2] == "step" and "/" in words[3]:
+        return int(words[3].split("/")[0])
+    return None
+
+
+def rank_pid(launcher: int, rank: int) -> int:
+    return next(pid for pid, cmd in _children(launcher).items()
+                if f"--process-id {rank}" in cmd and " train " in cmd)
+
+
+def test_a_rank_killed_twice_restarts_from_the_newest_checkpoint(tmp_path):
+    steps, rng = 80, random.Random(7)
+    kills = [rng.randint(12, 30), rng.randint(45, 65)]
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "run")
+    p = start_launch("--nprocs", "2", "--devices-per-process", "2", "--max-restarts", "2",
+                     "--", *RUN, "--steps", str(steps), "--checkpoint-dir", ck,
+                     "--checkpoint-every", "10", "--out", out)
+    lines, lost = [], []
+    for at in kills:
+        read_until(p, lines, lambda ln, at=at: (step_of(ln) or 0) >= at)
+        t0 = time.monotonic()
+        os.kill(rank_pid(p.pid, 1), signal.SIGKILL)
+        # Lost: from the kill until the restarted run passes the step it died at.
+        read_until(p, lines, lambda ln: "dpax launch: restart" in ln)
+        read_until(p, lines, lambda ln, at=at: (step_of(ln) or 0) > at)
+        lost.append(time.monotonic() - t0)
+    for line in p.stdout:
+        lines.append((time.monotonic(), line))
+    text = "".join(ln for _, ln in lines)
+    assert p.wait(timeout=120) == 0, text[-3000:]
+    assert text.count("dpax launch: rank 1 was killed by SIGKILL") == 2, text[-3000:]
+    assert "restart 1 of 2" in text and "restart 2 of 2" in text
+    ref, ref_steps = reference(tmp_path, steps)
+    diff = max_diff(params(out), ref)
+    print(f"killed at steps {kills}: params vs uninterrupted {diff:.2e}; "
+          f"wall time lost per restart {', '.join(f'{t:.1f}s' for t in lost)}")
+    assert diff == 0.0  # exact resume, and 2 x 2 adds in rank order like 1 x 4
+    assert logged_steps(out) == ref_steps  # every logged step once
+
+
+def test_a_stopped_rank_trips_the_watchdog_and_the_restart_finishes(tmp_path):
+    steps = 60
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "run")
+    p = start_launch("--nprocs", "2", "--devices-per-process", "2", "--max-restarts", "1",
+                     "--", *RUN, "--steps", str(steps), "--checkpoint-dir", ck,
+                     "--checkpoint-every", "10", "--timeout", "4", "--out", out)
+    lines = []
+    read_until(p, lines, lambda ln: (step_of(ln) or 0) >= 25)
+    t0 = time.monotonic()
+    os.kill(rank_pid(p.pid, 1), signal.SIGSTOP)
+    stalled = read_until(p, lines, lambda ln: "stalled: waited" in ln)
+    took = time.monotonic() - t0
+    report = read_until(p, lines, lambda ln: ln.startswith("dpax launch: rank"))
+    for line in p.stdout:
+        lines.append((time.monotonic(), line))
+    text = "".join(ln for _, ln in lines)
+    assert p.wait(timeout=120) == 0, text[-3000:]
+    after = text.split(stalled, 1)[1]
+    print(f"stalled after {took:.1f}s; first lines:\n{stalled}{after[:400]}")
+    assert took < 4 + 10
+    assert "[rank 0] dpax: rank 0 stalled" in stalled
+    assert "most recent call first" in after[:2000]  # faulthandler's stacks
+    assert "rank 0 stalled" in report and "rank 1 is stopped" in report, report
+    assert "restart 1 of 1" in text
+    ref, _ = reference(tmp_path, steps)
+    assert max_diff(params(out), ref) == 0.0
+
+
+def test_sigusr1_saves_exits_4_and_the_requeued_job_resumes(tmp_path):
+    """What `sbatch --signal=USR1@90 --requeue` does: every rank gets SIGUSR1,
+    they agree on a step, save and exit 4; the requeued job, given the same
+    flags (`--resume auto`), continues there."""
+    steps = 60
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "run")
+    flags = [*RUN, "--steps", str(steps), "--checkpoint-dir", ck, "--resume", "auto",
+             "--out", out]
+    p = start_launch("--nprocs", "2", "--devices-per-process", "2", "--", *flags)
+    lines = []
+    read_until(p, lines, lambda ln: (step_of(ln) or 0) >= 20)
+    for rank in (0, 1):
+        os.kill(rank_pid(p.pid, rank), signal.SIGUSR1)
+    for line in p.stdout:
+        lines.append((time.monotonic(), line))
+    text = "".join(ln for _, ln in lines)
+    assert p.wait(timeout=120) == 4, text[-3000:]
+    assert "stopped by SIGUSR1 at step" in text
+    saved = sorted(int(d) for d in os.listdir(ck) if d.isdigit())
+    assert saved and 20 <= saved[-1] < steps
+    again = subprocess.run([sys.executable, "-m", "dpax", "launch", "--nprocs", "2",
+                            "--devices-per-process", "2", "--", *flags],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert f"resumed at step {saved[-1]}" in again.stdout
+    ref, ref_steps = reference(tmp_path, steps)
+    print(f"SIGUSR1 at step {saved[-1]}: exit 4; requeued run vs uninterrupted "
+          f"{max_diff(params(out), ref):.2e}")
+    assert max_diff(params(out), ref) == 0.0 and logged_steps(out) == ref_steps
+
+
+def _slurm_port() -> tuple[int, int]:
+    """A SLURM job id whose coordinator port (JAX: id % 4096 + 61440) is free."""
+    for job in random.Random().sample(range(100_000, 104_096), 50):
+        port = job % 4096 + 61440
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return job, port
+    pytest.skip("no free port in SLURM's range")
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "kubernetes"])
+def test_a_run_joins_from_the_schedulers_environment(tmp_path, scheduler):
+    """Two processes given no multi-process flag, only their scheduler's
+    environment (SLURM's variables for one task per process, or a Kubernetes
+    indexed Job's), train as one process with all their devices."""
+    steps = 10
+    job, port = _slurm_port() if scheduler == "slurm" else (None, free_port())
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("SLURM_", "JAX_COORDINATOR", "JAX_NUM_PROCESSES",
+                                    "JAX_PROCESS_ID"))}
+        if scheduler == "slurm":
+            env.update(SLURM_JOB_ID=str(job), SLURM_NTASKS="2", SLURM_PROCID=str(rank),
+                       SLURM_LOCALID=str(rank), SLURM_STEP_NODELIST="localhost",
+                       SLURM_STEP_NUM_NODES="1")
+        else:
+            env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+                       JOB_COMPLETION_INDEX=str(rank))
+        out = str(tmp_path / f"run{rank}")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "dpax", "train", *RUN, "--steps", str(steps), "--devices",
+             "2", "--out", out], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "4 device(s)" in outs[0]  # both processes' devices, in one run
+    assert not os.path.exists(tmp_path / "run1" / "params.npz")  # only process 0 writes
+    ref, _ = reference(tmp_path, steps)
+    diff = max_diff(params(tmp_path / "run0"), ref)
+    print(f"{scheduler} environment, 2 processes x 2 devices vs 1 x 4: {diff:.2e}")
+    assert diff == 0.0
+
+
+def test_checkpoints_on_a_clock_are_saved_by_every_rank_at_the_same_step(tmp_path):
+    """A save is collective: if two ranks read their own clocks, one would wait
+    forever for the other's save. Process 0's clock decides for both."""
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "run")
+    r = subprocess.run([sys.executable, "-m", "dpax", "launch", "--nprocs", "2",
+                        "--devices-per-process", "2", "--", *RUN, "--steps", "60",
+                        "--checkpoint-dir", ck, "--checkpoint-every-minutes", "0.01",
+                        "--keep", "100", "--out", out],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:]
+    saved = sorted(int(d) for d in os.listdir(ck) if d.isdigit())
+    assert len(saved) >= 3 and saved[-1] == 60, saved  # some on the clock, and the last
+    assert all(s % 5 == 0 for s in saved)  # at log steps
+
+
+def test_the_kubernetes_example_sets_what_dpax_reads():
+    import pathlib
+
+    import yaml
+
+    from dpax.parallel import distributed
+
+    root = pathlib.Path(__file__).parent.parent
+    spec = yaml.safe_load((root / "examples" / "kubernetes-jobset.yaml").read_text())
+    job = spec["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["completionMode"] == "Indexed"  # each pod gets JOB_COMPLETION_INDEX
+    container = job["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert set(distributed.K8S) <= set(env)
+    assert env["JAX_NUM_PROCESSES"] == str(job["completions"])
+    command = " ".join(container["command"])
+    assert "--resume auto" in command and "--checkpoint-dir" in command
