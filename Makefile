@@ -4,6 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# Test files run in JOBS processes (pytest-xdist; one file's tests stay in one
+# process, so they share its compiled steps).
+JOBS ?= 2
+PARALLEL := -n $(JOBS) --dist loadfile
+
 .PHONY: setup train test test-fast test-generic lint docs docs-site bench clean
 
 setup: $(STAMP)
@@ -27,17 +32,17 @@ docs-site: $(STAMP)
 
 test: lint
 	$(MAKE) docs-site SITE=$$(mktemp -d)
-	$(BIN)/pytest
+	$(BIN)/pytest $(PARALLEL)
 	$(MAKE) test-generic
 
 # The equivalence tests again with the XLA:CPU tuning off: the code path GPUs
 # and TPUs take (dpax.parallel.platform).
 test-generic: $(STAMP)
-	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest -m equivalence
+	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m equivalence
 
 # The unit tier: no test marked slow (those start dpax processes or train long).
 test-fast: lint
-	$(BIN)/pytest -m "not slow"
+	$(BIN)/pytest $(PARALLEL) -m "not slow"
 
 # The flag table in docs/cli.md is generated from TrainConfig; a test checks it is current.
 docs: $(STAMP)

@@ -73,7 +73,7 @@ def test_other_models_train_on_n_devices_as_on_one(name, seed):
     one, _, _ = train(MODELS[name], 1, seed)
     start = jax.tree.leaves(nnx.state(MODELS[name](seed), nnx.Param))
     assert max_diff(jax.tree.leaves(one.params), start) > 1e-3  # it trained
-    for n in (4, 8):
+    for n in (4, 8) if seed == 0 else (8,):  # every N once is enough for a second seed
         t, _, _ = train(MODELS[name], n, seed)
         diff = max_diff(jax.tree.leaves(t.params), jax.tree.leaves(one.params))
         state = max_diff(nnx.state(t.model(), nnx.BatchStat),

@@ -218,7 +218,7 @@ def test_checkpoints_on_a_clock_are_saved_by_every_rank_at_the_same_step(tmp_pat
     ck, out = str(tmp_path / "ck"), str(tmp_path / "run")
     r = subprocess.run([sys.executable, "-m", "dpax", "launch", "--nprocs", "2",
                         "--devices-per-process", "2", "--", *RUN, "--steps", "60",
-                        "--checkpoint-dir", ck, "--checkpoint-every-minutes", "0.01",
+                        "--checkpoint-dir", ck, "--checkpoint-every-minutes", "0.001",
                         "--keep", "100", "--out", out],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:]
