@@ -114,9 +114,12 @@ class SyncBatchNorm(nnx.BatchNorm):
 
 def _moments(s1, s2, count):
     """Mean and (biased) variance from sums over `count` values."""
-    count = jnp.maximum(count, 1.0)
-    mean = s1 / count
-    return mean, jnp.maximum(0.0, s2 / count - jnp.square(mean))
+    # One reciprocal, multiplied: XLA turns a division by a broadcast scalar
+    # into a multiplication by its reciprocal in some programs and not in
+    # others, and the two round differently.
+    inv = 1.0 / jnp.maximum(count, 1.0)
+    mean = s1 * inv
+    return mean, jnp.maximum(0.0, s2 * inv - jnp.square(mean))
 
 
 def example_dropout(inputs: jax.Array, rate: float, broadcast_dims=(),
