@@ -1,5 +1,7 @@
-"""`dpax.xla_cpu.hostenv.tune_malloc()`, the opt-in allocator setting for
-XLA:CPU steps with large temporaries, and where it applies."""
+"""glibc's allocator for XLA:CPU steps with large temporaries: the `dpax`
+command restarts itself once with the huge-page tunable (part of the XLA:CPU
+tuning, and only where it changes something); `tune_malloc()` is the opt-in
+for Python scripts."""
 
 import os
 import subprocess
@@ -7,7 +9,78 @@ import sys
 
 import pytest
 
+from dpax.parallel import platform
 from dpax.xla_cpu import hostenv
+from dpax.xla_cpu.hostenv import HUGETLB, hugepages_env, wants_hugepages
+
+
+@pytest.mark.parametrize("environ, thp, glibc, expected", [
+    ({}, "madvise", (2, 36), True),
+    ({"GLIBC_TUNABLES": HUGETLB}, "madvise", (2, 36), False),  # already restarted
+    ({"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGETLB}"}, "madvise", (2, 36), False),
+    ({}, "always", (2, 36), False),  # the kernel gives huge pages unasked
+    ({}, "never", (2, 36), False),  # ... or never
+    ({}, None, (2, 36), False),  # no THP at all
+    ({}, "madvise", (2, 34), False),  # glibc before the tunable
+    ({}, "madvise", None, False),  # not glibc (musl, macOS)
+])
+def test_wants_hugepages_only_where_it_changes_something(environ, thp, glibc, expected):
+    on_linux = sys.platform.startswith("linux")
+    assert wants_hugepages(environ, thp, glibc, installed=[]) == (expected and on_linux)
+
+
+def test_hugepages_env_keeps_the_users_tunables():
+    env = hugepages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/h"})
+    assert env == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{HUGETLB}", "HOME": "/h"}
+    assert hugepages_env({})["GLIBC_TUNABLES"] == HUGETLB
+
+
+# The command's first step, as `python -m dpax ARGS` runs it: prints the
+# tunables the process ends up with (after a restart, the restarted one's).
+_PREPARE = ("import os, sys; from dpax.parallel.platform import prepare_process; "
+            "prepare_process(sys.argv[1:]); print(os.environ.get('GLIBC_TUNABLES'))")
+
+
+def test_the_command_restarts_with_the_tunable_unless_the_tuning_is_off():
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("GLIBC_TUNABLES", platform.ENV)}
+    if not wants_hugepages(clean):
+        pytest.skip("this machine gains nothing from the tunable, so dpax never restarts")
+
+    def tunables(*argv, **env):
+        done = subprocess.run([sys.executable, "-c", _PREPARE, *argv], env={**clean, **env},
+                              capture_output=True, text=True, timeout=120, check=True)
+        return done.stdout.splitlines()
+
+    # One line: the first process printed nothing before exec replaced it, and
+    # the restarted one, seeing the tunable, did not restart again.
+    assert tunables("--steps", "5") == [HUGETLB]
+    assert tunables("--no-xla-cpu-tuning") == ["None"]
+    assert tunables(**{platform.ENV: "0"}) == ["None"]
+
+
+def test_only_the_command_line_restarts_never_a_caller_of_main(monkeypatch):
+    calls = []
+    monkeypatch.setattr(platform, "prepare_process", lambda argv: calls.append(argv))
+    from dpax.__main__ import main as command
+    from dpax.cli import main
+
+    assert main(["bench", "--workloads", "resnet"]) == 2  # a bad name: fails fast
+    assert calls == []
+    monkeypatch.setattr(sys, "argv", ["dpax", "devices"])  # nothing to speed up
+    assert command() == 0 and calls == []
+    monkeypatch.setattr(sys, "argv", ["dpax", "bench", "--workloads", "resnet"])
+    assert command() == 2 and calls == [["--workloads", "resnet"]]
+
+
+def test_the_restart_comes_before_jax_is_imported():
+    code = ("import sys; import dpax.parallel.platform as p; "
+            "p.prepare_process = lambda argv: print('jax' in sys.modules); "
+            "sys.argv = ['dpax', 'bench', '--workloads', 'resnet']; "
+            "from dpax.__main__ import main; main()")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.splitlines()[:1] == ["False"], done.stderr
 
 
 @pytest.mark.parametrize("environ, installed, expected", [

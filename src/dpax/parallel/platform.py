@@ -17,6 +17,11 @@ most `MAX_IN_FLIGHT` are. A multi-process run bounds them on every
 platform, so that a rank whose peer stopped waits at most a couple of steps'
 time while all are alive (`dpax.parallel.watchdog` times the waits). Neither
 changes a number.
+
+The `dpax` command also sets up its process for XLA:CPU before JAX starts
+(`prepare_process`: glibc's huge pages for the step's temporaries,
+`dpax.xla_cpu.hostenv`), behind the same switch. This module imports JAX only
+inside functions, so that the command can ask it before JAX is imported.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import jax
+from typing import TYPE_CHECKING, Any
 
 from dpax.errors import DpaxError
+
+if TYPE_CHECKING:
+    import jax
 
 # Turns the XLA:CPU tuning off (0) or on (1) where `xla_cpu_tuning` is not given.
 ENV = "DPAX_XLA_CPU_TUNING"
@@ -62,10 +68,24 @@ def tuning_default() -> bool:
     return value == "1"
 
 
+def prepare_process(argv: Sequence[str]) -> None:
+    """What the `dpax` command does first, before JAX is imported, when its
+    command line `argv` computes (train, bench, ...): with the XLA:CPU tuning
+    on, restart once with glibc's huge pages where JAX computes on the CPU
+    (`dpax.xla_cpu.hostenv`). Returns when there is nothing to do."""
+    if "--no-xla-cpu-tuning" in argv or os.environ.get(ENV, "1").strip() != "1":
+        return  # off, or a bad value that the command itself reports
+    from dpax.xla_cpu.hostenv import restart_with_hugepages
+
+    restart_with_hugepages()
+
+
 def for_devices(devices: Sequence[jax.Device], xla_cpu_tuning: bool | None = None,
                 processes: int | None = None) -> Platform:
     """The platform of `devices`; `xla_cpu_tuning` (None: `tuning_default()`)
     matters only for CPU devices. `processes`: of the run (default: JAX's)."""
+    import jax  # here: `prepare_process` runs before JAX is imported
+
     name = devices[0].platform
     several = (jax.process_count() if processes is None else processes) > 1
     if name != "cpu":

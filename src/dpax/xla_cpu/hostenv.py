@@ -1,15 +1,22 @@
-"""glibc's malloc settings for XLA:CPU steps with large temporaries (opt-in).
+"""glibc's malloc settings for XLA:CPU steps with large temporaries.
 
 XLA:CPU allocates each step's temporaries with one malloc and frees them
 after the step. glibc serves a block over its mmap threshold (32 MiB at most)
 from a fresh mmap, which the kernel faults in and zeroes 4 KiB at a time, on
-every step. Most dpax steps stay under the threshold; a step with more (a
-conv net at a large per-device batch) can call `tune_malloc()` first thing:
-no mmap for large blocks, and the heap's top kept up to 1 GiB when freed.
-Not the default: on steps with small temporaries and many devices it costs
-time (benchmarks/README.md, "Host allocator"), and the process keeps up to
-1 GiB it freed. From the command line, `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`
-(glibc 2.35+) asks for transparent huge pages on such blocks instead.
+every step: the GPT's or a conv net's step then spends a large share of its
+time in page faults (benchmarks/README.md, "Host allocator").
+
+- The `dpax` command restarts itself once, before JAX is imported, with the
+  glibc tunable `glibc.malloc.hugetlb=1` (glibc 2.35+), which asks for
+  transparent huge pages on such mappings: a fault brings in 2 MiB
+  (`restart_with_hugepages`). glibc reads tunables only at start-up, hence the
+  restart. It is part of the XLA:CPU tuning: `--no-xla-cpu-tuning` or
+  `DPAX_XLA_CPU_TUNING=0` skip it (`dpax.parallel.platform.prepare_process`).
+- A library cannot restart its user's process: a Python script whose steps
+  have large temporaries can call `tune_malloc()` first thing (no mmap for
+  large blocks, the heap's top kept up to 1 GiB when freed), or export the
+  tunable itself. Not the default: it costs steps with small temporaries on
+  many devices time, and the process keeps up to 1 GiB it freed.
 """
 
 from __future__ import annotations
@@ -21,10 +28,23 @@ import platform
 import sys
 from collections.abc import Mapping
 
+HUGETLB = "glibc.malloc.hugetlb=1"
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 # mallopt's parameters (malloc.h) and the values tune_malloc gives them.
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 KEEP_FREED = 1 << 30
 _DETECT = object()  # look at this machine (tests pass the answers instead)
+
+
+def _thp_mode(path: str = THP_MODE) -> str | None:
+    """The kernel's transparent huge page mode (the bracketed word), if any."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
 
 
 def _glibc_version() -> tuple[int, ...] | None:
@@ -48,6 +68,40 @@ def computes_on_cpu(environ: Mapping[str, str] = os.environ, installed=_DETECT) 
     if installed is _DETECT:
         installed = [m for m in ACCELERATOR_MODULES if importlib.util.find_spec(m)]
     return not installed
+
+
+def wants_hugepages(environ: Mapping[str, str] = os.environ, thp_mode=_DETECT,
+                    glibc=_DETECT, installed=_DETECT) -> bool:
+    """True where setting the tunable would change something: JAX computes on
+    the CPU, Linux glibc 2.35+, huge pages given only on request ("madvise";
+    "always" already gives them, "never" refuses them), and not set already."""
+    if HUGETLB in environ.get("GLIBC_TUNABLES", "").split(":"):
+        return False
+    if not computes_on_cpu(environ, installed):
+        return False
+    thp_mode = _thp_mode() if thp_mode is _DETECT else thp_mode
+    glibc = _glibc_version() if glibc is _DETECT else glibc
+    return sys.platform.startswith("linux") and glibc is not None and glibc >= (2, 35) \
+        and thp_mode == "madvise"
+
+
+def hugepages_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """`environ` with the tunable added to any the user already set."""
+    tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
+    return {**environ, "GLIBC_TUNABLES": ":".join(tunables + [HUGETLB])}
+
+
+def restart_with_hugepages() -> None:
+    """Replace this process by the same command with the tunable set, where it
+    helps (`wants_hugepages`); returns only when it does not restart. Call it
+    first thing: the new process starts from scratch, and nothing from this
+    one (threads, open files aside from stdio) carries over."""
+    if not wants_hugepages():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # orig_argv is the command line as given: a console script's path or `-m dpax`.
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], hugepages_env())
 
 
 def tune_malloc(environ: Mapping[str, str] = os.environ) -> bool:
