@@ -46,6 +46,21 @@ def test_cnn_bn_steps_on_8_devices_equal_1_device(seed):
     assert result.equivalent and max(result.param_diff, result.state_diff) <= 1e-5
 
 
+@pytest.mark.equivalence
+@pytest.mark.parametrize("n, grad_accum, seed", [(4, 2, 0), (8, 3, 1)])
+def test_cnn_bn_with_grad_accum_steps_equal_1_device(n, grad_accum, seed):
+    """A micro-batch's BatchNorm statistics cover the same examples on N devices
+    as on one (every grad_accum-th row of the global batch), and each micro-batch
+    updates the running averages in the same order."""
+    ds = digits()
+    result = dpax.check_equivalence(
+        lambda: models.make_model("cnn-bn", ds.input_shape, ds.n_out, seed=seed),
+        losses.classification_loss, ds.x_train, ds.y_train, devices=n, batch_size=61,
+        steps=3, grad_accum=grad_accum)
+    print(f"grad_accum {grad_accum}: {result.report()}")
+    assert result.equivalent and max(result.param_diff, result.state_diff) <= 1e-5
+
+
 def test_cnn_bn_replicas_stay_in_sync_and_unsynced_statistics_differ():
     p1, s1, _ = train_cnn_bn(1, steps=3)
     _, _, t8 = train_cnn_bn(8, steps=3)

@@ -43,13 +43,14 @@ class CheckConfig:
     batch_size: int | None = cfg.field(None, "global batch (default: 5N+3, so a device holds "
                                              "padding)")
     steps: int = cfg.field(5, "SGD steps")
+    grad_accum: int = cfg.field(1, "micro-batches per step, on both sides")
     backend: str = cfg.field(DEFAULT_BACKEND, "shard_map or pmap")
     sync_batchnorm: bool = cfg.field(
         True, "BatchNorm statistics over the global batch (--no-sync-batchnorm shows the "
               "difference per-device statistics make)")
 
     def check(self) -> None:
-        for name in ("devices", "steps", "batch_size"):
+        for name in ("devices", "steps", "batch_size", "grad_accum"):
             cfg.whole(self, name)
         check_backend(self.backend, 1)
         if self.factory is None:
@@ -93,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     result = check_equivalence(
         make_model, loss_fn, ds.x_train, ds.y_train, devices=config.devices,
         batch_size=config.batch_size, steps=config.steps,
-        sync_batchnorm=config.sync_batchnorm, backend=config.backend)
+        sync_batchnorm=config.sync_batchnorm, backend=config.backend,
+        grad_accum=config.grad_accum)
     print(as_flags(result.report()))
     return 0 if result.equivalent else 1
 

@@ -128,6 +128,7 @@ def check_equivalence(
     lr: float = 0.05,
     sync_batchnorm: bool = True,
     backend: str = DEFAULT_BACKEND,
+    grad_accum: int = 1,
 ) -> CheckResult:
     """Train `make_model()` for `steps` SGD steps on 1 device, run each step on
     `devices` too from the state one device had before it, with a global
@@ -137,12 +138,14 @@ def check_equivalence(
       make_model: builds a fresh, identically initialised model on each call.
       loss_fn: the loss as given to `Trainer` (one loss per example).
       data, y: training examples, as `Trainer.fit` takes them.
+      grad_accum: micro-batches per step, on both sides.
     """
     data = examples(data, y)
     # Uneven: with N = 8, 43 rows pad to 48, and the last device holds 1 real row.
     batch_size = batch_size or 5 * devices + 3
     t1, tn = (Trainer(make_model(), loss_fn, optax.sgd(lr), devices=n, backend=backend,
-                      sync_batchnorm=sync_batchnorm, max_bad_steps=None)
+                      sync_batchnorm=sync_batchnorm, max_bad_steps=None,
+                      grad_accum=grad_accum)
               for n in (1, devices))
     before = t1.backend.host(t1.state.model_state)
     diffs = {"params": 0.0, "loss": 0.0, "state": 0.0}

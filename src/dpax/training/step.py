@@ -121,7 +121,13 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
         else:
             # The shard's micro-batches, summed in a scan: activations of one
             # micro-batch live at a time, and the all-reduce below still runs once.
-            micro = jax.tree.map(lambda v: v.reshape((n_micro, -1) + v.shape[1:]), batch)
+            # Strided, not contiguous: a shard holds a multiple of n_micro rows,
+            # so micro-batch j holds the global rows r with r % n_micro == j on
+            # every device count. What a micro-batch computes together (a
+            # BatchNorm's statistics) then covers the same examples as on one
+            # device; contiguous runs of each shard would not.
+            micro = jax.tree.map(
+                lambda v: v.reshape((-1, n_micro) + v.shape[1:]).swapaxes(0, 1), batch)
             first = jax.tree.map(lambda v: v[0], micro)
             acc, model_state = sums_and_grads(state.model_state, first)
 
