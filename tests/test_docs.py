@@ -107,6 +107,6 @@ def test_every_readme_command_runs(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["train", "launch", "eval", "predict", "plot", "check",
-                                     "bench", "devices", "sample", "prepare"])
+                                     "bench", "devices", "sample", "prepare", "export"])
 def test_every_subcommand_is_documented(command):
     assert f"dpax {command}" in README and f"dpax {command}" in PAGES["cli.md"]

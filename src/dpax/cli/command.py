@@ -14,6 +14,7 @@ from dpax.cli import (
     check,
     devices,
     evaluate,
+    export,
     launch,
     plot,
     predict,
@@ -34,7 +35,8 @@ from dpax.errors import (
     as_flags,
 )
 
-COMMANDS = (train, evaluate, predict, sample, check, bench, plot, prepare, launch, devices)
+COMMANDS = (train, evaluate, predict, sample, export, check, bench, plot, prepare, launch,
+            devices)
 
 
 

@@ -182,9 +182,12 @@ def load_checkpoint(path: str, devices: int | None = None,
     # The run's sharding where the backend allows it: a model that needed
     # sharding to train needs it to evaluate.
     sharding = saved.trainer.sharding if backend == "shard_map" else "replicated"
+    # The checkpoint holds the weights: the directory a run started from
+    # (`init_from`) is not read again, and need not exist any more.
     config = dataclasses.replace(
         saved, trainer=dataclasses.replace(saved.trainer, devices=devices, backend=backend,
                                            sharding=sharding),
+        model=dataclasses.replace(saved.model, init_from=None),
         checkpoint=type(saved.checkpoint)(), output=type(saved.output)(),
         distributed=type(saved.distributed)())
     cfg.validate(config)

@@ -1,7 +1,9 @@
 """A decoder-only transformer (GPT-2's shape) for ONE device, in Flax NNX.
 
-Causal self-attention, pre-LayerNorm blocks, a GELU MLP, learned positions
-and an output layer tied to the token embedding, as nanoGPT's `model.py`.
+Causal self-attention, pre-LayerNorm blocks, a GELU MLP (tanh), learned
+positions and an output layer tied to the token embedding, as nanoGPT's
+`model.py`: GPT-2's architecture, so Hugging Face GPT-2 weights load and save
+exactly (`dpax.models.hf_gpt2`).
 Dropout is `nnx.Dropout`, which dpax turns into per-example masks that do not
 depend on the device count. `remat` trades compute for activation memory with
 `jax.checkpoint` per block:
@@ -20,6 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpax.errors import DpaxError
+
+# GPT-2's LayerNorm epsilon (Flax's default is 1e-6): Hugging Face GPT-2
+# weights import and export exactly (`dpax.models.hf_gpt2`).
+LAYER_NORM_EPSILON = 1e-5
 
 REMAT_POLICIES = {
     "none": None,
@@ -41,10 +47,10 @@ class Block(nnx.Module):
 
     def __init__(self, width: int, heads: int, dropout: float, *, rngs: nnx.Rngs):
         self.heads = heads
-        self.ln1 = nnx.LayerNorm(width, rngs=rngs)
+        self.ln1 = nnx.LayerNorm(width, epsilon=LAYER_NORM_EPSILON, rngs=rngs)
         self.qkv = nnx.Linear(width, 3 * width, rngs=rngs)
         self.proj = nnx.Linear(width, width, rngs=rngs)
-        self.ln2 = nnx.LayerNorm(width, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(width, epsilon=LAYER_NORM_EPSILON, rngs=rngs)
         self.up = nnx.Linear(width, 4 * width, rngs=rngs)
         self.down = nnx.Linear(4 * width, width, rngs=rngs)
         self.drop_attn = nnx.Dropout(dropout, rngs=rngs)
@@ -74,7 +80,7 @@ class GPT(nnx.Module):
         self.wpe = nnx.Embed(seq_len, width, embedding_init=init, rngs=rngs)
         self.drop = nnx.Dropout(dropout, rngs=rngs)
         self.blocks = nnx.List([Block(width, heads, dropout, rngs=rngs) for _ in range(layers)])
-        self.ln_f = nnx.LayerNorm(width, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(width, epsilon=LAYER_NORM_EPSILON, rngs=rngs)
 
     def __call__(self, tokens):
         t = tokens.shape[1]

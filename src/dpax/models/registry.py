@@ -9,7 +9,7 @@ from flax import nnx
 
 from dpax import config as cfg
 from dpax.errors import DpaxError
-from dpax.models import gpt
+from dpax.models import gpt, hf_gpt2
 from dpax.models.simple import CNN, CNNBN, MLP, Linear, deep_mlp
 
 
@@ -43,6 +43,10 @@ class ModelConfig:
                                "count)")
     remat: str = cfg.field("none", "gpt: activation checkpointing per block: none, block "
                            "(keep only block inputs) or dots (keep matmul outputs)", how=True)
+    init_from: str | None = cfg.field(
+        None, "gpt: start from a Hugging Face GPT-2 directory (config.json + "
+              "model.safetensors, e.g. from dpax export); its shape must match the flags",
+        metavar="DIR")
 
     def check(self) -> None:
         cfg.one_of(self, "name", MODELS)
@@ -50,6 +54,11 @@ class ModelConfig:
             cfg.whole(self, name)
         cfg.number(self, "dropout", 0, 1)
         gpt.check_shape(self.width, self.heads, self.remat)
+        if self.init_from is not None:
+            if not self.takes_text:
+                raise DpaxError(f"`init_from` starts a GPT from Hugging Face weights; "
+                                f"--model {self.name} takes none")
+            hf_gpt2.check_flags(self.init_from, self.layers, self.width, self.heads)
 
     @property
     def lr(self) -> float | None:
@@ -70,7 +79,11 @@ class ModelConfig:
 
     def build(self, in_shape: tuple[int, ...], n_out: int, seed: int,
               task: str | None = None) -> nnx.Module:
-        return make_model(self.name, in_shape, n_out, seed, task, **self.options())
+        """The model, with `init_from`'s weights if given."""
+        model = make_model(self.name, in_shape, n_out, seed, task, **self.options())
+        if self.init_from is not None:
+            hf_gpt2.load_into(model, self.init_from)
+        return model
 
 
 def make_model(name: str, in_shape: tuple[int, ...], n_out: int, seed: int,

@@ -1,0 +1,77 @@
+"""`dpax export`: a GPT checkpoint as a Hugging Face GPT-2 directory, which
+`transformers.GPT2LMHeadModel.from_pretrained` loads (`dpax.models.hf_gpt2`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+
+from dpax import config as cfg
+from dpax.cli import devices
+from dpax.cli.flags import add_flags, config_from_args
+from dpax.cli.job import load_checkpoint
+from dpax.errors import DpaxError
+from dpax.models import hf_gpt2
+
+NAME = "export"
+
+
+@dataclasses.dataclass
+class ExportConfig:
+    """`dpax export`: a GPT checkpoint in Hugging Face's GPT-2 layout."""
+
+    checkpoint: str = cfg.field(None, "a checkpoint of dpax train --model gpt (newest step) "
+                                "or one step directory", required=True, metavar="PATH")
+    out: str = cfg.field(None, "the directory to write (config.json, model.safetensors)",
+                         required=True, metavar="DIR")
+    ema: bool | None = cfg.field(None, "export the EMA params (default: when the run kept "
+                                 "them)")
+    overwrite: bool = cfg.field(False, "replace what --out holds (default: refuse)")
+
+    def check(self) -> None:
+        if os.path.isfile(self.out):
+            raise DpaxError(f"`out={self.out}` is a file; give a directory")
+        if os.path.isdir(self.out) and os.listdir(self.out) and not self.overwrite:
+            raise DpaxError(f"`out={self.out}` is not empty; give `overwrite` to replace it, "
+                            "or another directory")
+        parent = os.path.dirname(os.path.abspath(self.out))
+        if not os.path.isdir(parent):
+            raise DpaxError(f"`out={self.out}`: directory {parent} does not exist; create it "
+                            "first")
+
+
+def add_parser(sub) -> None:
+    add_flags(sub.add_parser(
+        NAME, help="write a GPT checkpoint as a Hugging Face GPT-2 directory",
+        description="Write a checkpoint of dpax train --model gpt as config.json + "
+                    "model.safetensors, which transformers' GPT2LMHeadModel.from_pretrained "
+                    "loads; dpax train --init-from DIR starts from such a directory."),
+        ExportConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = cfg.validate(config_from_args(args, ExportConfig))
+    devices.start(1)
+    export_checkpoint(config.checkpoint, config.out, config.ema)
+    print(f"wrote a Hugging Face GPT-2 to {config.out}")
+    return 0
+
+
+def export_checkpoint(path: str, out: str, ema: bool | None = None) -> None:
+    """Write the GPT of checkpoint `path` to the directory `out` in Hugging
+    Face's GPT-2 layout. `out` appears complete or not at all: it is written
+    next to itself and renamed."""
+    loaded = load_checkpoint(path, devices=1)
+    if loaded.meta["task"] != "lm":
+        raise DpaxError(f"{path} holds a {loaded.meta['task']} model; dpax export writes "
+                        "GPT checkpoints (dpax train --model gpt)")
+    model = loaded.trainer.model(ema)
+    partial = out.rstrip(os.sep) + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    hf_gpt2.save(model, partial, loaded.config.model.dropout)
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    os.replace(partial, out)

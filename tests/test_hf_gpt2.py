@@ -1,0 +1,134 @@
+"""Hugging Face GPT-2 weights in and out of dpax's GPT, checked against
+`transformers`' own GPT2LMHeadModel (PyTorch, float32; a small GPT-2 made
+from a GPT2Config: nothing is downloaded): the same logits both ways, and a
+fine-tune from imported weights on 4 devices equal to 1."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from dpax.cli import main
+from dpax.cli.job import TrainConfig, build, load_checkpoint
+from test_gpt import write_corpus
+
+pytestmark = pytest.mark.slow  # starts dpax runs
+
+SHAPE = {"n_layer": 2, "n_embd": 32, "n_head": 2}
+FLAGS = ["--model", "gpt", "--layers", "2", "--width", "32", "--heads", "2", "--seq-len", "16"]
+TOLERANCE = 1e-4  # float32 logits, two frameworks' kernels
+
+
+def hf_logits(model: GPT2LMHeadModel, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A GPT-2 as `save_pretrained` writes it, every weight random (LayerNorms
+    and biases too, so that a swapped or transposed one shows), with more
+    positions (32) than dpax's runs use (16)."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **SHAPE)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    path = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(path)
+    return str(path), model
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def test_hugging_faces_gpt2_loads_with_the_same_logits(gpt2_dir, corpus):
+    path, hf = gpt2_dir
+    job = build(TrainConfig.from_flags(data=f"text:{corpus}", init_from=path, **_flags()))
+    model = job.trainer.model()
+    tokens = np.random.default_rng(0).integers(0, 256, (4, 16))
+    diff = float(np.max(np.abs(np.asarray(model(tokens)) - hf_logits(hf, tokens))))
+    print(f"Hugging Face GPT-2 -> dpax: max |logit diff| {diff:.1e}")
+    assert diff <= TOLERANCE
+
+
+def test_a_dpax_checkpoint_exports_to_what_transformers_loads(tmp_path, corpus, capsys):
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "hf")
+    assert main(["train", *FLAGS, "--data", f"text:{corpus}", "--steps", "6", "--dropout",
+                 "0.1", "--checkpoint-dir", ck, "--out", str(tmp_path / "run")]) == 0
+    assert main(["export", "--checkpoint", ck, "--out", out]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    hf = GPT2LMHeadModel.from_pretrained(out).eval()
+    model = load_checkpoint(ck, devices=1).trainer.model()
+    model.eval()  # dropout off, as in Hugging Face's eval()
+    tokens = np.random.default_rng(1).integers(0, 256, (4, 16))
+    diff = float(np.max(np.abs(np.asarray(model(tokens)) - hf_logits(hf, tokens))))
+    with capsys.disabled():
+        print(f"dpax -> Hugging Face GPT-2: max |logit diff| {diff:.1e}")
+    assert diff <= TOLERANCE
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["resid_pdrop"] == 0.1 and config["attn_pdrop"] == 0.0
+    assert "transformer.wte.weight" in load_file(os.path.join(out, "model.safetensors"))
+    # An existing export is kept unless --overwrite; then it is replaced whole.
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", ck, "--out", out]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", ck, "--out", out, "--overwrite"]) == 0
+    assert not os.path.exists(out + ".partial")
+
+
+def test_a_fine_tune_from_imported_weights_on_4_devices_equals_1(gpt2_dir, corpus, tmp_path):
+    path, _ = gpt2_dir
+    runs = {}
+    for n in (1, 4):
+        out = tmp_path / f"n{n}"
+        assert main(["train", *FLAGS, "--data", f"text:{corpus}", "--init-from", path,
+                     "--batch-size", "13", "--steps", "8", "--optimizer", "sgd", "--lr", "0.1",
+                     "--devices", str(n), "--out", str(out)]) == 0
+        runs[n] = dict(np.load(out / "params.npz"))
+    diff = max(float(np.max(np.abs(runs[4][k] - runs[1][k]))) for k in runs[1])
+    start = load_file(os.path.join(path, "model.safetensors"))["transformer.h.0.mlp.c_fc.weight"]
+    moved = float(np.max(np.abs(runs[1]["blocks/0/up/kernel"] - start)))
+    print(f"fine-tune from GPT-2 weights, 4 vs 1 devices: params {diff:.1e} "
+          f"(moved {moved:.1e} from the import)")
+    assert diff <= 1e-5
+    assert 0 < moved < 0.5  # it trained, from the imported weights
+
+
+def _flags(**over):
+    base = {"model": "gpt", "layers": 2, "width": 32, "heads": 2, "seq_len": 16}
+    return {**base, **over}
+
+
+def test_bad_imports_are_one_line_errors(gpt2_dir, corpus, tmp_path, capsys):
+    path, _ = gpt2_dir
+    other = tmp_path / "bert"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    exact_gelu = tmp_path / "gelu"
+    exact_gelu.mkdir()
+    (exact_gelu / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "activation_function": "gelu", **SHAPE}))
+    cases = [
+        (["--init-from", path, "--layers", "3"], "give --layers 2 --width 32 --heads 2"),
+        (["--init-from", path, "--seq-len", "64"], "fewer than --seq-len 64"),
+        (["--init-from", str(tmp_path / "nowhere")], "no config.json"),
+        (["--init-from", str(other)], "'bert' model"),
+        (["--init-from", str(exact_gelu)], "activation 'gelu'"),
+        (["--init-from", path, "--model", "cnn", "--data", "digits"], "--model cnn takes none"),
+    ]
+    for extra, message in cases:
+        args = ["train", *FLAGS, "--data", f"text:{corpus}", "--steps", "1", *extra,
+                "--out", str(tmp_path / "run")]
+        assert main(args) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (extra, err)
+    assert not os.path.exists(tmp_path / "run")  # nothing written
