@@ -172,18 +172,3 @@ def test_flops_per_token_counts_six_per_weight_plus_attention():
 
     assert flops_per_token(n, 2, 32, 64) == 6 * n + 12 * 2 * 32 * 64
     assert math.isclose(n, 256 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
-
-
-def test_peak_flops_counts_each_device_once(monkeypatch):
-    """With several processes the trainer's devices are already every
-    process's: an accelerator's peak is one device's times their number;
-    simulated CPU devices share their host's cores, one peak per process."""
-    from types import SimpleNamespace
-
-    from dpax.parallel import mesh
-
-    monkeypatch.setattr(mesh, "matmul_peak", lambda repeats: 10.0)
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    gpus = [SimpleNamespace(platform="gpu")] * 8  # 2 processes x 4
-    assert mesh.peak_flops(gpus) == 80.0
-    assert mesh.peak_flops([SimpleNamespace(platform="cpu")] * 8) == 20.0

@@ -11,9 +11,11 @@ import os
 import shutil
 import tempfile
 
+import jax
 import numpy as np
 from flax import nnx, traverse_util
 
+from dpax import __version__
 from dpax import config as cfg
 from dpax.errors import DpaxError
 from dpax.writers import MultiWriter
@@ -22,7 +24,7 @@ from dpax.writers.csv_file import CsvWriter
 from dpax.writers.jsonl import JsonlWriter
 
 # What `dpax train --out DIR` writes; a directory holding any of them holds a run.
-RUN_FILES = ("config.yaml", "metrics.jsonl", "metrics.csv", "params.npz", "metrics.png",
+RUN_FILES = ("config.yaml", "run.json", "metrics.jsonl", "metrics.csv", "params.npz", "metrics.png",
              "tensorboard", "profile")
 
 
@@ -112,6 +114,18 @@ def save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
     tmp = path + ".tmp.npz"
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
+
+
+def save_run_info(out: str, devices: int, mfu_peak=None) -> None:
+    """`run.json`: what ran where (dpax, JAX, devices, processes) and, for a
+    language model, the peak FLOP/s its MFU divides by and where it comes from."""
+    info = {"dpax": __version__, "jax": jax.__version__,
+            "platform": jax.devices()[0].platform,
+            "device_kind": jax.devices()[0].device_kind,
+            "devices": devices, "processes": jax.process_count()}
+    if mfu_peak is not None:
+        info.update(mfu_peak_flops=mfu_peak.flops, mfu_peak_source=mfu_peak.source)
+    save_text(os.path.join(out, "run.json"), json.dumps(info, indent=1) + "\n")
 
 
 def save_text(path: str, text: str) -> None:

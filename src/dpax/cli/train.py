@@ -19,9 +19,9 @@ from dpax.cli.flags import add_flags, config_from_args
 from dpax.cli.job import Job, TrainConfig, build, check_same_meaning
 from dpax.errors import DpaxError, Preempted, RunFailed, TooManyBadSteps
 from dpax.models.gpt import flops_per_token
-from dpax.parallel import watchdog
+from dpax.parallel import peak, watchdog
 from dpax.parallel.distributed import is_writer
-from dpax.parallel.mesh import describe, peak_flops
+from dpax.parallel.mesh import describe
 from dpax.training import hooks
 from dpax.training.checkpoint import AUTO, LATEST, Checkpointer, locate
 from dpax.training.trainer import Trainer
@@ -85,27 +85,36 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
                 data_iter = job.input(start)
     if not writer_process:
         log = None
+    # A language model's MFU divides by this (measured on CPU: before any step runs).
+    mfu_peak = (peak.for_devices(job.trainer.backend.devices, config.trainer.precision)
+                if job.ds.task == "lm" else None)
     if out.out is not None and writer_process:
         if out.overwrite:
             outputs.clear_run(out.out)
         outputs.save_text(os.path.join(out.out, "config.yaml"), config.to_yaml())
+        outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak)
     if log is not None and not out.quiet:
         print(f"dpax: {config.model.name} on {job.ds.name}, {job.trainer.n_devices} device(s) "
               f"({config.trainer.backend}), global batch {config.batch_size}, {job.total} steps"
               + (f", resumed at step {start}" if start else ""), file=log, flush=True)
         if out.verbose:
             print(describe(), file=log)
+            if mfu_peak is not None:
+                print(f"MFU peak: {mfu_peak.describe()}", file=log)
             print(config.to_yaml().rstrip(), file=log, flush=True)
     # After the header line: a bar drawn before it would be broken by it.
     with out.writers(job.total, start, log, writer_process) as writer, _watched(config):
-        result = _run(job, ckpt, data_iter, start, writer, writer_process)
+        result = _run(job, ckpt, data_iter, start, writer, writer_process, mfu_peak)
+    if out.out is not None and writer_process and mfu_peak is not None:
+        # Again: a measured peak rises when a step runs faster than it.
+        outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak)
     if log is not None:
         print(result.summary(), file=log, flush=True)
     return result
 
 
 def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
-         writer_process: bool) -> RunResult:
+         writer_process: bool, mfu_peak: peak.Peak | None) -> RunResult:
     """Train from the trainer's step to the end, then save and evaluate."""
     config, trainer, ds, total = job.config, job.trainer, job.ds, job.total
     position, write = hooks.TrackPosition(data_iter, start), hooks.Write(writer)
@@ -133,7 +142,7 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
     with hooks.StopOnSignal(checkpoint) as stop:
         run_hooks = [hooks.Evaluate(trainer, {"x": ds.x_eval, "y": ds.y_eval},
                                     config.eval_every, total),
-                     _language_model(job), write, position, stop, checkpoint, profile]
+                     _language_model(job, mfu_peak), write, position, stop, checkpoint, profile]
         try:
             history = trainer.fit(ds.x_train, ds.y_train, batch_size=config.batch_size,
                                   until_step=total, seed=config.seed,
@@ -182,16 +191,15 @@ def _watched(config: TrainConfig):
     return watchdog.installed(config.distributed.timeout, jax.process_index())
 
 
-def _language_model(job: Job) -> hooks.LanguageModel | None:
+def _language_model(job: Job, peak_flops: peak.Peak | None) -> hooks.LanguageModel | None:
     """The LM metrics hook for text data: FLOPs per token from the model's
-    shape, the peak from a matmul measured here."""
-    if job.ds.task != "lm":
+    shape, over the hardware's peak."""
+    if peak_flops is None:
         return None
     m = job.config.model
     seq_len = job.config.data.seq_len
     n = job.trainer.param_count - seq_len * m.width  # the position table only adds
-    return hooks.LanguageModel(flops_per_token(n, m.layers, m.width, seq_len),
-                               peak_flops(job.trainer.backend.devices))
+    return hooks.LanguageModel(flops_per_token(n, m.layers, m.width, seq_len), peak_flops)
 
 
 @contextlib.contextmanager

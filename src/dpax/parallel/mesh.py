@@ -3,10 +3,7 @@ devices, subsets, clear limits, and what the devices can compute."""
 
 from __future__ import annotations
 
-import time
-
 import jax
-import jax.numpy as jnp
 
 from dpax.errors import DpaxError
 
@@ -89,27 +86,3 @@ def describe() -> str:
     ]
     lines += [f"  {d.id:>3}  {d.platform:<5} {d.device_kind}" for d in jax.local_devices()]
     return "\n".join(lines)
-
-
-def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
-    """This machine's f32 matmul FLOP/s on one device, the best of `repeats`."""
-    a = jnp.ones((size, size), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    f(a).block_until_ready()
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        best = max(best, 2 * size**3 / (time.perf_counter() - t0))
-    return best
-
-
-def peak_flops(devices) -> float:
-    """Peak f32 FLOP/s of the hardware under `devices` (every process's),
-    measured: one device's matmul rate, times the devices on accelerators;
-    simulated CPU devices share one host's cores, so there it counts once per
-    process."""
-    one = matmul_peak(repeats=3)
-    if devices[0].platform == "cpu":
-        return one * jax.process_count()
-    return one * len(devices)

@@ -23,6 +23,7 @@ import jax
 
 from dpax.errors import Preempted
 from dpax.parallel.distributed import any_process, from_process_0
+from dpax.parallel.peak import Peak
 from dpax.training.loop import Every, Hook
 
 
@@ -202,21 +203,24 @@ class LanguageModel(Hook):
     (`dpax.models.losses.lm_loss`, byte tokens): the weight is the token count.
 
       tokens, tokens_per_sec   real (unpadded) target tokens, and per second
-      mfu                      model FLOPs per token x tokens/s over `peak_flops`
+      mfu                      model FLOPs per token x tokens/s over the peak
+                               (`dpax.parallel.peak`: never above 1)
       bpb, eval_bpb            the loss in bits per byte (nats / ln 2)
       eval_perplexity          exp(eval loss in nats per token)
 
     Runs after `Evaluate` and before `Write` (hooks run in order)."""
 
-    def __init__(self, flops_per_token: float, peak_flops: float):
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+    def __init__(self, flops_per_token: float, peak: Peak):
+        self.flops_per_token, self.peak = flops_per_token, peak
 
     def on_log(self, step, row):
         if "weight" in row:
             row["tokens"] = int(row.pop("weight"))
         if "weight_per_sec" in row:
             row["tokens_per_sec"] = row.pop("weight_per_sec")
-            row["mfu"] = self.flops_per_token * row["tokens_per_sec"] / self.peak_flops
+            rate = self.flops_per_token * row["tokens_per_sec"]
+            self.peak.observe(rate)  # a measured peak below it is raised: MFU <= 1
+            row["mfu"] = rate / self.peak.flops
         if isinstance(row.get("loss"), float):
             row["bpb"] = row["loss"] / math.log(2)
         if isinstance(row.get("eval_loss"), float):
