@@ -58,7 +58,8 @@ def evaluate_checkpoint(path: str, data: str | None = None, devices: int | None 
     (default: the data it was trained on)."""
     loaded = load_checkpoint(path, devices, backend)
     d = loaded.config.data
-    ds = load(data or d.name, d.seq_len, d.x_column, d.y_column)
+    # Text in the checkpoint's own tokens.
+    ds = load(data or d.name, d.seq_len, d.x_column, d.y_column, tok=loaded.tokenizer)
     _check_fits(ds, loaded.meta)
     return loaded.trainer.evaluate(ds.x_eval, ds.y_eval, batch_size)
 

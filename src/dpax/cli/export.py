@@ -1,5 +1,6 @@
 """`dpax export`: a GPT checkpoint as a Hugging Face GPT-2 directory, which
-`transformers.GPT2LMHeadModel.from_pretrained` loads (`dpax.models.hf_gpt2`)."""
+`transformers.GPT2LMHeadModel.from_pretrained` loads (`dpax.models.hf_gpt2`),
+with its BPE tokenizer's files when it has one (`AutoTokenizer` loads them)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dpax import config as cfg
 from dpax.cli import devices
 from dpax.cli.flags import add_flags, config_from_args
 from dpax.cli.job import load_checkpoint
+from dpax.data import tokenizer
 from dpax.errors import DpaxError
 from dpax.models import hf_gpt2
 
@@ -72,6 +74,9 @@ def export_checkpoint(path: str, out: str, ema: bool | None = None) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     hf_gpt2.save(model, partial, loaded.config.model.dropout)
+    for name, text in tokenizer.hf_files(loaded.tokenizer).items():  # a BPE's, if any
+        with open(os.path.join(partial, name), "w") as f:
+            f.write(text)
     if os.path.isdir(out):
         shutil.rmtree(out)
     os.replace(partial, out)

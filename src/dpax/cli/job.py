@@ -9,11 +9,12 @@ import warnings
 
 from dpax import config as cfg
 from dpax.cli.outputs import OutputConfig
-from dpax.data import augment
+from dpax.data import augment, tokenizer
 from dpax.data.datasets import DataConfig, Dataset
 from dpax.data.pipeline import BatchPlan, check_length, train_input
+from dpax.data.tokenizer import Tokenizer
 from dpax.errors import DpaxError, DpaxWarning
-from dpax.models import losses
+from dpax.models import hf_gpt2, losses
 from dpax.models.registry import TEXT_MODELS, ModelConfig
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend
 from dpax.parallel.distributed import DistributedConfig
@@ -69,6 +70,8 @@ class TrainConfig:
             raise DpaxError(f"--model {self.model.name} does not fit --data {self.data.name}: "
                             f"text data needs --model {text}, and {text} needs text data")
         check_backend(self.trainer.backend, self.distributed.processes)
+        if self.model.init_from is not None and self.data.is_text:
+            hf_gpt2.check_tokenizer(self.model.init_from, self.data.tokenizer)
         if self.output.overwrite and self.checkpoint.resume is not None:
             raise DpaxError("give `overwrite` or `resume`, not both: a resumed run "
                             "continues the files in `out`")
@@ -105,9 +108,10 @@ class Job:
     def meta(self) -> dict:
         """What a checkpoint needs besides the state: the resolved config, and
         the shapes to rebuild the model without the training data."""
+        tok = self.ds.tokenizer
         return {"config": cfg.to_dict(self.config), "task": self.ds.task,
                 "input_shape": list(self.ds.input_shape), "n_out": self.ds.n_out,
-                "total": self.total}
+                "total": self.total, "tokenizer": None if tok is None else tok.to_json()}
 
     def input(self, start: int):
         """This process's training batches of steps `start..total-1`."""
@@ -119,18 +123,22 @@ class Job:
 
 def build(config: TrainConfig) -> Job:
     """Data, model, optimizer and Trainer for a validated config."""
-    ds = config.data.load()
+    # A pretrained model's own tokenizer, if its directory has one; else the data's.
+    saved = config.model.init_from and hf_gpt2.tokenizer_json(config.model.init_from)
+    ds = config.data.load(tokenizer.from_json(config.data.tokenizer, saved) if saved else None)
     plan = BatchPlan(len(ds.x_train), config.batch_size, config.seed)
     total = plan.total_steps(config.steps, config.epochs, DEFAULT_EPOCHS)
-    trainer = make_trainer(config, ds.task, ds.input_shape, ds.n_out, total)
+    trainer = make_trainer(config, ds.task, ds.input_shape, ds.n_out, total, ds.tokenizer)
     return Job(config, ds, plan, total, trainer)
 
 
 def make_trainer(config: TrainConfig, task: str, input_shape: tuple[int, ...], n_out: int,
-                 total: int) -> Trainer:
-    """The config's model (for examples of `input_shape`), optimizer and Trainer."""
+                 total: int, tok: Tokenizer | None = None) -> Trainer:
+    """The config's model (for examples of `input_shape`), optimizer and Trainer
+    (`tok`: text's tokenizer, whose bytes per token a BPE's loss reports)."""
     tx, schedule = config.optimizer.build(config.batch_size, total, config.model.lr)
-    loss_fn, predict_fn = losses.for_task(task)
+    bpe = tok is not None and tok.hf is not None
+    loss_fn, predict_fn = losses.for_task(task, tok.token_bytes if bpe else None)
     model = config.model.build(input_shape, n_out, config.seed, task)
     return Trainer(model, loss_fn, tx, predict_fn=predict_fn, schedule=schedule,
                    seed=config.seed, **dataclasses.asdict(config.trainer))
@@ -158,6 +166,7 @@ class Loaded:
     trainer: Trainer
     config: TrainConfig  # the run's config, with this process's devices and backend
     meta: dict  # task, input_shape, n_out, total
+    tokenizer: Tokenizer | None = None  # a language model's
 
 
 def load_checkpoint(path: str, devices: int | None = None,
@@ -191,9 +200,11 @@ def load_checkpoint(path: str, devices: int | None = None,
         checkpoint=type(saved.checkpoint)(), output=type(saved.output)(),
         distributed=type(saved.distributed)())
     cfg.validate(config)
+    tok = (tokenizer.from_json(config.data.tokenizer, meta.get("tokenizer"))
+           if meta["task"] == "lm" else None)
     trainer = make_trainer(config, meta["task"], tuple(meta["input_shape"]), meta["n_out"],
-                           meta.get("total", 1))
+                           meta.get("total", 1), tok)
     _, state, _ = ckpt.restore(trainer.state_template(), None, step)
     trainer.load_state_dict(state)
     ckpt.close()
-    return Loaded(trainer, config, meta)
+    return Loaded(trainer, config, meta, tok)

@@ -24,8 +24,8 @@ from dpax.writers.csv_file import CsvWriter
 from dpax.writers.jsonl import JsonlWriter
 
 # What `dpax train --out DIR` writes; a directory holding any of them holds a run.
-RUN_FILES = ("config.yaml", "run.json", "metrics.jsonl", "metrics.csv", "params.npz", "metrics.png",
-             "tensorboard", "profile")
+RUN_FILES = ("config.yaml", "run.json", "tokenizer.json", "metrics.jsonl", "metrics.csv",
+             "params.npz", "metrics.png", "tensorboard", "profile")
 
 
 def writable_dir(path: str, what: str) -> bool:

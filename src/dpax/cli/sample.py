@@ -23,7 +23,7 @@ class SampleConfig:
     checkpoint: str = cfg.field(None, "a checkpoint of dpax train --model gpt (newest step) "
                                 "or one step directory", required=True, metavar="PATH")
     prompt: str = cfg.field("def ", "the text to continue")
-    tokens: int = cfg.field(200, "bytes to generate")
+    tokens: int = cfg.field(200, "tokens to generate (bytes, with byte tokens)")
     temperature: float = cfg.field(0.8, "sampling temperature (0: always the most likely "
                                    "byte)")
     seed: int = cfg.field(0, "seed of the sampling")
@@ -59,5 +59,7 @@ def sample_checkpoint(path: str, prompt: str, tokens: int = 200, temperature: fl
         raise DpaxError(f"{path} holds a {loaded.meta['task']} model; dpax sample needs a "
                         "language model (dpax train --model gpt --data text)")
     seq_len = loaded.meta["input_shape"][0] - 1
-    out = generate(loaded.trainer.model(), prompt.encode(), tokens, seq_len, temperature, seed)
-    return out.decode("utf-8", errors="replace")
+    tok = loaded.tokenizer
+    out = generate(loaded.trainer.model(), tok.encode(prompt.encode()), tokens, seq_len,
+                   temperature, seed)
+    return tok.decode(out).decode("utf-8", errors="replace")

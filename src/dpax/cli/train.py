@@ -93,6 +93,9 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             outputs.clear_run(out.out)
         outputs.save_text(os.path.join(out.out, "config.yaml"), config.to_yaml())
         outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak)
+        if job.ds.tokenizer is not None and job.ds.tokenizer.hf is not None:
+            outputs.save_text(os.path.join(out.out, "tokenizer.json"),
+                              job.ds.tokenizer.to_json())
     if log is not None and not out.quiet:
         print(f"dpax: {config.model.name} on {job.ds.name}, {job.trainer.n_devices} device(s) "
               f"({config.trainer.backend}), global batch {config.batch_size}, {job.total} steps"
@@ -177,7 +180,7 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
             raise kept(e, path, "the final params") from None
     ev = trainer.evaluate(ds.x_eval, ds.y_eval)
     if ds.task == "lm":
-        ev.update(hooks.LanguageModel.eval_row(ev["loss"]))
+        ev.update(hooks.LanguageModel.eval_row(ev["loss"], ev.get("bytes_per_token", 1.0)))
         ev.pop("weight", None)
     writer.write(total, {f"eval_{k}": v for k, v in ev.items()})
     return RunResult(trainer, history, ev, total, speed)

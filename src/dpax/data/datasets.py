@@ -15,6 +15,7 @@ import numpy as np
 
 from dpax import config as cfg
 from dpax.data import augment, sources, text
+from dpax.data.tokenizer import BYTES, Tokenizer, check_spec
 from dpax.errors import DpaxError, DpaxWarning
 
 # The data never depends on --seed: runs with different seeds see the same split.
@@ -31,8 +32,9 @@ class Dataset:
     y_train: np.ndarray
     x_eval: np.ndarray
     y_eval: np.ndarray
-    task: str  # "classification" | "regression"
+    task: str  # "classification" | "regression" | "lm"
     n_out: int
+    tokenizer: Tokenizer | None = None  # text's (`dpax.data.tokenizer`)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -192,13 +194,17 @@ def is_text(name: str) -> bool:
 
 
 def load(name: str, seq_len: int = DEFAULT_SEQ_LEN, x_column: str = "x",
-         y_column: str = "y") -> Dataset:
+         y_column: str = "y", tokenizer_spec: str = BYTES,
+         tok: Tokenizer | None = None) -> Dataset:
     """A named dataset, a path ending in `.npz`, text (`dpax.data.text`) cut into
-    windows of `seq_len` tokens, or examples on disk (`dpax.data.sources`) with
-    inputs and labels in the named columns."""
+    windows of `seq_len` tokens of `tok` (default: `tokenizer_spec`'s, trained on
+    the text), or examples on disk (`dpax.data.sources`) with inputs and labels
+    in the named columns."""
     check_name(name)
     if is_text(name):
-        return Dataset(*text.load(name.partition(":")[2] or None, seq_len), "lm", text.VOCAB)
+        name, x_train, y_train, x_eval, y_eval, tok = text.load(
+            name.partition(":")[2] or None, seq_len, tokenizer_spec, tok)
+        return Dataset(name, x_train, y_train, x_eval, y_eval, "lm", tok.vocab, tok)
     if name.endswith(".npz"):
         return from_npz(name, x_column, y_column)
     if sources.is_streamed(name):
@@ -221,6 +227,9 @@ class DataConfig:
                               "targets")
     seq_len: int = cfg.field(DEFAULT_SEQ_LEN, "text: tokens per training window (gpt's "
                              "context length)")
+    tokenizer: str = cfg.field(
+        BYTES, "text: bytes (256 tokens) or bpe:VOCAB, a byte-level BPE of VOCAB "
+        "tokens trained on the training text (bits per byte stay comparable)")
     augment: str | None = cfg.field(
         None, "images: crop, flip or crop,flip; each example's draw comes from the seed, the "
         "step and its place in the global batch, so any device count trains the same")
@@ -232,15 +241,17 @@ class DataConfig:
         check_name(self.name)
         augment.parse(self.augment)
         cfg.whole(self, "seq_len")
+        check_spec(self.tokenizer)
         cfg.whole(self, "workers", low=0)
 
     @property
     def is_text(self) -> bool:
         return is_text(self.name)
 
-    def load(self) -> Dataset:
-        """The dataset, its augmentation checked against its examples."""
-        ds = load(self.name, self.seq_len, self.x_column, self.y_column)
+    def load(self, tok: Tokenizer | None = None) -> Dataset:
+        """The dataset, its augmentation checked against its examples; text in
+        the tokens of `tok` if given (else of `tokenizer`, trained on it)."""
+        ds = load(self.name, self.seq_len, self.x_column, self.y_column, self.tokenizer, tok)
         aug = augment.parse(self.augment)
         if aug is not None:
             aug.check(ds.input_shape)

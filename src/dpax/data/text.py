@@ -11,8 +11,9 @@ never counts.
 The held-out split is by document: a seeded choice of whole files, so no eval
 text was trained on. The default corpus is the running Python's standard
 library (`*.py` under its `Lib`): real text on every machine, nothing to
-download. Tokens are bytes (vocabulary 256), so a loss in nats per token is
-in nats per byte.
+download. Tokens are bytes (vocabulary 256) by default, so a loss in nats
+per token is in nats per byte, or a byte-level BPE trained on the training
+documents (`dpax.data.tokenizer`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import sysconfig
 
 import numpy as np
 
+from dpax.data import tokenizer
 from dpax.errors import DpaxError
 
-VOCAB = 256  # byte-level tokens
 EVAL_FRACTION = 0.02  # of the documents (at least one, when there are two or more)
 # A single text file is cut into documents of this many windows, so it has
 # something to hold out.
@@ -85,12 +86,11 @@ def binary_share(data: bytes) -> float:
     return float(np.mean(_CONTROL[np.frombuffer(data, np.uint8)]))
 
 
-def windows(doc: bytes, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+def windows(tokens: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """(windows of seq_len + 1 tokens, zero-padded; their real lengths) of one
-    document; none for a document of fewer than 2 tokens (nothing to predict)."""
-    tokens = np.frombuffer(doc, np.uint8)
+    document's tokens; none for fewer than 2 tokens (nothing to predict)."""
     n = math.ceil((len(tokens) - 1) / seq_len) if len(tokens) >= 2 else 0
-    padded = np.zeros(n * seq_len + 1, np.uint8)
+    padded = np.zeros(n * seq_len + 1, tokens.dtype)
     padded[:len(tokens)] = tokens
     starts = np.arange(n) * seq_len
     x = padded[starts[:, None] + np.arange(seq_len + 1)]
@@ -107,26 +107,30 @@ def split(docs: list[tuple[str, bytes]]) -> tuple[list[bytes], list[bytes]]:
     return train, held_out
 
 
-def stack(docs: list[bytes], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    parts = [windows(d, seq_len) for d in docs]
+def stack(docs: list[bytes], seq_len: int,
+          tok: tokenizer.Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    parts = [windows(t, seq_len) for t in tok.encode_all(docs)]
     if not parts:
-        return np.zeros((0, seq_len + 1), np.uint8), np.zeros(0, np.int32)
+        return np.zeros((0, seq_len + 1), tok.dtype), np.zeros(0, np.int32)
     return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
 
 
-def load(path: str | None, seq_len: int):
+def load(path: str | None, seq_len: int, tokenizer_spec: str = tokenizer.BYTES,
+         tok: tokenizer.Tokenizer | None = None):
     """Windows of the text under `path` (default: the standard library's
-    sources): `(name, x_train, y_train, x_eval, y_eval)`, x (n, seq_len + 1)
-    uint8 tokens, y the real length of each window."""
+    sources): `(name, x_train, y_train, x_eval, y_eval, tokenizer)`, x (n,
+    seq_len + 1) tokens, y the real length of each window. The tokenizer is
+    `tok` if given, else `tokenizer_spec`'s, trained on the training documents."""
     if seq_len < 1:
         raise DpaxError(f"`seq_len` must be >= 1, got {seq_len}")
     docs = documents(path, seq_len)
     train, held_out = split(docs)
-    x_train, y_train = stack(train, seq_len)
-    x_eval, y_eval = stack(held_out, seq_len)
+    tok = tok or tokenizer.train(tokenizer_spec, train)
+    x_train, y_train = stack(train, seq_len, tok)
+    x_eval, y_eval = stack(held_out, seq_len, tok)
     if len(x_eval) == 0:  # held-out documents too short: evaluate on the training set
         x_eval, y_eval = x_train, y_train
     if len(x_train) == 0:
         raise DpaxError(f"text data {path or stdlib_dir()!r} has no document of 2 bytes or "
                         "more; give files with text in them")
-    return "text:" + (path or "stdlib"), x_train, y_train, x_eval, y_eval
+    return "text:" + (path or "stdlib"), x_train, y_train, x_eval, y_eval, tok

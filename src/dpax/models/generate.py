@@ -1,8 +1,8 @@
 """Text from a language model: a continuation of a prompt.
 
-Byte tokens in, byte tokens out. The model sees at most its `seq_len` last
-tokens (the context it was trained on); the whole generation is one compiled
-loop on one device.
+Token ids in, token ids out (`dpax.data.tokenizer` turns text into ids and
+back). The model sees at most its `seq_len` last tokens (the context it was
+trained on); the whole generation is one compiled loop on one device.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from flax import nnx
 from dpax.errors import DpaxError
 
 
-def check(prompt: bytes, tokens: int, temperature: float) -> None:
+def check(prompt, tokens: int, temperature: float) -> None:
     """Refuse arguments no generation can use, naming the fix."""
-    if not prompt:
+    if not len(prompt):
         raise DpaxError("`prompt` is empty; give at least one character, e.g. --prompt 'def '")
     if tokens < 1:
         raise DpaxError(f"`tokens` must be >= 1, got {tokens}")
@@ -27,19 +27,20 @@ def check(prompt: bytes, tokens: int, temperature: float) -> None:
         raise DpaxError(f"`temperature` must be a finite number >= 0, got {temperature}")
 
 
-def generate(model: nnx.Module, prompt: bytes, tokens: int, seq_len: int,
-             temperature: float = 0.8, seed: int = 0) -> bytes:
-    """`tokens` bytes that follow `prompt`, drawn at `temperature` (0: the most
-    likely byte each time) from `model` (token ids (b, t) -> logits (b, t, 256))."""
+def generate(model: nnx.Module, prompt, tokens: int, seq_len: int,
+             temperature: float = 0.8, seed: int = 0) -> np.ndarray:
+    """The ids of `tokens` tokens that follow the token ids `prompt` (bytes
+    are byte tokens), drawn at `temperature` (0: the most likely token each
+    time) from `model` (token ids (b, t) -> logits (b, t, vocab))."""
     check(prompt, tokens, temperature)
     model.eval()  # no dropout
     graphdef, state = nnx.split(model)
-    start = np.frombuffer(prompt, np.uint8)
+    start = np.frombuffer(prompt, np.uint8) if isinstance(prompt, bytes) else np.asarray(prompt)
     buf = np.zeros(len(start) + tokens, np.int32)
     buf[:len(start)] = start
     out = _loop(graphdef, len(start), tokens, seq_len, float(temperature))(
         state, jnp.asarray(buf), jax.random.key(seed))
-    return bytes(np.asarray(out[len(start):], np.uint8))
+    return np.asarray(out[len(start):])
 
 
 @functools.lru_cache(maxsize=8)

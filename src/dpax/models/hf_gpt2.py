@@ -30,6 +30,7 @@ from dpax.errors import DpaxError
 from dpax.models.gpt import GPT, LAYER_NORM_EPSILON
 
 CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 # Activations that are GPT-2's tanh approximation of GELU, dpax's `nnx.gelu`.
@@ -201,3 +202,30 @@ def load_into(model: GPT, directory: str) -> None:
                             f"{shapes[path]}")
         new[path] = value
     nnx.update(model, nnx.from_flat_state(new))
+
+
+def tokenizer_json(directory: str) -> str | None:
+    """The directory's `tokenizer.json` (a BPE's), or None."""
+    path = os.path.join(directory, TOKENIZER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def check_tokenizer(directory: str, spec: str) -> None:
+    """Refuse a `--tokenizer` that would not give the token ids the
+    directory's embeddings were trained on."""
+    text = tokenizer_json(directory)
+    if text is None:
+        if spec != "bytes":
+            raise DpaxError(f"{directory} has no {TOKENIZER}: a BPE trained here would give "
+                            "other token ids than its embeddings learned; use --tokenizer bytes "
+                            f"or a directory with its {TOKENIZER}")
+        return
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_str(text).get_vocab_size()
+    if spec != f"bpe:{vocab}":
+        raise DpaxError(f"{directory} carries its tokenizer (a BPE of {vocab} tokens); give "
+                        f"--tokenizer bpe:{vocab} to train with it")

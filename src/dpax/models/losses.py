@@ -8,6 +8,8 @@ uneven shards wrongly; that is why the contract is per example.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import optax
 
@@ -34,11 +36,13 @@ def regression_predict(model, batch):
     return model(batch["x"]).reshape(batch["x"].shape[0])
 
 
-def lm_loss(model, batch):
+def lm_loss(model, batch, token_bytes=None):
     """Next-token cross-entropy of text windows (`dpax.data.text`): `x` holds
     seq_len + 1 tokens, `y` how many are real. Per window: the mean over its
     real targets, weighted by their number, so dpax's mean is over tokens (a
-    short, padded window counts by its tokens), with next-token accuracy."""
+    short, padded window counts by its tokens), with next-token accuracy.
+    With `token_bytes` (the bytes each token id stands for: a BPE's), also
+    the bytes per token of its targets, which bits per byte divide by."""
     tokens, length = batch["x"], batch["y"]
     logits = model(tokens[:, :-1]).astype(jnp.float32)
     targets = tokens[:, 1:].astype(jnp.int32)
@@ -50,7 +54,10 @@ def lm_loss(model, batch):
     def mean(v):  # over a window's real targets; 0 for a window with none
         return jnp.sum(jnp.where(real, v, 0.0), axis=1) / jnp.maximum(n, 1)
 
-    return mean(per_token), {"accuracy": mean(correct.astype(jnp.float32))}, n
+    metrics = {"accuracy": mean(correct.astype(jnp.float32))}
+    if token_bytes is not None:
+        metrics["bytes_per_token"] = mean(jnp.asarray(token_bytes, jnp.float32)[targets])
+    return mean(per_token), metrics, n
 
 
 def lm_predict(model, batch):
@@ -58,10 +65,14 @@ def lm_predict(model, batch):
     return jnp.argmax(model(batch["x"][:, :-1]), -1)
 
 
-def for_task(task: str):
-    """The built-in (loss_fn, predict_fn) for a dataset's task."""
+def for_task(task: str, token_bytes=None):
+    """The built-in (loss_fn, predict_fn) for a dataset's task (`token_bytes`:
+    a BPE tokenizer's, for text)."""
     if task == "classification":
         return classification_loss, classification_predict
     if task == "lm":
-        return lm_loss, lm_predict
+        if token_bytes is None:
+            return lm_loss, lm_predict
+        return functools.partial(lm_loss, token_bytes=tuple(int(b) for b in token_bytes)), \
+            lm_predict
     return regression_loss, regression_predict

@@ -200,12 +200,14 @@ class Profile(Hook):
 
 class LanguageModel(Hook):
     """What language-model users read, from a row of a token-weighted loss
-    (`dpax.models.losses.lm_loss`, byte tokens): the weight is the token count.
+    (`dpax.models.losses.lm_loss`): the weight is the token count.
 
       tokens, tokens_per_sec   real (unpadded) target tokens, and per second
+      bytes_per_sec            the text those tokens cover, per second
       mfu                      model FLOPs per token x tokens/s over the peak
                                (`dpax.parallel.peak`: never above 1)
-      bpb, eval_bpb            the loss in bits per byte (nats / ln 2)
+      bpb, eval_bpb            bits per byte: nats per token / ln 2 / bytes per
+                               token (1 for byte tokens; a BPE's loss gives it)
       eval_perplexity          exp(eval loss in nats per token)
 
     Runs after `Evaluate` and before `Write` (hooks run in order)."""
@@ -216,17 +218,22 @@ class LanguageModel(Hook):
     def on_log(self, step, row):
         if "weight" in row:
             row["tokens"] = int(row.pop("weight"))
+        per_token = row.get("bytes_per_token", 1.0)
         if "weight_per_sec" in row:
             row["tokens_per_sec"] = row.pop("weight_per_sec")
+            if "bytes_per_token" in row:
+                row["bytes_per_sec"] = row["tokens_per_sec"] * per_token
             rate = self.flops_per_token * row["tokens_per_sec"]
             self.peak.observe(rate)  # a measured peak below it is raised: MFU <= 1
             row["mfu"] = rate / self.peak.flops
         if isinstance(row.get("loss"), float):
-            row["bpb"] = row["loss"] / math.log(2)
+            row["bpb"] = row["loss"] / math.log(2) / per_token
         if isinstance(row.get("eval_loss"), float):
-            row.update({f"eval_{k}": v for k, v in self.eval_row(row["eval_loss"]).items()})
+            row.update({f"eval_{k}": v for k, v in self.eval_row(
+                row["eval_loss"], row.get("eval_bytes_per_token", 1.0)).items()})
 
     @staticmethod
-    def eval_row(loss: float) -> dict:
-        """Bits per byte and perplexity of an eval loss in nats per byte token."""
-        return {"bpb": loss / math.log(2), "perplexity": math.exp(min(loss, 700.0))}
+    def eval_row(loss: float, bytes_per_token: float = 1.0) -> dict:
+        """Bits per byte and perplexity of an eval loss in nats per token."""
+        return {"bpb": loss / math.log(2) / bytes_per_token,
+                "perplexity": math.exp(min(loss, 700.0))}
