@@ -43,7 +43,10 @@ def test_launch_2x2_equals_1x4_equals_1x1(tmp_path, capsys):
     assert len(re.findall(r"^\[rank 0\] eval accuracy", r.stdout, re.M)) == 1
     assert "[rank 1]" not in r.stdout  # only rank 0 reports, unless --verbose
     assert sorted(os.listdir(tmp_path / "launched")) == ["config.yaml", "metrics.csv",
-                                                        "metrics.jsonl", "params.npz"]
+                                                        "metrics.jsonl", "params.npz",
+                                                        "run.json"]
+    info = json.loads((tmp_path / "launched" / "run.json").read_text())
+    assert (info["processes"], info["devices"]) == (2, 4)
     with np.load(tmp_path / "launched" / "params.npz") as p:
         launched = {k: p[k] for k in p.files}
     four, one = in_process(4, tmp_path / "four"), in_process(1, tmp_path / "one")
