@@ -23,6 +23,10 @@ _CACHE = {
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     # The measured MFU peaks (`dpax.parallel.peak`) stay out of the user's ~/.cache.
     "DPAX_CACHE_DIR": tempfile.mkdtemp(prefix="dpax-test-cache-"),
+    # --tracker wandb: offline, and its staging and caches out of the user's home.
+    "WANDB_MODE": "offline",
+    **{var: tempfile.mkdtemp(prefix=f"dpax-test-{var.lower()}-")
+       for var in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR")},
 }
 os.environ.update(_CACHE)  # for the subprocesses
 jax.config.update("jax_compilation_cache_dir", _CACHE["JAX_COMPILATION_CACHE_DIR"])

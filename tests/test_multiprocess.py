@@ -38,13 +38,19 @@ def test_launch_2x2_equals_1x4_equals_1x1(tmp_path, capsys):
     ck = str(tmp_path / "ck")
     r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *RUN,
                "--checkpoint-dir", ck, "--checkpoint-every", "5",
-               "--out", str(tmp_path / "launched"))
+               "--out", str(tmp_path / "launched"), "--tracker", "mlflow")
     assert r.returncode == 0, r.stdout + r.stderr
     assert len(re.findall(r"^\[rank 0\] eval accuracy", r.stdout, re.M)) == 1
     assert "[rank 1]" not in r.stdout  # only rank 0 reports, unless --verbose
-    assert sorted(os.listdir(tmp_path / "launched")) == ["config.yaml", "metrics.csv",
-                                                        "metrics.jsonl", "params.npz",
-                                                        "run.json"]
+    assert sorted(os.listdir(tmp_path / "launched")) == [
+        "config.yaml", "metrics.csv", "metrics.jsonl", "metrics.png", "mlartifacts",
+        "mlflow.db", "params.npz", "run.json", "trackers.json"]
+    # Process 0 alone logs to the tracker: one run, each step once, as metrics.jsonl.
+    from test_trackers import logged_by_step, mlflow_by_step
+
+    held, (client, run) = mlflow_by_step(str(tmp_path / "launched"))
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert held == logged_by_step(str(tmp_path / "launched"))
     info = json.loads((tmp_path / "launched" / "run.json").read_text())
     assert (info["processes"], info["devices"]) == (2, 4)
     with np.load(tmp_path / "launched" / "params.npz") as p:

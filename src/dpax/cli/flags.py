@@ -26,6 +26,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if "nargs" in meta:  # e.g. --resume [PATH]
             parser.add_argument(flag, nargs=meta["nargs"], const=meta["const"],
                                 metavar="PATH", **common)
+        elif meta.get("repeat"):  # --tracker a --tracker b: joined as "a,b"
+            parser.add_argument(flag, action="append", metavar=meta.get("metavar", "NAME"),
+                                **common)
         elif tp is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
         else:
@@ -47,6 +50,7 @@ def config_from_args(args: argparse.Namespace, cls: type) -> Any:
             raise DpaxError(f"--config {path}: {e}") from None
     given = {name: getattr(args, name) for name in cfg.flags(cls)
              if getattr(args, name, None) is not None}
+    given = {k: ",".join(v) if isinstance(v, list) else v for k, v in given.items()}
     return cfg.with_flags(base, **given)
 
 

@@ -18,14 +18,16 @@ from flax import nnx, traverse_util
 from dpax import __version__
 from dpax import config as cfg
 from dpax.errors import DpaxError
-from dpax.writers import MultiWriter
+from dpax.writers import MultiWriter, trackers
 from dpax.writers.console import console_writer
 from dpax.writers.csv_file import CsvWriter
 from dpax.writers.jsonl import JsonlWriter
 
 # What `dpax train --out DIR` writes; a directory holding any of them holds a run.
 RUN_FILES = ("config.yaml", "run.json", "tokenizer.json", "metrics.jsonl", "metrics.csv",
-             "params.npz", "metrics.png", "tensorboard", "profile")
+             "params.npz", "metrics.png", "tensorboard", "profile",
+             # --tracker: which tracker runs it feeds, MLflow's local store, W&B's files
+             "trackers.json", "mlflow.db", "mlartifacts", "wandb")
 
 
 def writable_dir(path: str, what: str) -> bool:
@@ -147,6 +149,41 @@ def keep_metrics_up_to(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
+def open_trackers(spec: str, out: str, config: dict, continue_run: bool) -> list:
+    """The trackers `spec` names, logging for the run in `out`. `continue_run`:
+    log into the tracker runs `out` started before (a resumed run), first the
+    rows of `out/metrics.jsonl` they lack. Which tracker runs those are is kept in
+    `out/trackers.json`."""
+    state_path = os.path.join(out, trackers.STATE_FILE)
+    state = trackers.read_state(state_path) if continue_run else {}
+    opened = []
+    for kind, arg in trackers.parse(spec):
+        if kind == "mlflow":
+            from dpax.writers.mlflow_tracker import MlflowTracker
+
+            tracker = MlflowTracker(arg, out, config, state.get("mlflow"))
+        else:
+            from dpax.writers.wandb_tracker import WandbTracker
+
+            tracker = WandbTracker(out, config, state.get("wandb"))
+        state[kind] = tracker.state()
+        trackers.save_state(state_path, state)
+        if continue_run:  # what a crash kept from it (W&B flushes every 15 s), from ours
+            for step, row in logged_rows(os.path.join(out, "metrics.jsonl")):
+                tracker.write(step, row)
+        opened.append(tracker)
+    return opened
+
+
+def logged_rows(path: str) -> list[tuple[int, dict]]:
+    """metrics.jsonl's rows as (step, row), its nulls (non-finite values) left out."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(r.pop("step"), {k: v for k, v in r.items() if v is not None}) for r in rows]
+
+
 @dataclasses.dataclass
 class OutputConfig:
     """Where a run's files go and what the terminal shows."""
@@ -157,6 +194,10 @@ class OutputConfig:
                                 how=True)
     tensorboard: bool = cfg.field(
         False, "also write TensorBoard event files to --out/tensorboard", how=True)
+    tracker: str | None = cfg.field(
+        None, "experiment trackers, repeatable or comma-separated: mlflow (a SQLite store "
+        "in --out), mlflow:URI, wandb (offline unless W&B is set up)", how=True,
+        metavar="NAME[:URI]", repeat=True)
     profile_steps: str | None = cfg.field(
         None, "A:B: a JAX profiler trace of steps A..B into --out/profile (Perfetto/TensorBoard)",
         how=True)
@@ -173,6 +214,11 @@ class OutputConfig:
                 raise DpaxError("`profile_steps` needs `out` for the trace")
         if self.tensorboard and self.out is None:
             raise DpaxError("`tensorboard` needs `out` for the event files")
+        if self.tracker:
+            trackers.check_installed(self.tracker)
+            if self.out is None:
+                raise DpaxError("`tracker` needs `out`: it names the tracker run and "
+                                "keeps which one a resumed run continues")
         if self.quiet and self.verbose:
             raise DpaxError("give `quiet` or `verbose`, not both")
 
@@ -184,12 +230,12 @@ class OutputConfig:
                             f"got {self.profile_steps!r}")
         return int(a), int(b)
 
-    def writers(self, total: int, start: int, log, writer_process: bool) -> MultiWriter:
+    def writers(self, total: int, start: int, log, writer_process: bool,
+                config: dict | None = None, resumed: bool = False) -> MultiWriter:
         """The run's metric writers: progress on `log` (None: none), and on
-        process 0 the files in `out`, continued past step `start`."""
+        process 0 the files in `out`, continued past step `start`, and the
+        trackers (given the run's `config`; `resumed`: continue their runs)."""
         writers = []
-        if log is not None and not self.quiet:
-            writers.append(console_writer(total, start, log, self.verbose))
         if self.out is not None and writer_process:
             jsonl = os.path.join(self.out, "metrics.jsonl")
             keep_metrics_up_to(jsonl, start)
@@ -199,4 +245,12 @@ class OutputConfig:
                 from dpax.writers.tensorboard import TensorBoardWriter  # tensorboardX: slow import
 
                 writers.append(TensorBoardWriter(os.path.join(self.out, "tensorboard")))
+            if self.tracker:
+                opened = open_trackers(self.tracker, self.out, config or {}, resumed)
+                writers.extend(opened)
+                if log is not None and not self.quiet:
+                    for tracker in opened:
+                        print(f"tracking: {tracker.where()}", file=log, flush=True)
+        if log is not None and not self.quiet:  # last: a progress bar is drawn when made
+            writers.insert(0, console_writer(total, start, log, self.verbose))
         return MultiWriter(writers)

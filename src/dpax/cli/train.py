@@ -17,6 +17,7 @@ from dpax import config as cfg
 from dpax.cli import devices, outputs
 from dpax.cli.flags import add_flags, config_from_args
 from dpax.cli.job import Job, TrainConfig, build, check_same_meaning
+from dpax.cli.plot import plot_runs
 from dpax.errors import DpaxError, Preempted, RunFailed, TooManyBadSteps
 from dpax.models.gpt import flops_per_token
 from dpax.parallel import peak, watchdog
@@ -106,8 +107,15 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
                 print(f"MFU peak: {mfu_peak.describe()}", file=log)
             print(config.to_yaml().rstrip(), file=log, flush=True)
     # After the header line: a bar drawn before it would be broken by it.
-    with out.writers(job.total, start, log, writer_process) as writer, _watched(config):
+    # A resumed run (even one resumed before its first checkpoint) continues its tracker runs.
+    resumed = start > 0 or config.checkpoint.resume is not None
+    with out.writers(job.total, start, log, writer_process, cfg.to_dict(config),
+                     resumed) as writer, _watched(config):
+        if out.out is not None and writer_process:
+            writer.artifact(os.path.join(out.out, "config.yaml"))
         result = _run(job, ckpt, data_iter, start, writer, writer_process, mfu_peak)
+        if out.tracker and writer_process:  # the run's picture, for the trackers
+            writer.artifact(plot_runs([out.out]))
     if out.out is not None and writer_process and mfu_peak is not None:
         # Again: a measured peak rises when a step runs faster than it.
         outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak)

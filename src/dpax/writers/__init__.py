@@ -20,18 +20,29 @@ class MultiWriter:
     def __enter__(self) -> MultiWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)
 
     def write(self, step: int, row: dict) -> None:
         for w in self._writers:
             w.write(step, row)
 
-    def close(self) -> None:
-        """Close every writer once (a second call does nothing)."""
+    def artifact(self, path: str) -> None:
+        """A file of the run (its config, its plot) for the writers that keep
+        files: the experiment trackers."""
+        for w in self._writers:
+            if hasattr(w, "artifact"):
+                w.artifact(path)
+
+    def close(self, failed: bool = False) -> None:
+        """Close every writer once (a second call does nothing); a tracker
+        marks its run failed when the run raised."""
         writers, self._writers = self._writers, []
         for w in writers:
-            w.close()
+            if hasattr(w, "finish"):
+                w.finish(failed)
+            else:
+                w.close()
 
 
 def scalars(row: dict) -> dict[str, float]:
