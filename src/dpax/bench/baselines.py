@@ -16,6 +16,7 @@ Every method trains with the workload's optimizer (`Workload.tx`).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import numpy as np
@@ -26,7 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from dpax.bench.timing import Method, first_call
 from dpax.bench.workloads import synthetic
+from dpax.parallel import comms
 from dpax.parallel.arrays import replicate
+from dpax.parallel.layout import Split
 from dpax.training.trainer import Trainer
 
 
@@ -42,7 +45,9 @@ def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None,
         t.fit(x, y, batch_size=batch_size, until_step=done[0], log_every=10**9)
 
     method = first_call(name or f"dpax/{backend}", run, steps_per_call)
-    method.memory = _step_memory(t, batch_size, w)  # after: it compiles too
+    compiled = _compiled_step(t, batch_size, w)  # after: compiling is not timed
+    method.memory = step_memory(compiled)
+    method.comms = step_comms(t, compiled, sharding)
     method.state = state_bytes(t)
     return method
 
@@ -55,16 +60,41 @@ def state_bytes(t: Trainer) -> int:
                for s in x.addressable_shards if s.device == first)
 
 
-def _step_memory(t: Trainer, batch_size: int, w) -> float:
-    """Bytes one device needs for the step: arguments + temporaries, from XLA."""
+def _compiled_step(t: Trainer, batch_size: int, w):
     size = t.padded(batch_size)
     x, y = synthetic(w, size, 1)
     host = {"x": x, "y": y, "mask": np.ones(size, bool)}
-    m = t.lower_train_step(host, size).compile().memory_analysis()
+    return t.lower_train_step(host, size).compile()
+
+
+def step_memory(compiled) -> float:
+    """Bytes one device needs for the step: arguments + temporaries, from XLA."""
+    m = compiled.memory_analysis()
     if m is None:
         return float("nan")
     return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
             - m.alias_size_in_bytes)
+
+
+def step_comms(t: Trainer, compiled, layout: str) -> dict:
+    """The step's collectives from its optimized HLO (`dpax.parallel.comms`),
+    the least its layout needs (from the params' logical bytes), and what that
+    least is in the padded shapes a sharded layout splits."""
+    found = comms.summary(comms.collectives(compiled.as_text(), t.n_devices))
+    stored = jax.tree.leaves(t.state.params)
+    splits = getattr(t.layout, "grad_splits", None)
+    if splits is None:  # replicated: every leaf whole (pmap: one replica per device)
+        logical = padded = sum(x.nbytes for x in stored) // (
+            t.n_devices if t.backend.name == "pmap" else 1)
+    else:
+        splits = jax.tree.leaves(splits, is_leaf=lambda s: isinstance(s, Split))
+        logical, padded = (sum(math.prod(getattr(s, shape)) * x.dtype.itemsize
+                               for x, s in zip(stored, splits))
+                           for shape in ("shape", "padded_shape"))
+    if t.n_devices == 1:
+        return {"found": found, "minimum": {}, "padded": {}}
+    return {"found": found, "minimum": comms.minimum(layout, logical, logical),
+            "padded": comms.minimum(layout, padded, padded)}
 
 
 def _split(w):

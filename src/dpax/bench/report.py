@@ -30,12 +30,33 @@ def write_results(rows, sweep_rows, peak, out_dir, optimizer):
             f"{jax.default_backend()}; matmul peak {peak / 1e9:.1f} GFLOP/s (f32, one device); "
             f"GLIBC_TUNABLES {tunables}; every method trains with {optimizer}",
             "", header] + [format_row(r) for r in rows]
+    text += comms_table(rows)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(text) + "\n")
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"rows": rows, "sweep": sweep_rows, "matmul_peak": peak,
                    "optimizer": optimizer}, f, indent=1)
     _plots(rows, sweep_rows, out_dir)
+
+
+def comms_table(rows) -> list[str]:
+    """Each dpax row's collectives per step (from its compiled HLO) against the
+    least its layout needs (`dpax.parallel.comms`)."""
+    lines = ["", "Collectives per step, from the compiled step's HLO (logical bytes: what "
+             "each reduces or gathers), against the least the layout needs:", "",
+             "| workload | N | method | collectives (count, MiB) | MiB | least MiB | "
+             "MiB / least |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        c = r.get("collectives")
+        if not c or not c["minimum"]:
+            continue
+        found = ", ".join(f"{k} x{v['count']} {v['bytes'] / 2**20:.2f}"
+                          for k, v in sorted(c["found"].items()))
+        total = sum(v["bytes"] for v in c["found"].values()) / 2**20
+        least = sum(c["minimum"].values()) / 2**20
+        lines.append(f"| {r['workload']} | {r['devices']} | {r['method']} | {found or '-'} | "
+                     f"{total:.2f} | {least:.2f} | {total / least:.3f} |")
+    return lines
 
 
 def _plots(rows, sweep_rows, out_dir):

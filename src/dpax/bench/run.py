@@ -101,6 +101,8 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
                        "vs_pmap_loop": med / loop_med, "memory_mib": m.memory / 2**20,
                        "state_mib": m.state / 2**20,
                        "batch_size": w.batch_size, "optimizer": optimizer}
+                if m.comms is not None:
+                    row["collectives"] = m.comms
                 if w.flops_per_example:
                     row["flops"] = w.flops_per_example * w.batch_size * med
                     peak.observe(row["flops"])

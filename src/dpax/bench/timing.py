@@ -17,6 +17,7 @@ class Method:
     run: Callable[[int], None]
     memory: float = float("nan")  # bytes per device the step needs, when known
     state: float = float("nan")  # bytes of params + optimizer state per device at rest
+    comms: dict | None = None  # the step's collectives and their minimum (`step_comms`)
 
 
 def time_interleaved(methods: list[Method], steps: int, repeats: int) -> dict[str, list[float]]:
