@@ -1,12 +1,14 @@
 """Sums over the devices of a mesh axis: in one fixed order, and packed on
 XLA:CPU.
 
-Packing (with the XLA:CPU tuning, `dpax.parallel.platform`): `jax.lax.psum`
-of a pytree lowers to one all-reduce with one operand per leaf, and XLA:CPU's
-in-process collectives meet at a rendezvous once per operand. Packing the
-small leaves into one flat buffer per dtype makes it one rendezvous. GPU and
-TPU compilers combine small all-reduces themselves, so elsewhere the tree
-goes to `psum` as it is. Either way every element's sum is the same.
+Packing: `jax.lax.psum` of a pytree lowers to one all-reduce with one operand
+per leaf, and XLA:CPU's in-process collectives meet at a rendezvous once per
+operand. A step's scalar sums (loss, count, metrics) go as one buffer per
+dtype everywhere (a few floats copied). With the XLA:CPU tuning
+(`dpax.parallel.platform`) every small leaf is packed so, behind a barrier.
+GPU and TPU compilers handle many operands well, and packing a large
+gradient would cost a copy, so elsewhere the gradients go to `psum` as they
+are. Either way every element's sum is the same.
 
 Exact sums (`exact_sums`): a float sum depends on the order of its terms, and
 one device adds a batch's rows in another order than N devices do. Where that
@@ -43,6 +45,8 @@ from dpax.data.batches import padded_size
 # Leaves this large go as their own operand: copying them into a packed buffer
 # costs more than their rendezvous saves.
 PACK_MAX = 1 << 16
+# Leaves this small are packed on every platform: a step's scalar sums.
+SCALAR_MAX = 16
 
 _forced: list[bool | None] = [None]  # tests: emulate the rank order in one process
 
@@ -113,25 +117,27 @@ def _sum(leaves: list, axis: str) -> list:
 
 
 def psum_tree(tree: Any, axis: str, pack: bool = False) -> Any:
-    """`jax.lax.psum(tree, axis)` (in rank order across processes on CPU);
-    `pack`: the small leaves sent as one flat buffer per dtype, large leaves
-    as they are."""
+    """`jax.lax.psum(tree, axis)` (in rank order across processes on CPU), as
+    one all-reduce. Its scalars (a step's loss, count and metric sums) go as
+    one small buffer per dtype on every platform: a few floats copied, one
+    operand instead of one each. `pack` (XLA:CPU): every small leaf packed so,
+    large leaves as they are."""
     if jax.lax.axis_size(axis) == 1:  # nothing to add up (the backends run one
         return tree                     # device without the replication check)
     leaves, treedef = jax.tree.flatten(tree)
-    if not pack:
-        return jax.tree.unflatten(treedef, _sum(leaves, axis))
+    small_max = PACK_MAX if pack else SCALAR_MAX
     groups: dict[Any, list[int]] = {}
     large = []
     for i, leaf in enumerate(leaves):
-        if np.size(leaf) > PACK_MAX:
+        if np.size(leaf) > small_max:
             large.append(i)
         else:
             groups.setdefault(jnp.result_type(leaf), []).append(i)
-    # The barrier keeps XLA from fusing the producers (dots) into the
-    # concatenation, where they would lose their matmul kernels.
     order = [i for idx in groups.values() for i in idx]
-    small = dict(zip(order, jax.lax.optimization_barrier([leaves[i] for i in order])))
+    small = [leaves[i] for i in order]
+    if pack:  # keeps XLA from fusing the producers (dots) into the concatenation,
+        small = jax.lax.optimization_barrier(small)  # where they lose their kernels
+    small = dict(zip(order, small))
     packed = [jnp.concatenate([jnp.ravel(small[i]) for i in idx]) for idx in groups.values()]
     summed = _sum(packed + [leaves[i] for i in large], axis)
     out = list(leaves)
