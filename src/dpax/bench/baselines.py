@@ -3,6 +3,8 @@
   dpax/shard_map, dpax/pmap   the real `Trainer.fit` path (host batches, masks, metrics)
   dpax/k=K                    the same with K steps per compiled call
   dpax/optimizer, dpax/full   the shard_map path with ZeRO-1 or FSDP state (`dpax.parallel.layout`)
+  dpax/generic                the shard_map path with the XLA:CPU tuning off: what GPUs and
+                              TPUs run (`dpax.parallel.platform`)
   pmap loop                   the jax.pmap tutorials' loop: pmap + pmean, batches reshaped
                               on the host
   jit 1 device                a plain jit loop on one device with the whole batch
@@ -34,10 +36,11 @@ from dpax.training.trainer import Trainer
 
 
 def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None,
-               sharding="replicated") -> Method:
+               sharding="replicated", xla_cpu_tuning=None) -> Method:
     x, y = synthetic(w, batch_size)
-    t = Trainer(w.make(), w.loss(), w.tx(), devices=n,
-                backend=backend, steps_per_call=steps_per_call, sharding=sharding)
+    t = Trainer(w.make(), w.loss(), w.tx(), devices=n, backend=backend,
+                steps_per_call=steps_per_call, sharding=sharding,
+                xla_cpu_tuning=xla_cpu_tuning)
     done = [0]
 
     def run(k):  # fit trains until the step counter reaches the total

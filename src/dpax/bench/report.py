@@ -16,14 +16,16 @@ def format_row(r: dict) -> str:
     mem, state = ("-" if np.isnan(r.get(k, np.nan)) else f"{r[k]:.1f}"
                   for k in ("memory_mib", "state_mib"))
     return (f"| {r['workload']} | {r['devices']} | {r['method']} | {r['compile_s']:.2f} | "
-            f"{r['steps_per_sec']:.1f} | {r['min']:.1f} | {r['vs_pmap_loop']:.2f}x | {mem} | "
+            f"{r['steps_per_sec']:.1f} | {r['min']:.1f} | {r['vs_pmap_loop']:.2f}x | "
+            f"{r['vs_best_hand']:.2f}x | {mem} | "
             f"{state} |{flops} |")
 
 
 def write_results(rows, sweep_rows, peak, out_dir, optimizer):
     header = ("| workload | N | method | compile s | steps/s median | steps/s min | "
-              "vs pmap loop | step MiB/device | state MiB/device | FLOP/s of peak |\n"
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+              "vs pmap loop | vs best hand loop | step MiB/device | state MiB/device | "
+              "FLOP/s of peak |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     tunables = os.environ.get("GLIBC_TUNABLES") or "none"  # malloc settings move XLA:CPU
     text = [f"dpax bench, {time.strftime('%Y-%m-%d')}, {machine}, jax {jax.__version__}, "
