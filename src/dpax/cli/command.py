@@ -13,6 +13,7 @@ from dpax.cli import (
     bench,
     check,
     devices,
+    estimate,
     evaluate,
     export,
     launch,
@@ -35,8 +36,8 @@ from dpax.errors import (
     as_flags,
 )
 
-COMMANDS = (train, evaluate, predict, sample, export, check, bench, plot, prepare, launch,
-            devices)
+COMMANDS = (train, evaluate, predict, sample, export, check, estimate, bench, plot, prepare,
+            launch, devices)
 
 
 

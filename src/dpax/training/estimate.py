@@ -1,0 +1,195 @@
+"""What a training step will need before it runs: memory per device, FLOPs,
+collective bytes and a predicted step time, from abstract shapes only (no
+array of the model is ever made, so a model far bigger than this machine can
+be estimated).
+
+  params, optimizer state   `nnx.eval_shape` of the model, `jax.eval_shape` of
+                            the optimizer's init; per device by layout
+  gradients                 the params' bytes where the layout holds them whole
+  activations               what the backward pass keeps: JAX's own list of the
+                            residuals a `vjp` saves (`saved_residuals`), for one
+                            device's micro-batch, in the compute dtype, under
+                            the model's remat policy. An upper bound: XLA's
+                            fusion recomputes some elementwise results instead
+                            (measured here: XLA needs 0.65-1x of the estimate, docs/speed.md)
+  FLOPs                     XLA's cost analysis of the lowered gradient step
+  collectives               the least the layout moves (`dpax.parallel.comms`),
+                            which tests/test_comms.py holds the compiled step to
+
+The step time is a model, stated as such: compute at `mfu` of the devices'
+peak, plus the collectives' ring traffic over the link, not overlapped (an
+upper bound; perfect overlap would give the larger of the two).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax._src.ad_checkpoint import saved_residuals  # JAX's list behind print_saved_residuals
+
+from dpax.parallel import comms
+from dpax.parallel.layout import Split
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What the user rents: per-device peak, link and memory (None: unknown)."""
+
+    tflops: float | None = None  # dense peak per device in the compute dtype, TFLOP/s
+    link_gbps: float | None = None  # per-device collective bandwidth, Gbit/s
+    memory_gb: float | None = None  # per device, GB (1e9 bytes)
+    mfu: float = 0.5  # the fraction of peak the step's compute reaches
+
+
+@dataclasses.dataclass
+class Estimate:
+    devices: int
+    layout: str
+    grad_accum: int
+    micro_batch: int  # examples per device per micro-batch
+    params: int  # count
+    memory: dict[str, float]  # bytes per device by part, and "total"
+    flops_per_step: float  # the whole global batch, forward + backward
+    collectives: dict[str, int]  # kind -> logical bytes per step
+    wire_bytes: float  # per device per step, ring algorithms
+    tokens_per_example: int = 1
+    batch_size: int = 0
+    compute_s: float | None = None
+    comm_s: float | None = None
+    fits: bool | None = None
+
+    @property
+    def step_s(self) -> float | None:
+        if self.compute_s is None:
+            return None
+        return self.compute_s + (self.comm_s or 0.0)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        step = self.step_s
+        return None if not step else self.batch_size * self.tokens_per_example / step
+
+
+def _bytes(tree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _padded_bytes(tree, n: int) -> int:
+    """Bytes of `tree` split 1/N per device the way the sharded layouts split
+    it (`Split.best`: zero-padded to a multiple of N along one dimension)."""
+    return sum(math.prod(Split.best(tuple(x.shape), n).padded_shape) *
+               jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _concrete(rest):
+    """The model's small non-param state (RNG keys and counters, batch
+    statistics) as real arrays: the traced loss reads them as constants."""
+    def make(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.split(jax.random.key(0), x.shape) if x.shape else \
+                jax.random.key(0)
+        return jnp.zeros(x.shape, x.dtype)
+
+    return jax.tree.map(make, rest)
+
+
+def activation_bytes(graphdef, params, rest, loss_fn: Callable, batch: dict,
+                     compute_dtype) -> int:
+    """Bytes the backward pass keeps for one micro-batch (`batch`: abstract
+    arrays), params cast to the compute dtype as the step casts them."""
+
+    def total_loss(params, rest, batch):
+        if compute_dtype is not None:
+            params = jax.tree.map(lambda p: p.astype(compute_dtype)
+                                  if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
+        # Fresh Variables at this trace level (as the step makes them): NNX
+        # refuses to update Variables of an outer trace (a remat's RNG counts).
+        out = loss_fn(nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest)), batch)
+        return jnp.sum(out[0] if isinstance(out, tuple) else out)
+
+    kept = saved_residuals(total_loss, params, rest, batch)
+    # The arguments (params, batch) are counted where they live, not twice.
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a, why in kept
+               if not why.startswith("from the argument"))
+
+
+def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, example: dict,
+             batch_size: int, devices: int, layout: str = "replicated", grad_accum: int = 1,
+             compute_dtype=None, ema: bool = False, tokens_per_example: int = 1,
+             hardware: Hardware = Hardware(), without_remat: Callable | None = None,
+             blocks: int = 1) -> Estimate:
+    """The estimate of one step. `example`: one example's abstract arrays
+    (`jax.ShapeDtypeStruct` without the batch axis), e.g. {"x": (785,) uint8,
+    "y": () int32}; `batch_size`: global. For a model that rematerializes its
+    `blocks` blocks, `without_remat` makes it without: the backward pass
+    recomputes one block's activations at a time, and those are added."""
+    n, k = devices, grad_accum
+    micro = -(-batch_size // (n * k))  # dpax pads the global batch to a multiple of n*k
+    model = nnx.eval_shape(make_model)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rest = _concrete(rest)
+    opt = jax.eval_shape(tx.init, params)
+    p, o = _bytes(params), _bytes(opt)
+
+    def batch_of(b):
+        return {key: jax.ShapeDtypeStruct((b, *s.shape), s.dtype) for key, s in example.items()}
+
+    acts = activation_bytes(graphdef, params, rest, loss_fn, batch_of(micro), compute_dtype)
+    recompute = 0.0
+    if without_remat is not None:
+        g0, p0, r0 = nnx.split(nnx.eval_shape(without_remat), nnx.Param, ...)
+        recompute = activation_bytes(g0, p0, _concrete(r0), loss_fn, batch_of(micro),
+                                     compute_dtype) / blocks
+    compute_bytes = jnp.dtype(compute_dtype).itemsize if compute_dtype is not None else None
+    # Per device, by layout (`dpax.parallel.layout`).
+    # The update's temporaries: about one param-sized buffer where it runs.
+    e = p if ema else 0
+    if layout == "replicated":
+        state = {"params": p, "optimizer": o + e, "gradients": p, "update": p}
+    elif layout == "optimizer":
+        state = {"params": p, "optimizer": (_padded_bytes(opt, n) + (e and p)) / n,
+                 "gradients": p, "update": _padded_bytes(params, n) / n}
+    else:  # full: 1/N at rest
+        sharded = _padded_bytes(params, n) / n
+        # One micro-batch: each param gathered where it is used, and the gathered
+        # copy kept for the backward pass (in the compute dtype); several: the
+        # step gathers all params once and sums whole gradients.
+        gathered = p * (compute_bytes or 4) // 4 if k == 1 else p
+        state = {"params": sharded + gathered,
+                 "optimizer": (_padded_bytes(opt, n) + (e and _padded_bytes(params, n))) / n,
+                 "gradients": p if k > 1 else sharded, "update": sharded}
+    if k > 1:  # a micro-batch's whole gradients, before they join the sum
+        state["gradients"] += p
+    memory = {**state, "activations": acts + recompute, "batch": _bytes(batch_of(micro * k))}
+    memory["total"] = sum(memory.values())
+
+    # FLOPs of one micro-batch's forward + backward on one device, from XLA.
+    def grad_step(params, rest, batch):
+        def loss(q):
+            model = nnx.merge(graphdef, q, jax.tree.map(lambda a: a, rest))
+            return jnp.sum(loss_fn(model, batch)[0])
+        return jax.grad(loss)(params)
+
+    cost = jax.jit(grad_step).lower(params, rest, batch_of(micro)).cost_analysis() or {}
+    flops = float(cost.get("flops", 0.0)) * n * k
+
+    padded = p if layout == "replicated" else _padded_bytes(params, n)
+    moved = comms.minimum(layout, padded, padded) if n > 1 else {}
+    if layout == "full" and compute_bytes and k == 1:  # gathered in the compute dtype
+        moved["all-gather"] = moved["all-gather"] * compute_bytes // 4
+    wire = sum(comms.wire_bytes(kind, b, n) for kind, b in moved.items())
+    est = Estimate(n, layout, k, micro, sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
+                   memory, flops, moved, wire, tokens_per_example, micro * n * k)
+    h = hardware
+    if h.tflops:
+        est.compute_s = flops / n / (h.tflops * 1e12 * h.mfu)
+    if h.link_gbps:
+        est.comm_s = wire / (h.link_gbps * 1e9 / 8)
+    if h.memory_gb:
+        est.fits = memory["total"] <= h.memory_gb * 1e9
+    return est

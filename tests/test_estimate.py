@@ -1,0 +1,103 @@
+"""`dpax estimate` against what XLA compiles: memory per device against XLA's
+memory analysis of the same step, collective bytes against the compiled HLO's,
+FLOPs against the GPT's closed form; and the command's output and errors."""
+
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dpax.bench.baselines import step_comms, step_memory
+from dpax.cli import main
+from dpax.cli.estimate import EstimateConfig, estimate_config
+from dpax.models import gpt, losses
+from dpax.models.registry import make_model
+from dpax.training.estimate import estimate
+from dpax.training.trainer import PRECISIONS, Trainer
+
+CASES = [  # model, options, example shape, task, n_out, batch, devices, layout, accum, precision
+    ("deep-mlp", {}, (784,), "classification", 10, 256, 8, "replicated", 1, "fp32"),
+    ("deep-mlp", {}, (784,), "classification", 10, 256, 8, "full", 1, "fp32"),
+    ("deep-mlp", {}, (784,), "classification", 10, 96, 2, "optimizer", 2, "fp32"),
+    ("gpt", {"layers": 4, "width": 128, "heads": 4}, (65,), "lm", 256, 32, 4, "replicated", 1,
+     "fp32"),
+    ("gpt", {"layers": 4, "width": 128, "heads": 4, "remat": "block"}, (65,), "lm", 256, 32, 4,
+     "replicated", 1, "fp32"),
+    ("gpt", {"layers": 2, "width": 256, "heads": 4}, (129,), "lm", 32, 24, 4, "full", 1, "bf16"),
+    ("gpt", {"layers": 2, "width": 256, "heads": 4}, (129,), "lm", 256, 16, 2, "full", 2, "fp32"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[7]}-x{c[6]}-k{c[8]}-{c[9]}"
+                         + ("-remat" if c[1].get("remat") else ""))
+def test_estimate_is_an_upper_bound_close_to_xla_and_moves_what_the_hlo_moves(case):
+    name, options, shape, task, n_out, batch, n, layout, k, precision = case
+    loss = losses.for_task(task)[0]
+
+    def build(**changes):
+        return lambda: make_model(name, shape, n_out, 0, task, **{**options, **changes})
+
+    remat = options.get("remat", "none") != "none"
+    dtype = jnp.uint8 if task == "lm" else jnp.float32
+    example = {"x": jax.ShapeDtypeStruct(shape, dtype), "y": jax.ShapeDtypeStruct((), jnp.int32)}
+    est = estimate(build(), loss, optax.adam(1e-3), example, batch, n, layout, k,
+                   PRECISIONS[precision], without_remat=build(remat="none") if remat else None,
+                   blocks=options.get("layers", 1))
+    t = Trainer(build()(), loss, optax.adam(1e-3), devices=n, sharding=layout, grad_accum=k,
+                precision=precision)
+    size = t.padded(batch)
+    host = {"x": np.zeros((size, *shape), dtype), "y": np.zeros(size, np.int32),
+            "mask": np.ones(size, bool)}
+    compiled = t.lower_train_step(host, size).compile()
+    xla, predicted = step_memory(compiled), est.memory["total"]
+    print(f"{case[:2]} x{n} {layout} k{k} {precision}: predicted {predicted / 2**20:.1f} MiB, "
+          f"XLA {xla / 2**20:.1f} MiB ({predicted / xla:.2f}x)")
+    # Never below what XLA needs (the fit answer is safe), at most 1.6x above it
+    # (XLA's fusion recomputes elementwise results JAX's residuals list).
+    assert 0.95 * xla <= predicted <= 1.6 * xla
+    # The collectives: what the compiled step moves is what the estimate says.
+    found = step_comms(t, compiled, layout)["found"]
+    for kind, nbytes in est.collectives.items():
+        scalars = 256 if kind == "all-reduce" else 0
+        if precision == "bf16" and kind == "all-gather":
+            nbytes *= 2  # dpax gathers bf16 (its StableHLO); XLA:CPU runs it in f32
+        assert nbytes <= found[kind]["bytes"] <= nbytes + scalars, (kind, found, est.collectives)
+    if task == "lm":  # the GPT's closed form (6N + attention; the position table only adds)
+        seq, width = shape[0] - 1, options["width"]
+        closed = gpt.flops_per_token(est.params - seq * width, options["layers"], width, seq)
+        ratio = est.flops_per_step / (closed * seq * n * k * est.micro_batch)
+        assert 0.95 <= ratio <= 1.3, ratio
+
+
+def test_the_command_reports_memory_flops_bytes_and_time(capsys):
+    flags = ["estimate", "--model", "gpt", "--data", "text", "--layers", "2", "--width", "64",
+             "--heads", "4", "--seq-len", "64", "--batch-size", "16", "--devices", "4",
+             "--device-tflops", "100", "--link-gbps", "100"]
+    assert main([*flags, "--device-memory-gb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per device:" in out and "fits in 1 GB: yes" in out
+    assert "all-reduce" in out and "predicted step:" in out and "tokens/s" in out
+    # A budget it does not fit in: the changes that would make it fit, each
+    # checked by estimating it again.
+    config = EstimateConfig(batch_size=16, devices=4)
+    config.model = dataclasses.replace(config.model, name="gpt", layers=2, width=64, heads=4)
+    config.data = dataclasses.replace(config.data, name="text", seq_len=64)
+    need = estimate_config(config).memory["total"]
+    budget = 0.6 * need / 1e9
+    assert main([*flags, "--device-memory-gb", f"{budget:.9f}"]) == 0
+    out = capsys.readouterr().out
+    assert "fits in" in out and ": NO" in out
+    fixes = [ln for ln in out.splitlines() if ln.startswith("fits: ")]
+    assert fixes
+    for line in fixes:
+        words = line.split("(")[0].split()[1:]
+        change = dict(zip((w.lstrip("-").replace("-", "_") for w in words[::2]), words[1::2]))
+        if "grad_accum" in change:
+            change["grad_accum"] = int(change["grad_accum"])
+        assert estimate_config(config, **change).memory["total"] <= budget * 1e9
+    assert main(["estimate", "--sharding", "zero9"]) == 2
+    assert "sharding" in capsys.readouterr().err
