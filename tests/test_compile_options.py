@@ -1,6 +1,6 @@
-"""The XLA:CPU tuning's per-step compile options: chosen from what the step
-computes, and they change no number (the reference is the same Trainer with
-the tuning off: XLA's defaults)."""
+"""The XLA:CPU tuning's per-step compile options: timed on the step that
+holds a windowed op, the faster taken, and they change no number (the
+reference is the same Trainer with the tuning off: XLA's defaults)."""
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,7 @@ from dpax.models import losses
 from dpax.xla_cpu import compile_options
 
 
-def test_a_step_that_pools_gets_the_old_emitters():
+def test_a_step_that_pools_has_the_old_emitters_timed():
     x = jnp.ones((4, 8, 8, 3))
 
     def pooled_grad(x):  # the pooling sits inside a scan, as in --steps-per-call
@@ -56,8 +56,12 @@ def test_the_chosen_options_change_no_number():
     for name, t in (("chosen", chosen), ("default", default)):
         rows[name] = t.fit(ds.x_train, ds.y_train, batch_size=61, until_step=3, log_every=1)
         rows[name].append(t.evaluate(ds.x_eval, ds.y_eval, batch_size=100))
-    assert chosen._steps.train.options == compile_options.OLD_FUSION_EMITTERS
-    assert chosen._steps.eval.options == compile_options.OLD_FUSION_EMITTERS
+    for step in (chosen._steps.train, chosen._steps.eval):
+        # Both timed; the faster one runs.
+        assert set(step.timed) == {"default", "candidate"}
+        faster = min(step.timed, key=step.timed.get)
+        assert step.options == ({} if faster == "default" else
+                                compile_options.OLD_FUSION_EMITTERS)
     assert not isinstance(default._steps.train, compile_options.ChosenJit)  # a plain jit
     assert chosen.traces["train"] == 1  # the choosing trace is the only one
     for a, b in zip(jax.tree.leaves(chosen.params), jax.tree.leaves(default.params)):
@@ -73,8 +77,8 @@ def test_a_training_step_whose_pools_are_rewritten_keeps_xla_defaults():
     t = _trainer(models.CNN(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)))
     t.fit(ds.x_train, ds.y_train, batch_size=64, until_step=1)
     t.evaluate(ds.x_eval[:100], ds.y_eval[:100])
-    assert t._steps.train.options == {}
-    assert t._steps.eval.options == compile_options.OLD_FUSION_EMITTERS
+    assert t._steps.train.options == {} and not t._steps.train.timed
+    assert set(t._steps.eval.timed) == {"default", "candidate"}
 
 
 def test_a_model_without_pooling_keeps_xla_defaults():
@@ -82,3 +86,28 @@ def test_a_model_without_pooling_keeps_xla_defaults():
     x = np.random.default_rng(0).normal(size=(32, 16)).astype(np.float32)
     t.fit(x, np.zeros(32, np.int32), batch_size=16, until_step=1)
     assert t._steps.train.options == {}
+
+
+@pytest.mark.parametrize("faster", ["default", "candidate"])
+def test_the_faster_options_win_whatever_the_op(faster, monkeypatch):
+    """Average pooling, whose old emitters are no faster: the choice follows
+    the clock, not the op's name."""
+    calls = []
+
+    def timed(compiled, args):
+        calls.append(compiled)
+        first = len(calls) == 1  # the default is timed first
+        return 1.0 if first == (faster == "default") else 2.0
+
+    monkeypatch.setattr(compile_options, "seconds", timed)
+    class AvgPoolCNN(OverlapPoolCNN):
+        def __call__(self, x):
+            x = nnx.avg_pool(nnx.relu(self.conv(x)), (3, 3), strides=(2, 2))
+            return self.dense(x.reshape(x.shape[0], -1))
+
+    ds = data.digits()
+    t = _trainer(AvgPoolCNN(nnx.Rngs(0)))
+    t.fit(ds.x_train, ds.y_train, batch_size=64, until_step=1)
+    assert len(calls) == 2
+    assert t._steps.train.options == ({} if faster == "default" else
+                                      compile_options.OLD_FUSION_EMITTERS)

@@ -52,6 +52,42 @@ OPTIMIZERS = {
 }
 
 
+class PoolCNN(nnx.Module):
+    """A conv net from standard layers with one kind of downsampling (what
+    users write, not dpax's own CNN): `max` and `avg` 2x2 pools, `max3` 3x3
+    stride-2 pools whose windows overlap, `strided` stride-2 convolutions,
+    `gap` a global mean before the head."""
+
+    def __init__(self, in_shape, n_out, pool: str, *, rngs: nnx.Rngs):
+        h, w, c = in_shape
+        stride = 2 if pool == "strided" else 1
+        self.pool = pool
+        self.conv1 = nnx.Conv(c, 32, kernel_size=(3, 3), strides=stride, rngs=rngs)
+        self.conv2 = nnx.Conv(32, 64, kernel_size=(3, 3), strides=stride, rngs=rngs)
+        features = 64 if pool == "gap" else 64 * (h // 4) * (w // 4)
+        self.dense = nnx.Linear(features, n_out, rngs=rngs)
+
+    def _down(self, x):
+        if self.pool == "max":
+            return nnx.max_pool(x, (2, 2), strides=(2, 2))
+        if self.pool == "avg":
+            return nnx.avg_pool(x, (2, 2), strides=(2, 2))
+        if self.pool == "max3":
+            return nnx.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        return x  # strided convolutions downsample; gap pools once at the end
+
+    def __call__(self, x):
+        x = self._down(nnx.relu(self.conv1(x)))
+        x = self._down(nnx.relu(self.conv2(x)))
+        if self.pool == "gap":
+            return self.dense(jnp.mean(x, axis=(1, 2)))
+        return self.dense(x.reshape(x.shape[0], -1))
+
+
+def _pool_cnn(pool):
+    return lambda: PoolCNN((32, 32, 3), 10, pool, rngs=nnx.Rngs(0))
+
+
 def _dense_flops(sizes):
     return 6.0 * sum(a * b for a, b in zip(sizes, sizes[1:]))  # 2 forward + 4 backward
 
@@ -84,6 +120,10 @@ WORKLOADS = {
     "digits": Workload("digits", (8, 8, 1), 128,
                        lambda: models.CNN((8, 8, 1), 10, rngs=nnx.Rngs(0)), steps=128),
     "gpt": Workload("gpt", (GPT_SEQ + 1,), 32, _gpt, _gpt_flops(), steps=16, task="lm"),
+    # Common downsampling a user's conv net may have (`PoolCNN`).
+    **{f"cnn-{pool}": Workload(f"cnn-{pool}", (32, 32, 3), 128, _pool_cnn(pool),
+                               steps=24 if pool in ("avg", "max3") else 48)
+       for pool in ("avg", "max3", "strided", "gap")},
 }
 
 

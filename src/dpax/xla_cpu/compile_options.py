@@ -1,17 +1,22 @@
-"""XLA compile options chosen per step from what the step computes.
+"""XLA compile options chosen per step, by timing the step itself.
 
 XLA:CPU emits each fusion with its newer MLIR "fusion emitters" by default.
-For windowed reductions (max and average pooling, and the select-and-scatter
-of max pooling's gradient) the older emitters are faster, and give the same
-bits; elsewhere the new ones win. So only a step that pools gets the old ones
-(the measurements: benchmarks/README.md, "XLA:CPU options"). A training step's
-2x2-style pools (windows that do not overlap) are rewritten without windowed
-ops by `dpax.xla_cpu.backward`, so it keeps XLA's defaults; evaluation, and
-overlapping or average pools, get the old emitters.
+For some windowed reductions (the select-and-scatter of an overlapping max
+pool's gradient, a max pool in evaluation) the older emitters are faster; for
+others (average pools) they are slower; both give the same bits. No op's name
+tells which, so a step that holds a windowed op is compiled both ways at its
+first call and each is timed on copies of its arguments; the faster one
+trains (measurements: benchmarks/README.md, "XLA:CPU options"). A step
+without one keeps XLA's defaults untimed. A training step's 2x2-style pools
+(windows that do not overlap) are rewritten without windowed ops by
+`dpax.xla_cpu.backward`, so it keeps them too. Several processes take the
+old emitters without timing: each would time its own and could choose
+otherwise.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,10 +41,29 @@ def primitives(jaxpr: Jaxpr | ClosedJaxpr) -> set[str]:
 
 
 def for_step(jaxpr: Jaxpr | ClosedJaxpr) -> dict[str, Any]:
-    """The XLA:CPU compile options for a step traced to `jaxpr`."""
+    """The options worth timing against XLA's defaults for a step traced to
+    `jaxpr` ({}: none, the defaults stand)."""
     if primitives(jaxpr) & WINDOWED:
         return dict(OLD_FUSION_EMITTERS)
     return {}
+
+
+TIMED_CALLS = 3  # per candidate, after one untimed call; the fastest counts
+
+
+def seconds(compiled, args) -> float:
+    """The fastest of a few calls of `compiled` on fresh copies of `args` (a
+    step donates its state: the run's own arrays are never handed over)."""
+    best = float("inf")
+    for i in range(TIMED_CALLS + 1):
+        copies = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False)
+                              if isinstance(x, jax.Array) else x, args)
+        jax.block_until_ready(copies)
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*copies))
+        if i:  # the first call warms caches and thread pools
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 class ChosenJit:
@@ -54,13 +78,22 @@ class ChosenJit:
     def __init__(self, build: Callable[[dict], Any]):
         self._build = build
         self.options: dict[str, Any] | None = None  # chosen at the first call
+        self.timed: dict[str, float] = {}  # "default"/"candidate" -> seconds, when timed
         self._jit = None  # built at the first call outside a trace
 
     def _chosen(self, args) -> Any:
         if self._jit is None:
             default = self._build({})
-            self.options = for_step(default.trace(*args).jaxpr)
-            self._jit = default if not self.options else self._build(self.options)
+            candidate = for_step(default.trace(*args).jaxpr)
+            self.options, self._jit = {}, default
+            if candidate and jax.process_count() > 1:
+                self.options, self._jit = candidate, self._build(candidate)
+            elif candidate:
+                other = self._build(candidate)
+                self.timed = {name: seconds(jit.lower(*args).compile(), args)
+                              for name, jit in (("default", default), ("candidate", other))}
+                if self.timed["candidate"] < self.timed["default"]:
+                    self.options, self._jit = candidate, other
         return self._jit
 
     def __call__(self, *args):  # the training loop's hot path: one check once chosen
