@@ -1,19 +1,23 @@
-"""dpax against PyTorch DistributedDataParallel on the benchmark cnn (issue 20).
+"""dpax against PyTorch DistributedDataParallel on the benchmark cnn or gpt.
 
-The same network (conv 3x3 32 - relu - 2x2 max pool - conv 3x3 64 - relu - 2x2
-max pool - dense 10, on 32x32x3), the same global batch (128), Adam (lr 1e-3)
-and random data of the same shapes. PyTorch runs DDP over gloo in persistent
-worker processes that wait for a command while dpax runs, so the methods take
-turns in every repeat (this host is shared) like `dpax bench`'s:
+The same network (`--workload cnn`: conv 3x3 32 - relu - 2x2 max pool - conv
+3x3 64 - relu - 2x2 max pool - dense 10, on 32x32x3, global batch 128;
+`--workload gpt`: the bench's GPT, 4 blocks of width 128, 4 heads, 64 bytes,
+global batch 32, as Hugging Face's GPT2LMHeadModel, which dpax's GPT equals:
+tests/test_hf_gpt2.py), Adam (lr 1e-3) and random data of the same shapes.
+PyTorch runs DDP over gloo in persistent worker processes that wait for a
+command while dpax runs, so the methods take turns in every repeat (this host
+is shared) like `dpax bench`'s:
 
   dpax/shard_map N=..   `Trainer.fit`, N simulated devices (the public API)
   pmap loop N=..        the seeds' loop with the same Adam
   torch DDP P procs     P processes, global batch / P each, T threads each
   torch 1 proc          one process, the whole batch
 
-Needs PyTorch, which dpax does not depend on: `pip install torch==2.13.0`.
+Needs PyTorch (and transformers for the GPT), dpax's dev extras.
 
     python scripts/torch_ddp_bench.py --devices 2,4 --repeats 7
+    python scripts/torch_ddp_bench.py --workload gpt --devices 2,4 --procs 2
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import sys
 import time
 
 BATCH, SHAPE, CLASSES, LR = 128, (32, 32, 3), 10, 1e-3
+GPT_BATCH, GPT_SEQ = 32, 64  # the bench's GPT workload (dpax.bench.workloads)
 
 
 def _torch_cnn():
@@ -38,11 +43,22 @@ def _torch_cnn():
         tnn.Flatten(), tnn.Linear(64 * 8 * 8, CLASSES))
 
 
-def _torch_data(rows: int, channels_last: bool):
+def _torch_gpt():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=GPT_SEQ, n_embd=128,
+                                      n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
+
+
+def _torch_data(rows: int, channels_last: bool, workload: str = "cnn"):
     import numpy as np
     import torch
 
     rng = np.random.default_rng(0)
+    if workload == "gpt":  # random bytes, windows of GPT_SEQ + 1
+        x = torch.from_numpy(rng.integers(0, 256, (8, rows, GPT_SEQ + 1)).astype(np.int64))
+        return x, None
     x = torch.from_numpy(rng.normal(size=(8, rows, SHAPE[2], *SHAPE[:2])).astype(np.float32))
     y = torch.from_numpy(rng.integers(0, CLASSES, (8, rows)).astype(np.int64))
     if channels_last:
@@ -50,7 +66,8 @@ def _torch_data(rows: int, channels_last: bool):
     return x, y
 
 
-def _torch_worker(rank, procs, threads, channels_last, port, commands, results):
+def _torch_worker(rank, procs, threads, channels_last, port, commands, results,
+                  workload="cnn"):
     """One DDP process (or the single process when procs == 1): train k steps
     per command, report the seconds they took (between two barriers)."""
     import torch
@@ -59,7 +76,7 @@ def _torch_worker(rank, procs, threads, channels_last, port, commands, results):
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model = _torch_cnn()
+    model = _torch_gpt() if workload == "gpt" else _torch_cnn()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if procs > 1:
@@ -68,7 +85,15 @@ def _torch_worker(rank, procs, threads, channels_last, port, commands, results):
         model = DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     loss_fn = torch.nn.CrossEntropyLoss()
-    x, y = _torch_data(BATCH // procs, channels_last)
+    batch = GPT_BATCH if workload == "gpt" else BATCH
+    x, y = _torch_data(batch // procs, channels_last, workload)
+
+    def loss_of(i):
+        if workload == "gpt":
+            logits = model(x[i][:, :-1]).logits
+            return loss_fn(logits.reshape(-1, 256), x[i][:, 1:].reshape(-1))
+        return loss_fn(model(x[i]), y[i])
+
     step = 0
     while (k := commands.get()) is not None:
         if procs > 1:
@@ -76,7 +101,7 @@ def _torch_worker(rank, procs, threads, channels_last, port, commands, results):
         t0 = time.perf_counter()
         for _ in range(k):
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x[step % 8]), y[step % 8])
+            loss = loss_of(step % 8)
             loss.backward()  # DDP all-reduces (averages) the gradients here
             opt.step()
             step += 1
@@ -91,13 +116,14 @@ def _torch_worker(rank, procs, threads, channels_last, port, commands, results):
 class TorchMethod:
     """A `dpax.bench.timing.Method`-like handle on persistent torch processes."""
 
-    def __init__(self, name, procs, threads, channels_last, port):
+    def __init__(self, name, procs, threads, channels_last, port, workload="cnn"):
         ctx = mp.get_context("spawn")
         self.name, self.compile_s = name, 0.0
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(procs)]
         self.procs = [ctx.Process(target=_torch_worker, daemon=True,
-                                  args=(r, procs, threads, channels_last, port, q, self.results))
+                                  args=(r, procs, threads, channels_last, port, q, self.results,
+                                        workload))
                       for r, q in enumerate(self.commands)]
         for p in self.procs:
             p.start()
@@ -117,6 +143,7 @@ class TorchMethod:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", default="cnn", choices=["cnn", "gpt"])
     parser.add_argument("--devices", default="2,4", help="dpax device counts")
     parser.add_argument("--procs", type=int, default=2, help="DDP processes")
     parser.add_argument("--threads", default="1", help="torch threads per DDP process, e.g. 1,2")
@@ -135,16 +162,19 @@ def main() -> int:
     from dpax.bench.timing import time_interleaved
     from dpax.bench.workloads import WORKLOADS
 
-    w = dataclasses.replace(WORKLOADS["cnn"], optimizer="adam")
-    assert (w.batch_size, w.input_shape) == (BATCH, SHAPE)
+    w = dataclasses.replace(WORKLOADS[args.workload], optimizer="adam")
+    batch = w.batch_size
+    assert (batch, w.input_shape) == ((GPT_BATCH, (GPT_SEQ + 1,)) if args.workload == "gpt"
+                                      else (BATCH, SHAPE))
     torch_methods = [TorchMethod(f"torch DDP {args.procs} procs x {t} threads", args.procs,
-                                 int(t), args.channels_last, 29500 + i)
+                                 int(t), args.channels_last, 29500 + i, args.workload)
                      for i, t in enumerate(args.threads.split(","))]
-    torch_methods.append(TorchMethod("torch 1 proc", 1, os.cpu_count(), args.channels_last, 0))
+    torch_methods.append(TorchMethod("torch 1 proc", 1, os.cpu_count(), args.channels_last, 0,
+                                     args.workload))
     methods = list(torch_methods)
     for n in counts:
-        methods += [dataclasses.replace(bench_pmap_loop(w, n, BATCH), name=f"pmap loop N={n}"),
-                    dataclasses.replace(bench_dpax(w, n, "shard_map", BATCH),
+        methods += [dataclasses.replace(bench_pmap_loop(w, n, batch), name=f"pmap loop N={n}"),
+                    dataclasses.replace(bench_dpax(w, n, "shard_map", batch),
                                         name=f"dpax/shard_map N={n}")]
     try:
         rates = time_interleaved(methods, args.steps, args.repeats)
@@ -153,7 +183,8 @@ def main() -> int:
             m.close()
     ddp = statistics.median(rates[torch_methods[0].name])
     tunables = os.environ.get("GLIBC_TUNABLES") or "none"
-    print(f"cnn, batch {BATCH}, Adam {LR}, {args.steps} steps x {args.repeats} repeats, "
+    print(f"{args.workload}, batch {batch}, Adam {LR}, {args.steps} steps x {args.repeats} "
+          "repeats, "
           f"{os.cpu_count()} cores, GLIBC_TUNABLES {tunables}, channels_last "
           f"{args.channels_last}; steps/s")
     print("| method | median | min | max | vs first DDP row |\n|---|---:|---:|---:|---:|")

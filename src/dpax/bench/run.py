@@ -25,7 +25,9 @@ class BenchConfig:
     """`dpax bench`: dpax against hand-written pmap and jit loops."""
 
     workloads: str = cfg.field("tiny,mlp,cnn,digits,gpt",
-                               "comma-separated: tiny, mlp, cnn, digits, gpt")
+                               "comma-separated: tiny, mlp, cnn, digits, gpt, and conv nets "
+                               "that downsample otherwise: cnn-avg, cnn-max3, cnn-strided, "
+                               "cnn-gap")
     optimizer: str = cfg.field("adam", "what every method trains with: sgd, momentum, adam, "
                                "adamw")
     devices: str = cfg.field("1,2,4,8", "device counts, comma-separated", metavar="N,N")
