@@ -32,6 +32,7 @@ CASES = [  # model, options, example shape, task, n_out, batch, devices, layout,
 ]
 
 
+@pytest.mark.slow  # compiles each step for XLA's memory analysis
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[7]}-x{c[6]}-k{c[8]}-{c[9]}"
                          + ("-remat" if c[1].get("remat") else ""))
 def test_estimate_is_an_upper_bound_close_to_xla_and_moves_what_the_hlo_moves(case):
