@@ -152,5 +152,5 @@ def test_psum_tree_packed_sums_like_psum_in_one_buffer_per_dtype():
 
     assert all_reduces(plain_text) == len(tree) == 10
     assert all_reduces(text) == 4  # packed f32, s32 and bf16, and the big leaf
-    assert 5 <= SCALAR_MAX < 3 * 7  # the small leaves under it, "a" over it
+    assert SCALAR_MAX >= 5 and SCALAR_MAX < 3 * 7  # the small leaves under it, "a" over it
     assert all_reduces(unpacked_text) == 5  # packed f32, s32 and bf16; "a"; the big leaf
