@@ -4,7 +4,7 @@ param bytes in their stored shapes."""
 
 import pytest
 
-from dpax.bench.baselines import _compiled_step, step_comms
+from dpax.bench.baselines import compiled_step, step_comms
 from dpax.bench.workloads import WORKLOADS
 from dpax.parallel import comms
 from dpax.training.trainer import Trainer
@@ -40,7 +40,7 @@ def test_parser_counts_each_kind_and_its_logical_bytes():
 def test_each_layout_moves_the_least_it_needs(workload, n, backend, layout):
     w = WORKLOADS[workload]
     t = Trainer(w.make(), w.loss(), w.tx(), devices=n, backend=backend, sharding=layout)
-    c = step_comms(t, _compiled_step(t, w.batch_size, w), layout)
+    c = step_comms(t, compiled_step(t, w.batch_size, w), layout)
     found, least, padded = c["found"], c["minimum"], c["padded"]
     print(f"{workload} {layout} x{n} ({backend}): {found}; least {least}")
     if layout == "replicated":

@@ -21,7 +21,7 @@ from dpax.errors import DpaxError
 from dpax.writers import MultiWriter, trackers
 from dpax.writers.console import console_writer
 from dpax.writers.csv_file import CsvWriter
-from dpax.writers.jsonl import JsonlWriter
+from dpax.writers.jsonl import JsonlWriter, read_rows
 
 # What `dpax train --out DIR` writes; a directory holding any of them holds a run.
 RUN_FILES = ("config.yaml", "run.json", "tokenizer.json", "metrics.jsonl", "metrics.csv",
@@ -141,12 +141,8 @@ def keep_metrics_up_to(path: str, step: int) -> None:
     """Drop log rows past a resumed step, so every step is logged once."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        rows = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(rows)
-    os.replace(tmp, path)
+    kept = "".join(json.dumps(r) + "\n" for r in read_rows(path) if r["step"] <= step)
+    save_text(path, kept)
 
 
 def open_trackers(spec: str, out: str, config: dict, continue_run: bool) -> list:
@@ -177,11 +173,8 @@ def open_trackers(spec: str, out: str, config: dict, continue_run: bool) -> list
 
 def logged_rows(path: str) -> list[tuple[int, dict]]:
     """metrics.jsonl's rows as (step, row), its nulls (non-finite values) left out."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [(r.pop("step"), {k: v for k, v in r.items() if v is not None}) for r in rows]
+    return [(r.pop("step"), {k: v for k, v in r.items() if v is not None})
+            for r in read_rows(path)]
 
 
 @dataclasses.dataclass

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from dpax.cli.outputs import writable_file
 from dpax.errors import DpaxError
+from dpax.writers.jsonl import read_rows
 
 NAME = "plot"
 
@@ -23,8 +23,7 @@ def read_metrics(run_dir: str) -> list[dict]:
     if not os.path.isfile(path):
         raise DpaxError(f"{run_dir} has no metrics.jsonl; pass a directory made by "
                         "dpax train --out")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_rows(path)
     if not rows:
         raise DpaxError(f"{path} is empty; the run logged nothing yet")
     return rows

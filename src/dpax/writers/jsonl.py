@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 
 class JsonlWriter:
@@ -20,6 +21,14 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+def read_rows(path: str) -> list[dict]:
+    """The rows of a `metrics.jsonl` ([] when there is none yet)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def json_safe(value):
