@@ -196,8 +196,9 @@ def test_tracker_flags_are_checked_before_any_work(tmp_path, monkeypatch, capsys
 
 
 def test_a_resumed_run_fills_in_what_the_trackers_lack_and_repeats_nothing(tmp_path):
-    """Tracker runs that hold steps 1..5 of a run resumed at step 3 (jsonl kept
-    to 3): the trackers skip the replayed 4..5 and take 6..7. Tracker runs that
+    """Tracker runs that hold steps 1..5 but 2 (lost: MLflow's queue commits out
+    of order) of a run resumed at step 3 (jsonl kept to 3): the trackers take 2
+    from the jsonl, skip the replayed 4..5 and take 6..7. Tracker runs that
     hold nothing (a crash before W&B's first flush): they take 1..3 from the jsonl."""
     from dpax.writers.jsonl import JsonlWriter
 
@@ -208,7 +209,8 @@ def test_a_resumed_run_fills_in_what_the_trackers_lack_and_repeats_nothing(tmp_p
         first = open_trackers("mlflow,wandb", out, {"seed": 0}, continue_run=False)
         for t in first:
             for s in range(1, held + 1):
-                t.write(s, rows[s])
+                if s != 2:
+                    t.write(s, rows[s])
             t.close()
         jsonl = JsonlWriter(os.path.join(out, "metrics.jsonl"))
         for s in range(1, 4):

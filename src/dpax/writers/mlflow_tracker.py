@@ -57,11 +57,10 @@ class MlflowTracker:
         self._logged = Logged()
 
     def _logged_so_far(self) -> Logged:
-        latest = self._client.get_run(self.run_id).data._metric_objs  # one per key
-        if not latest:
-            return Logged()
-        last = max(m.step for m in latest)
-        return Logged(last, frozenset(m.key for m in latest if m.step == last))
+        """Every (step, metric) the run holds, read back from the store."""
+        keys = self._client.get_run(self.run_id).data.metrics
+        return Logged((m.step, key) for key in keys
+                      for m in self._client.get_metric_history(self.run_id, key))
 
     def state(self) -> dict:
         return {"uri": self.uri, "run_id": self.run_id}

@@ -88,21 +88,20 @@ def metrics(row: dict) -> dict[str, float]:
 
 
 class Logged:
-    """What a continued tracker run already holds (its rows are a prefix of
-    the run's), so a resumed run logs each (step, metric) once: the steps
-    between the last checkpoint and a crash are trained again with the same
-    values, and the tracker keeps the first."""
+    """What a continued tracker run already holds, as (step, metric) pairs, so
+    a resumed run logs each once: the steps between the last checkpoint and a
+    crash are trained again with the same values, and the tracker keeps the
+    first. Not a prefix of the run's rows in general (MLflow's queue commits
+    batches out of order). `through`: every step up to it counts as held
+    (what an online W&B run reports: its last step)."""
 
-    def __init__(self, last_step: int = -1, keys_at_last: frozenset = frozenset()):
-        self.last_step, self.keys_at_last = last_step, set(keys_at_last)
+    def __init__(self, held=(), through: int = -1):
+        self.held, self.through = frozenset(held), through
 
     def fresh(self, step: int, row: dict) -> dict:
-        """The part of `row` not logged yet, and remember it as logged."""
-        if step < self.last_step:
+        """The part of `row` the tracker does not hold. A resumed run logs each
+        (step, metric) at most once itself: the fill-in from metrics.jsonl
+        stops at the resumed step, training starts after it."""
+        if step <= self.through:
             return {}
-        if step == self.last_step:
-            row = {k: v for k, v in row.items() if k not in self.keys_at_last}
-            self.keys_at_last |= set(row)
-        else:
-            self.last_step, self.keys_at_last = step, set(row)
-        return row
+        return {k: v for k, v in row.items() if (step, k) not in self.held}

@@ -64,12 +64,10 @@ class WandbTracker:
                                dir=os.path.abspath(out), config=config, resume="allow",
                                settings=settings)
         if held:
-            last = max(step for step, _ in held)
-            self._logged = Logged(last, frozenset().union(
-                *(row for step, row in held if step == last)))
+            self._logged = Logged((step, key) for step, row in held for key in row)
         elif previous and not local and self._run.step > 0:
             # Online, W&B knows the next step; it keeps the first value of a step.
-            self._logged = Logged(self._run.step - 1)
+            self._logged = Logged(through=self._run.step - 1)
         else:
             self._logged = Logged()
 
