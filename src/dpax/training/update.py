@@ -92,7 +92,12 @@ def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | Non
         finite = jnp.isfinite(sq) & jnp.isfinite(r.loss_sum)
 
         def apply():
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32) / r.count, r.grads)
+            # A product by the reciprocal, not a division: XLA counts a divide
+            # as expensive and stores g / count as a pass of its own, where a
+            # multiply fuses into each optimizer loop that reads it (mlp, one
+            # device: +3-6%). One more rounding, the same on any device count.
+            scale = 1.0 / r.count
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32) * scale, r.grads)
             if options.clip_norm is not None:  # optax.clip_by_global_norm's formula
                 small = norm < options.clip_norm
                 grads = jax.tree.map(
