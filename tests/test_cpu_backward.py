@@ -3,6 +3,7 @@ for XLA:CPU to fold into one its fast kernels refuse, and checkpointed blocks
 that XLA can no longer merge with their forward pass (the memory saving
 itself: test_gpt.py)."""
 
+import json
 import re
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 from flax import nnx
 
 from dpax.models import gpt
+from dpax.xla_cpu import dots
 from dpax.xla_cpu.backward import for_xla_cpu
 
 
@@ -24,6 +26,11 @@ def _lhs_first_dim_dots(hlo: str) -> int:
     """Dots that contract their lhs's first dimension: what algsimp makes of
     transpose(dot) (YNNPACK refuses them)."""
     return len(re.findall(r" dot\(.*lhs_contracting_dims=\{0", hlo))
+
+
+def _transposed_dots(hlo: str) -> int:
+    """2-D dots that write a column-major result."""
+    return len(re.findall(r"\]\{0,1\} dot\(", hlo))
 
 
 def _instructions(hlo: str) -> list[str]:
@@ -94,15 +101,97 @@ def test_a_transposed_literal_is_left_as_it_is():
     assert float(for_xla_cpu(f)(w)) == float(f(w))
 
 
-def test_a_2d_dense_gradient_is_left_to_xla():
-    """On [batch, features] the weight gradient's dot contracts one dimension:
-    its folded form is the faster one on XLA:CPU, so the program is unchanged."""
-    ws = [jnp.ones((24, 48)) / 5, jnp.ones((48, 16)) / 7]
-    x = jnp.ones((8, 24))
+def _dense_2d():
+    return [jnp.ones((24, 48)) / 5, jnp.ones((48, 16)) / 7], jnp.ones((8, 24))
+
+
+def test_a_2d_dense_gradient_timed_folded_is_left_to_xla(monkeypatch):
+    """On [batch, features] the weight gradient's dot contracts one dimension,
+    and which form is faster depends on the shapes (`dpax.xla_cpu.dots`):
+    where the folded one is, the program is unchanged."""
+    monkeypatch.setattr(dots, "keep_apart", lambda *a: False)
+    ws, x = _dense_2d()
     plain, kept = jax.grad(_dense_loss), for_xla_cpu(jax.grad(_dense_loss))
     # The same instructions; the barrier would have left each weight gradient
     # in a transposed layout and added a copy of it after its dot.
     assert _instructions(_compiled(kept, ws, x)) == _instructions(_compiled(plain, ws, x))
+
+
+def test_a_2d_dense_gradient_timed_apart_keeps_its_values(monkeypatch):
+    seen = []
+    monkeypatch.setattr(dots, "keep_apart", lambda lhs, rhs, params, perm: seen.append(
+        (lhs.shape, rhs.shape, perm)) or True)
+    ws, x = _dense_2d()
+    plain, kept = jax.grad(_dense_loss), for_xla_cpu(jax.grad(_dense_loss))
+    for a, b in zip(plain(ws, x), kept(ws, x)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-7)
+    # Apart, each weight gradient's dot writes JAX's [out, in] order (the
+    # gradient in a column-major layout) and a copy transposes it; folded, it
+    # writes the [in, out] row-major gradient itself.
+    assert _transposed_dots(_compiled(plain, ws, x)) == 0
+    assert _transposed_dots(_compiled(kept, ws, x)) == 2
+    # Asked with the dot's own operands: (cotangent, input) of each layer.
+    assert {(lhs, rhs) for lhs, rhs, _ in seen} == {((8, 16), (8, 48)), ((8, 48), (8, 24))}
+
+
+_SPEC = (jax.core.ShapedArray((8, 10), jnp.float32), jax.core.ShapedArray((8, 64), jnp.float32),
+         {"dimension_numbers": (((0,), (0,)), ((), ())), "preferred_element_type": None}, (1, 0))
+
+
+@pytest.fixture
+def fresh_choices(tmp_path, monkeypatch):
+    """An empty choice cache and no choice made in this process."""
+    monkeypatch.setenv("DPAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dots, "_decided", {})
+    return tmp_path / dots.DIR
+
+
+def test_a_shape_is_timed_once_per_machine(fresh_choices, monkeypatch):
+    """The first run on a machine times a shape and keeps the choice; later
+    processes (a resumed run, other ranks) read it and time nothing: they
+    must take the same dot, whose last bits can differ between the forms."""
+    monkeypatch.setattr(dots, "seconds", lambda *a: {"folded": 3e-4, "apart": 1e-4})
+    assert dots.keep_apart(*_SPEC) is True
+    [kept] = fresh_choices.iterdir()
+    assert json.loads(kept.read_text())["apart"] is True
+
+    def never(*a):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(dots, "seconds", never)
+    monkeypatch.setattr(dots, "_decided", {})  # a new process
+    assert dots.keep_apart(*_SPEC) is True
+
+
+@pytest.mark.parametrize("folded,apart,chosen", [(3.0, 1.0, True), (1.2, 1.0, False),
+                                                  (1.0, 2.0, False)])
+def test_the_pair_is_kept_apart_only_by_a_clear_margin(fresh_choices, monkeypatch, folded,
+                                                        apart, chosen):
+    monkeypatch.setattr(dots, "seconds", lambda *a: {"folded": folded, "apart": apart})
+    assert dots.keep_apart(*_SPEC) is chosen
+
+
+def test_the_first_process_to_decide_wins(fresh_choices):
+    spec = {"lhs": "a shape"}
+    key = dots.key_of(spec)
+    assert dots._write_once(key, spec, False) is False  # another process, first
+    assert dots._write_once(key, spec, True) is False  # this one takes its choice
+    assert [p.name for p in fresh_choices.iterdir()] == [f"{key}.json"]  # no temp file left
+
+
+def test_an_unreadable_choice_is_timed_again(fresh_choices, monkeypatch):
+    monkeypatch.setattr(dots, "seconds", lambda *a: {"folded": 3.0, "apart": 1.0})
+    assert dots.keep_apart(*_SPEC) is True
+    [kept] = fresh_choices.iterdir()
+    kept.write_text("{not json")
+    monkeypatch.setattr(dots, "_decided", {})
+    assert dots.keep_apart(*_SPEC) is True  # its own timing; the broken file stays
+
+
+def test_both_forms_are_timed_on_the_shapes_asked():
+    t = dots.seconds(*_SPEC)
+    assert set(t) == {"folded", "apart"}
+    assert all(0 < v < 10 for v in t.values())
 
 
 @pytest.mark.parametrize("shape,window,kind", [

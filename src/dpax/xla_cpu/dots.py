@@ -1,0 +1,126 @@
+"""Which form of a 2-D weight gradient XLA:CPU runs faster, measured on its shapes.
+
+JAX differentiates a dense layer `y = x @ w` on [batch, features] into
+`transpose(dot(dy, x))`. XLA folds the transpose into the dot, which then
+contracts its lhs's first dimension: a dot YNNPACK refuses, so Eigen runs it.
+Kept apart (`dpax.xla_cpu.backward` puts a barrier between them), the dot
+stays a YNNPACK dot and the transpose is a copy. Which is faster depends on
+the shapes, not on the op: for a 1024 x 1024 layer the folded dot was 3x
+faster, for a 4096 -> 10 head the kept pair was 2.7x faster (2 cores). So each
+shape is timed both ways, alone, once per machine:
+
+- the kept pair is chosen only when it is at least `MARGIN` times faster, so
+  that noise near a tie leaves XLA's own form;
+- the choice goes to a file per shape under the dpax cache directory
+  (`dpax.parallel.peak.cache_path`), created exclusively: the first process
+  to decide wins, and every later one (a resumed run, the other ranks of a
+  launch on this host) reads that choice instead of timing again. The two
+  forms can round the dot's sum differently in the last bit, so every
+  process on a machine must take the same one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from jax import lax
+
+from dpax.parallel.peak import cache_path, machine_key
+
+MARGIN = 1.5  # the kept pair must be this much faster to be chosen
+CALLS = 7  # timed calls per form, after one untimed call; the fastest counts
+DIR = "xla_cpu_dots"  # under the dpax cache directory
+
+_decided: dict[str, bool] = {}  # this process's choices, by key
+
+
+def keep_apart(lhs: jax.core.ShapedArray, rhs: jax.core.ShapedArray, params: dict,
+               permutation: tuple[int, ...]) -> bool:
+    """Whether `transpose(dot_general(lhs, rhs, **params), permutation)` runs
+    faster with the two kept apart than folded into one dot, on this machine."""
+    spec = {"lhs": [list(lhs.shape), str(lhs.dtype)], "rhs": [list(rhs.shape), str(rhs.dtype)],
+            "dims": repr(params["dimension_numbers"]),
+            "out": str(params.get("preferred_element_type")), "perm": list(permutation)}
+    key = key_of(spec)
+    if key not in _decided:
+        kept = _read(key)
+        if kept is None:
+            t = seconds(lhs, rhs, params, permutation)
+            kept = _write_once(key, spec, t["apart"] * MARGIN <= t["folded"])
+        _decided[key] = kept
+    return _decided[key]
+
+
+def key_of(spec: dict) -> str:
+    """The file name of a choice: the shapes on this machine and JAX."""
+    text = json.dumps([machine_key(jax.local_devices(backend="cpu")[0]), spec], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def seconds(lhs, rhs, params, permutation) -> dict[str, float]:
+    """The fastest of `CALLS` calls of each form ("folded", "apart") on this
+    machine's first CPU device."""
+    dims = params["dimension_numbers"]
+    out = params.get("preferred_element_type")
+
+    def folded(a, b):
+        return lax.transpose(lax.dot_general(a, b, dims, preferred_element_type=out),
+                             permutation)
+
+    def apart(a, b):
+        return lax.transpose(lax.optimization_barrier(
+            lax.dot_general(a, b, dims, preferred_element_type=out)), permutation)
+
+    rng = np.random.default_rng(0)
+    device = jax.local_devices(backend="cpu")[0]
+    with jax.ensure_compile_time_eval():  # runs now, also while a step is traced
+        args = [jax.device_put(rng.standard_normal(v.shape).astype(v.dtype), device)
+                for v in (lhs, rhs)]
+        best = {}
+        for name, f in (("folded", folded), ("apart", apart)):
+            compiled = jax.jit(f).lower(*args).compile()
+            times = []
+            for _ in range(CALLS + 1):
+                t0 = time.perf_counter()
+                jax.block_until_ready(compiled(*args))
+                times.append(time.perf_counter() - t0)
+            best[name] = min(times[1:])
+    return best
+
+
+def _path(key: str) -> str:
+    return os.path.join(os.path.dirname(cache_path()), DIR, f"{key}.json")
+
+
+def _read(key: str) -> bool | None:
+    try:
+        with open(_path(key)) as f:
+            return bool(json.load(f)["apart"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_once(key: str, spec: dict, apart: bool) -> bool:
+    """Keep `apart` for `key` unless a process decided first: then its choice
+    stands. A cache that cannot be written is no error."""
+    path = _path(key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"apart": apart, **spec}, f)
+        try:
+            os.link(tmp, path)  # fails if another process's choice is there
+        finally:
+            os.unlink(tmp)
+    except FileExistsError:
+        theirs = _read(key)
+        return apart if theirs is None else theirs
+    except OSError:
+        pass
+    return apart
