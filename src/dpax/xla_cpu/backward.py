@@ -80,7 +80,8 @@ def _is_folded_pair(eqn, made_by: dict) -> bool:
     if dot is None or dot.primitive.name != "dot_general":
         return False
     # A dot that contracts several dimensions (batch and tokens): kept apart,
-    # faster in every shape timed (1.1-3.2x). A 2-D dense layer's: it depends
+    # faster in every shape timed (1.1-3.2x). One that contracts one (a 2-D
+    # dense layer's weight gradient, attention's batched products): it depends
     # on the shapes (a 1024 x 1024 layer's folded dot is the faster, a 4096 ->
     # 10 head's is 2.7x slower), so each shape is timed (`dpax.xla_cpu.dots`).
     (contracting, _), _ = dot.params["dimension_numbers"]

@@ -1,7 +1,7 @@
-"""Which form of a 2-D weight gradient XLA:CPU runs faster, measured on its shapes.
+"""Which form of a weight gradient's dot XLA:CPU runs faster, timed on its shapes.
 
 JAX differentiates a dense layer `y = x @ w` on [batch, features] into
-`transpose(dot(dy, x))`. XLA folds the transpose into the dot, which then
+`transpose(dot(dy, x))` (attention's batched products alike). XLA folds the transpose into the dot, which then
 contracts its lhs's first dimension: a dot YNNPACK refuses, so Eigen runs it.
 Kept apart (`dpax.xla_cpu.backward` puts a barrier between them), the dot
 stays a YNNPACK dot and the transpose is a copy. Which is faster depends on
@@ -9,8 +9,9 @@ the shapes, not on the op: for a 1024 x 1024 layer the folded dot was 3x
 faster, for a 4096 -> 10 head the kept pair was 2.7x faster (2 cores). So each
 shape is timed both ways, alone, once per machine:
 
-- the kept pair is chosen only when it is at least `MARGIN` times faster, so
-  that noise near a tie leaves XLA's own form;
+- the kept pair is chosen only when it is at least `MARGIN` times faster, and
+  only for a dot whose folded form takes at least `FLOOR_S`, so that noise
+  near a tie, or in a call of a few microseconds, leaves XLA's own form;
 - the choice goes to a file per shape under the dpax cache directory
   (`dpax.parallel.peak.cache_path`), created exclusively: the first process
   to decide wins, and every later one (a resumed run, the other ranks of a
@@ -33,6 +34,10 @@ from jax import lax
 from dpax.parallel.peak import cache_path, machine_key
 
 MARGIN = 1.5  # the kept pair must be this much faster to be chosen
+# A folded dot faster than this stays: so short a call is mostly dispatch,
+# its timing noise, and the copy the kept pair adds costs a step one more op.
+FLOOR_S = 50e-6
+RULE = 2  # part of every key: a changed rule times every shape again
 CALLS = 7  # timed calls per form, after one untimed call; the fastest counts
 DIR = "xla_cpu_dots"  # under the dpax cache directory
 
@@ -51,14 +56,16 @@ def keep_apart(lhs: jax.core.ShapedArray, rhs: jax.core.ShapedArray, params: dic
         kept = _read(key)
         if kept is None:
             t = seconds(lhs, rhs, params, permutation)
-            kept = _write_once(key, spec, t["apart"] * MARGIN <= t["folded"])
+            apart = t["folded"] >= FLOOR_S and t["apart"] * MARGIN <= t["folded"]
+            kept = _write_once(key, spec, apart)
         _decided[key] = kept
     return _decided[key]
 
 
 def key_of(spec: dict) -> str:
     """The file name of a choice: the shapes on this machine and JAX."""
-    text = json.dumps([machine_key(jax.local_devices(backend="cpu")[0]), spec], sort_keys=True)
+    text = json.dumps([RULE, machine_key(jax.local_devices(backend="cpu")[0]), spec],
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
