@@ -1,13 +1,14 @@
 """Which form of a weight gradient's dot XLA:CPU runs faster, timed on its shapes.
 
 JAX differentiates a dense layer `y = x @ w` on [batch, features] into
-`transpose(dot(dy, x))` (attention's batched products alike). XLA folds the transpose into the dot, which then
-contracts its lhs's first dimension: a dot YNNPACK refuses, so Eigen runs it.
-Kept apart (`dpax.xla_cpu.backward` puts a barrier between them), the dot
-stays a YNNPACK dot and the transpose is a copy. Which is faster depends on
-the shapes, not on the op: for a 1024 x 1024 layer the folded dot was 3x
-faster, for a 4096 -> 10 head the kept pair was 2.7x faster (2 cores). So each
-shape is timed both ways, alone, once per machine:
+`transpose(dot(dy, x))` (attention's batched products alike). XLA folds the
+transpose into the dot, which then writes a transposed result: a dot YNNPACK
+refuses, so Eigen runs it. Kept apart (`dpax.xla_cpu.backward` puts a
+barrier between them), the dot stays a YNNPACK dot and the transpose is a
+copy. Which is faster depends on the shapes, not on the op: for the mlp's
+784 -> 1024 layer the folded dot was 2x faster, for a 4096 -> 10 head the kept
+pair was 2.7x faster (2 cores; benchmarks/README.md). So each shape is timed
+both ways, alone, once per machine:
 
 - the kept pair is chosen only when it is at least `MARGIN` times faster, and
   only for a dot whose folded form takes at least `FLOOR_S`, so that noise
