@@ -134,7 +134,7 @@ def test_a_2d_dense_gradient_timed_apart_keeps_its_values(monkeypatch):
     assert {(lhs, rhs) for lhs, rhs, _ in seen} == {((8, 16), (8, 48)), ((8, 48), (8, 24))}
 
 
-_SPEC = (jax.core.ShapedArray((8, 10), jnp.float32), jax.core.ShapedArray((8, 64), jnp.float32),
+_SPEC = (jax.ShapeDtypeStruct((8, 10), jnp.float32), jax.ShapeDtypeStruct((8, 64), jnp.float32),
          {"dimension_numbers": (((0,), (0,)), ((), ())), "preferred_element_type": None}, (1, 0))
 
 

@@ -121,10 +121,14 @@ def machine_key(device) -> str:
            f"{os.cpu_count()} cores|jax {jax.__version__}"
 
 
-def cache_path() -> str:
-    root = os.environ.get(CACHE_ENV) or os.path.join(
+def cache_dir() -> str:
+    """Where dpax keeps what it measured on this machine (peaks, `dpax.xla_cpu.dots`)."""
+    return os.environ.get(CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dpax")
-    return os.path.join(root, CACHE_FILE)
+
+
+def cache_path() -> str:
+    return os.path.join(cache_dir(), CACHE_FILE)
 
 
 def _read() -> dict:

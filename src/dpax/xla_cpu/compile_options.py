@@ -51,11 +51,11 @@ def for_step(jaxpr: Jaxpr | ClosedJaxpr) -> dict[str, Any]:
 TIMED_CALLS = 3  # per candidate, after one untimed call; the fastest counts
 
 
-def seconds(compiled, args) -> float:
-    """The fastest of a few calls of `compiled` on fresh copies of `args` (a
+def seconds(compiled, args, calls: int = TIMED_CALLS) -> float:
+    """The fastest of `calls` calls of `compiled` on fresh copies of `args` (a
     step donates its state: the run's own arrays are never handed over)."""
     best = float("inf")
-    for i in range(TIMED_CALLS + 1):
+    for i in range(calls + 1):
         copies = jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False)
                               if isinstance(x, jax.Array) else x, args)
         jax.block_until_ready(copies)

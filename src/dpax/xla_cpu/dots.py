@@ -14,7 +14,7 @@ both ways, alone, once per machine:
   only for a dot whose folded form takes at least `FLOOR_S`, so that noise
   near a tie, or in a call of a few microseconds, leaves XLA's own form;
 - the choice goes to a file per shape under the dpax cache directory
-  (`dpax.parallel.peak.cache_path`), created exclusively: the first process
+  (`dpax.parallel.peak.cache_dir`), created exclusively: the first process
   to decide wins, and every later one (a resumed run, the other ranks of a
   launch on this host) reads that choice instead of timing again. The two
   forms can round the dot's sum differently in the last bit, so every
@@ -23,32 +23,33 @@ both ways, alone, once per machine:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-import time
 
 import jax
 import numpy as np
 from jax import lax
 
-from dpax.parallel.peak import cache_path, machine_key
+from dpax.parallel.peak import cache_dir, machine_key
+from dpax.xla_cpu import compile_options
 
 MARGIN = 1.5  # the kept pair must be this much faster to be chosen
 # A folded dot faster than this stays: so short a call is mostly dispatch,
 # its timing noise, and the copy the kept pair adds costs a step one more op.
 FLOOR_S = 50e-6
 RULE = 2  # part of every key: a changed rule times every shape again
-CALLS = 7  # timed calls per form, after one untimed call; the fastest counts
+CALLS = 7  # timed calls per form (`compile_options.seconds`); the fastest counts
 DIR = "xla_cpu_dots"  # under the dpax cache directory
 
 _decided: dict[str, bool] = {}  # this process's choices, by key
 
 
-def keep_apart(lhs: jax.core.ShapedArray, rhs: jax.core.ShapedArray, params: dict,
-               permutation: tuple[int, ...]) -> bool:
+def keep_apart(lhs, rhs, params: dict, permutation: tuple[int, ...]) -> bool:
     """Whether `transpose(dot_general(lhs, rhs, **params), permutation)` runs
-    faster with the two kept apart than folded into one dot, on this machine."""
+    faster with the two kept apart than folded into one dot, on this machine
+    (`lhs`, `rhs`: the operands' avals, or anything with a shape and dtype)."""
     spec = {"lhs": [list(lhs.shape), str(lhs.dtype)], "rhs": [list(rhs.shape), str(rhs.dtype)],
             "dims": repr(params["dimension_numbers"]),
             "out": str(params.get("preferred_element_type")), "perm": list(permutation)}
@@ -65,9 +66,13 @@ def keep_apart(lhs: jax.core.ShapedArray, rhs: jax.core.ShapedArray, params: dic
 
 def key_of(spec: dict) -> str:
     """The file name of a choice: the shapes on this machine and JAX."""
-    text = json.dumps([RULE, machine_key(jax.local_devices(backend="cpu")[0]), spec],
-                      sort_keys=True)
+    text = json.dumps([RULE, _machine(), spec], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@functools.cache
+def _machine() -> str:  # read once: every traced weight gradient asks
+    return machine_key(jax.local_devices(backend="cpu")[0])
 
 
 def seconds(lhs, rhs, params, permutation) -> dict[str, float]:
@@ -89,20 +94,12 @@ def seconds(lhs, rhs, params, permutation) -> dict[str, float]:
     with jax.ensure_compile_time_eval():  # runs now, also while a step is traced
         args = [jax.device_put(rng.standard_normal(v.shape).astype(v.dtype), device)
                 for v in (lhs, rhs)]
-        best = {}
-        for name, f in (("folded", folded), ("apart", apart)):
-            compiled = jax.jit(f).lower(*args).compile()
-            times = []
-            for _ in range(CALLS + 1):
-                t0 = time.perf_counter()
-                jax.block_until_ready(compiled(*args))
-                times.append(time.perf_counter() - t0)
-            best[name] = min(times[1:])
-    return best
+        return {name: compile_options.seconds(jax.jit(f).lower(*args).compile(), args, CALLS)
+                for name, f in (("folded", folded), ("apart", apart))}
 
 
 def _path(key: str) -> str:
-    return os.path.join(os.path.dirname(cache_path()), DIR, f"{key}.json")
+    return os.path.join(cache_dir(), DIR, f"{key}.json")
 
 
 def _read(key: str) -> bool | None:
