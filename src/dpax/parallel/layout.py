@@ -118,6 +118,9 @@ class Layout(Protocol):
     # True: each param's gradient is reduced as the backward pass produces it
     # (FSDP), so the step hands `reduce` gradients already reduced.
     grads_in_backward: bool
+    # True: `reduce` sums each gradient element over the devices whatever the
+    # leaf's shape (an all-reduce), so a leaf may be summed in another shape.
+    sums_elementwise: bool
     splits: Any
     pack: bool  # all-reduce operands packed (`dpax.parallel.collectives`)
 
@@ -137,6 +140,7 @@ class Replicated:
     name = "replicated"
     per_device_update = True
     grads_in_backward = False
+    sums_elementwise = True
 
     def __init__(self, state, n: int = 1, pack: bool = False):
         self.splits = jax.tree.map(lambda x: Split(tuple(np.shape(x)), n), state)
@@ -165,6 +169,7 @@ class _Sharded:
 
     per_device_update = False
     grads_in_backward = False  # FSDP: reduce-scattered as the backward pass runs
+    sums_elementwise = False  # reduce-scattered along each param's split
 
     def __init__(self, state, n: int, split_params: bool, pack: bool):
         self.n = n

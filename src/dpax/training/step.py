@@ -30,6 +30,7 @@ from dpax.parallel.layout import Layout
 from dpax.parallel.mesh import AXIS
 from dpax.training.state import TrainState, eval_params
 from dpax.training.sums import LossFn, example_metrics, shard_sums
+from dpax.training.untransposed import ReduceBeforeTranspose
 from dpax.training.update import Reduced, UpdateOptions, make_update
 
 
@@ -92,6 +93,10 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
         wrt, use = layout.grad_target(state.params, dtypes)
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         batch = _with_index(batch)
+        # The generic path sums weight gradients before their transpose
+        # (`dpax.training.untransposed`); the XLA:CPU tuning times its own forms.
+        reorder = (ReduceBeforeTranspose()
+                   if options.backward is None and layout.sums_elementwise else None)
 
         def sums_and_grads(model_state, micro):
             def local_loss_sum(params):
@@ -112,6 +117,8 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
             grad_fn = jax.value_and_grad(local_loss_sum, has_aux=True)
             if options.backward is not None:
                 grad_fn = options.backward(grad_fn)
+            elif reorder is not None:
+                grad_fn = reorder.wrap(grad_fn)
             (loss_sum, (count, sums, model_state)), grads = grad_fn(wrt)
             return (loss_sum, count, sums, grads), model_state
 
@@ -151,6 +158,8 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
         if not layout.grads_in_backward:
             grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
         loss_sum, count, sums, grads = layout.reduce(loss_sum, count, sums, grad_sums)
+        if reorder is not None:
+            grads = reorder.transposes(grads)
         return Reduced(loss_sum, count, sums, grads, model_state)
 
     return grad_step

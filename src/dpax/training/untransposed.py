@@ -1,0 +1,101 @@
+"""Weight gradients summed over the devices before their last transpose, where
+XLA's own partitioner sums them.
+
+JAX differentiates `y = x @ w`, for `x` of shape [batch, tokens, features],
+into `transpose(dot(dy, x))` for `w`. In a `jit` step with a sharded batch,
+XLA's partitioner all-reduces the dot's partial result and transposes the
+sum. In a per-device step (shard_map, pmap) the all-reduce comes after the
+whole gradient, and XLA's algebraic simplifier folds the transpose into the
+dot: a dot contracting its operands' leading dimensions, batch and tokens,
+which XLA:CPU runs on a slower kernel (GPT, 2 devices, tuning off: 9.7 ->
+11.2 steps/s with the sum moved, jit + NamedSharding 11.1;
+benchmarks/README.md, "The all-reduce before the transpose").
+
+So the step's gradient function leaves such a gradient untransposed, the
+layout sums it so, and `transposes` puts it back after the sum. A transpose
+only moves elements and a dtype conversion acts on each one: every element
+is summed from the same terms as before.
+
+Only dots that contract several dimensions: a 2-D dense layer's gradient
+([batch, features]) folds into a plain matmul with one operand transposed,
+which is what the pmap loop runs, and on XLA:CPU the faster form of the mlp
+(2 devices: 78.7 steps/s folded, 67.1 with the sum moved).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Var, jaxpr_as_fun
+
+# Per gradient leaf: None (returned as it is), or the permutation left out
+# and the dtype the leaf is converted to (None: the dot's own).
+Moved = tuple[tuple[int, ...], Any] | None
+
+
+class ReduceBeforeTranspose:
+    """For one step's trace: `wrap` a `jax.value_and_grad(f)` so that its
+    transposed-dot gradients come out untransposed; `transposes` undoes it
+    once they are summed over the devices."""
+
+    def __init__(self):
+        self.moved: list[Moved] | None = None  # known once a wrapped function is traced
+
+    def wrap(self, grad_fn: Callable) -> Callable:
+        def wrapped(wrt):
+            closed, out_shape = jax.make_jaxpr(grad_fn, return_shape=True)(wrt)
+            outvars, moved = _untransposed(closed.jaxpr, len(jax.tree.leaves(wrt)))
+            # Micro-batches trace the same function: they must agree.
+            if self.moved is not None and moved != self.moved:
+                raise AssertionError("micro-batch gradients traced differently")
+            self.moved = moved
+            if not any(moved):
+                return grad_fn(wrt)
+            outs = jaxpr_as_fun(ClosedJaxpr(closed.jaxpr.replace(outvars=outvars),
+                                            closed.consts))(*jax.tree.leaves(wrt))
+            first = len(outs) - len(moved)
+            outs[first:] = [out if m is None or m[1] is None else out.astype(m[1])
+                            for out, m in zip(outs[first:], moved)]
+            return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+        return wrapped
+
+    def transposes(self, grads):
+        """The params' gradients from summed ones as `wrap`'s function gave them."""
+        if not self.moved or not any(self.moved):
+            return grads
+        leaves, treedef = jax.tree.flatten(grads)
+        return jax.tree.unflatten(treedef, [
+            g if m is None else g.transpose(m[0])
+            for g, m in zip(leaves, self.moved, strict=True)])
+
+
+def _untransposed(jaxpr: Jaxpr, n_grads: int) -> tuple[list, list[Moved]]:
+    """The outputs, each of the last `n_grads` (the gradients) that is a
+    transpose of a dot contracting several dimensions replaced by the dot."""
+    made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
+    outvars = list(jaxpr.outvars)
+    moved: list[Moved] = []
+    for i in range(len(outvars) - n_grads, len(outvars)):
+        var, dtype = outvars[i], None
+        eqn = _made_by(var, made_by)
+        if eqn is not None and eqn.primitive.name == "convert_element_type":
+            # A bf16 compute dtype: the gradient converted back to the param's dtype.
+            var, dtype = eqn.invars[0], eqn.params["new_dtype"]
+            eqn = _made_by(var, made_by)
+        dot = None if eqn is None or eqn.primitive.name != "transpose" else _made_by(
+            eqn.invars[0], made_by)
+        if dot is None or dot.primitive.name != "dot_general" or len(
+                dot.params["dimension_numbers"][0][0]) < 2:
+            moved.append(None)
+            continue
+        outvars[i] = eqn.invars[0]
+        moved.append((tuple(eqn.params["permutation"]), dtype))
+    return outvars, moved
+
+
+def _made_by(var, made_by: dict):
+    """The equation that produced `var` (None for inputs and literals)."""
+    return made_by.get(var) if isinstance(var, Var) else None
