@@ -85,15 +85,23 @@ def _untransposed(jaxpr: Jaxpr, n_grads: int) -> tuple[list, list[Moved]]:
             # A bf16 compute dtype: the gradient converted back to the param's dtype.
             var, dtype = eqn.invars[0], eqn.params["new_dtype"]
             eqn = _made_by(var, made_by)
-        dot = None if eqn is None or eqn.primitive.name != "transpose" else _made_by(
-            eqn.invars[0], made_by)
-        if dot is None or dot.primitive.name != "dot_general" or len(
-                dot.params["dimension_numbers"][0][0]) < 2:
+        dot = None if eqn is None else transposed_dot(eqn, made_by)
+        if dot is None or len(dot.params["dimension_numbers"][0][0]) < 2:
             moved.append(None)
             continue
         outvars[i] = eqn.invars[0]
         moved.append((tuple(eqn.params["permutation"]), dtype))
     return outvars, moved
+
+
+def transposed_dot(eqn, made_by: dict):
+    """The dot whose result `eqn` transposes, or None: the pair JAX's
+    differentiation of a dense layer leaves (also what `dpax.xla_cpu.backward`
+    keeps apart on XLA:CPU). `made_by`: the equation that produced each value."""
+    if eqn.primitive.name != "transpose":
+        return None
+    dot = _made_by(eqn.invars[0], made_by)
+    return dot if dot is not None and dot.primitive.name == "dot_general" else None
 
 
 def _made_by(var, made_by: dict):

@@ -49,6 +49,7 @@ from jax import lax
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, subjaxprs
 
+from dpax.training.untransposed import transposed_dot
 from dpax.xla_cpu import dots
 
 
@@ -73,11 +74,8 @@ def for_xla_cpu(f: Callable) -> Callable:
 
 
 def _is_folded_pair(eqn, made_by: dict) -> bool:
-    if eqn.primitive.name != "transpose":
-        return False
-    operand = eqn.invars[0]  # a Var, or an (unhashable) Literal no dot produced
-    dot = made_by.get(operand) if isinstance(operand, Var) else None
-    if dot is None or dot.primitive.name != "dot_general":
+    dot = transposed_dot(eqn, made_by)
+    if dot is None:
         return False
     # A dot that contracts several dimensions (batch and tokens): kept apart,
     # faster in every shape timed (1.1-3.2x). One that contracts one (a 2-D
