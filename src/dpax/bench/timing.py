@@ -1,5 +1,6 @@
 """Timing: methods measured in turns, so a change in a shared host's load hits
-all of them alike."""
+all of them alike, in an order that changes, so that none always follows the
+same method."""
 
 from __future__ import annotations
 
@@ -20,15 +21,33 @@ class Method:
     comms: dict | None = None  # the step's collectives and their minimum (`step_comms`)
 
 
+def turns(n_methods: int, repeats: int) -> list[list[int]]:
+    """The order of the methods in each repeat: a Williams design, the
+    crossover trials' answer to carry-over, in which every method takes every
+    position and follows every other method equally often (once per
+    `n_methods` repeats, twice per 2 x `n_methods` when that is odd). XLA:CPU
+    runs a step slower right after some other programs (the bench's cnn on 2
+    devices: 5-10% slower right after the tuned dpax step), so a fixed order
+    would charge that to whichever method always came next."""
+    n = n_methods
+    # 0, 1, n-1, 2, n-2, ...: each difference between neighbours occurs once.
+    first = [(j + 1) // 2 if j % 2 else (n - j // 2) % n for j in range(n)]
+    rows = [[(m + r) % n for m in first] for r in range(n)]
+    if n % 2:  # an odd square balances with its mirror image
+        rows += [row[::-1] for row in rows]
+    return [rows[r % len(rows)] for r in range(repeats)]
+
+
 def time_interleaved(methods: list[Method], steps: int, repeats: int) -> dict[str, list[float]]:
     """Steps/s of `repeats` timed runs of `steps` steps per method, after one
     warm-up run each. The methods take turns within each repeat, so a change
-    in the machine's load hits all of them alike (this host is shared)."""
+    in the machine's load hits all of them alike (this host is shared), in
+    an order that rotates from repeat to repeat (`turns`)."""
     for m in methods:
         m.run(steps)  # warm-up: thread pools, caches
     rates: dict[str, list[float]] = {m.name: [] for m in methods}
-    for _ in range(repeats):
-        for m in methods:
+    for order in turns(len(methods), repeats):
+        for m in (methods[i] for i in order):
             t0 = time.perf_counter()
             m.run(steps)
             rates[m.name].append(steps / (time.perf_counter() - t0))
