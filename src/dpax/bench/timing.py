@@ -23,9 +23,9 @@ class Method:
 
 def turns(n_methods: int, repeats: int) -> list[list[int]]:
     """The order of the methods in each repeat: a Williams design, the
-    crossover trials' answer to carry-over, in which every method takes every
-    position and follows every other method equally often (once per
-    `n_methods` repeats, twice per 2 x `n_methods` when that is odd). XLA:CPU
+    crossover trials' answer to carry-over. Every method takes every position,
+    and within a repeat follows every other method equally often: once per
+    `n_methods` repeats (twice per 2 x `n_methods` when that is odd). XLA:CPU
     runs a step slower right after some other programs (the bench's cnn on 2
     devices: 5-10% slower right after the tuned dpax step), so a fixed order
     would charge that to whichever method always came next."""
@@ -42,7 +42,7 @@ def time_interleaved(methods: list[Method], steps: int, repeats: int) -> dict[st
     """Steps/s of `repeats` timed runs of `steps` steps per method, after one
     warm-up run each. The methods take turns within each repeat, so a change
     in the machine's load hits all of them alike (this host is shared), in
-    an order that rotates from repeat to repeat (`turns`)."""
+    an order that changes from repeat to repeat (`turns`)."""
     for m in methods:
         m.run(steps)  # warm-up: thread pools, caches
     rates: dict[str, list[float]] = {m.name: [] for m in methods}
