@@ -12,7 +12,9 @@
                               the state replicated: XLA partitions the whole step itself
                               (the path JAX's docs recommend)
 
-Every method trains with the workload's optimizer (`Workload.tx`).
+Every method trains with the workload's optimizer (`Workload.tx`) and, as the
+seeds' loop does, computes the loss and the accuracy of every step
+(`Workload.mean_loss`; dpax's built-in losses report both).
 """
 
 from __future__ import annotations
@@ -102,8 +104,8 @@ def step_comms(t: Trainer, compiled, layout: str) -> dict:
 
 
 def _split(w):
-    """(loss of (params, x, y), params): the model's other state (e.g. RNG
-    counters of dropout layers, unused at rate 0) held fixed."""
+    """((loss, accuracy) of (params, x, y), params): the model's other state
+    (e.g. RNG counters of dropout layers, unused at rate 0) held fixed."""
     graphdef, params, rest = nnx.split(w.make(), nnx.Param, ...)
 
     def loss(params, x, y):
@@ -114,7 +116,8 @@ def _split(w):
 
 def bench_pmap_loop(w, n, batch_size) -> Method:
     """The pmap tutorials' loop: replicate params, reshape each batch to (n, b/n, ...),
-    pmap a step that pmeans the gradients, read the loss only at the end."""
+    pmap a step that pmeans the gradients, the loss and the accuracy, read the
+    loss only at the end."""
     x, y = synthetic(w, batch_size)
     mean_loss, params = _split(w)
     tx = w.tx()
@@ -122,10 +125,10 @@ def bench_pmap_loop(w, n, batch_size) -> Method:
 
     @functools.partial(jax.pmap, axis_name="devices", devices=devices, donate_argnums=(0, 1))
     def train_step(params, opt_state, xb, yb):
-        loss, grads = jax.value_and_grad(mean_loss)(params, xb, yb)
-        grads = jax.lax.pmean(grads, "devices")
+        (loss, accuracy), grads = jax.value_and_grad(mean_loss, has_aux=True)(params, xb, yb)
+        grads, loss, accuracy = jax.lax.pmean((grads, loss, accuracy), "devices")
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "devices")
+        return optax.apply_updates(params, updates), opt_state, loss, accuracy
 
     # Replicas stacked on the host; the first call places them.
     state = [replicate(params, n), replicate(tx.init(params), n)]
@@ -138,7 +141,7 @@ def bench_pmap_loop(w, n, batch_size) -> Method:
             j = i % n_batches
             xb = x[j * batch_size:(j + 1) * batch_size].reshape((n, per) + x.shape[1:])
             yb = y[j * batch_size:(j + 1) * batch_size].reshape(n, per)
-            state[0], state[1], loss = train_step(state[0], state[1], xb, yb)
+            state[0], state[1], loss, _ = train_step(state[0], state[1], xb, yb)
             if i % 2 == 1:  # XLA:CPU aborts if too many multi-device steps queue up
                 loss.block_until_ready()
         float(loss[0])  # the seed's log line: one sync at the end
@@ -148,7 +151,8 @@ def bench_pmap_loop(w, n, batch_size) -> Method:
 
 def bench_jit(w, batch_size, n=None) -> Method:
     """A jit loop: on one device (`n` None), or with the batch sharded over
-    `n` devices by NamedSharding and the state replicated."""
+    `n` devices by NamedSharding and the state replicated; each step returns
+    the loss and the accuracy, the loss read only at the end."""
     x, y = synthetic(w, batch_size)
     mean_loss, params = _split(w)
     tx = w.tx()
@@ -162,21 +166,23 @@ def bench_jit(w, batch_size, n=None) -> Method:
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, xb, yb):
-        grads = jax.grad(mean_loss)(params, xb, yb)
+        (loss, accuracy), grads = jax.value_and_grad(mean_loss, has_aux=True)(params, xb, yb)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return optax.apply_updates(params, updates), opt_state, loss, accuracy
 
     n_batches = len(x) // batch_size
 
     def run(k):
+        loss = None
         for i in range(k):
             j = i % n_batches
             xb, yb = x[j * batch_size:(j + 1) * batch_size], y[j * batch_size:(j + 1) * batch_size]
             if put is not None:
                 xb, yb = put(xb), put(yb)
-            state[0], state[1] = train_step(state[0], state[1], xb, yb)
+            state[0], state[1], loss, _ = train_step(state[0], state[1], xb, yb)
             if put is not None and i % 2 == 1:  # XLA:CPU: bound the multi-device queue
                 state[0] = jax.block_until_ready(state[0])
         jax.block_until_ready(state)
+        float(loss)  # the log line: one sync at the end
 
     return first_call("jit 1 device" if n is None else "jit sharded", run)

@@ -1,0 +1,24 @@
+"""The bench's hand loops do the per-step work dpax's built-in losses do: the
+same mean loss and the same accuracy (`Workload.mean_loss` against
+`dpax.models.losses`, weighted as dpax weighs them), so a bench row compares
+like with like."""
+
+import numpy as np
+import pytest
+
+from dpax.bench.workloads import WORKLOADS, synthetic
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt"])  # a classifier, a language model
+def test_hand_loss_and_accuracy_match_dpax_builtin_loss(name):
+    w = WORKLOADS[name]
+    x, y = synthetic(w, 64, 1)
+    model = w.make()
+    loss, accuracy = w.mean_loss(model, x, y)
+    out = w.loss()(model, {"x": x, "y": y})
+    per, metrics = out[0], out[1]
+    weights = np.asarray(out[2], np.float64) if len(out) > 2 else np.ones(len(x))
+    mean = lambda v: np.sum(np.asarray(v, np.float64) * weights) / np.sum(weights)  # noqa: E731
+    np.testing.assert_allclose(float(loss), mean(per), rtol=1e-5)
+    np.testing.assert_allclose(float(accuracy), mean(metrics["accuracy"]), rtol=1e-6)
+    assert 0.0 < float(accuracy) < 1.0  # an accuracy that can tell the two apart
