@@ -32,7 +32,7 @@ docs-site: $(STAMP)
 
 test: lint
 	$(MAKE) docs-site SITE=$$(mktemp -d)
-	$(BIN)/pytest $(PARALLEL)
+	$(BIN)/pytest $(PARALLEL) --durations=15
 	$(MAKE) test-generic
 
 # The equivalence tests again with the XLA:CPU tuning off: the code path GPUs
