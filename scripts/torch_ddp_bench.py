@@ -10,7 +10,9 @@ command while dpax runs, so the methods take turns in every repeat (this host
 is shared) like `dpax bench`'s:
 
   dpax/shard_map N=..   `Trainer.fit`, N simulated devices (the public API)
-  pmap loop N=..        the seeds' loop with the same Adam
+  pmap loop N=..        the seeds' loop with the same Adam (loss and accuracy each step,
+                        as dpax's built-in loss computes them; the torch loops compute
+                        the loss alone, which only favours them)
   torch DDP P procs     P processes, global batch / P each, T threads each
   torch 1 proc          one process, the whole batch
 
