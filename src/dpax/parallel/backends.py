@@ -177,6 +177,12 @@ class ShardMapBackend:
         """Host copy of replicated outputs. A device-to-host transfer: a sync point."""
         return jax.tree.map(host_leaf, tree)
 
+    def local(self, tree: Any) -> Any:
+        """This process's first-device copy of replicated outputs, left on that
+        device: no transfer to the host, so no sync (host arrays pass through)."""
+        return jax.tree.map(lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x,
+                            tree)
+
     def logical(self, state: Any) -> Any:
         """One device-count-independent copy of the state: the replicated global
         arrays themselves (Orbax writes one copy, from process 0's devices)."""
@@ -246,6 +252,11 @@ class PmapBackend:
     def host(self, tree: Any) -> Any:
         """Replica 0's host copy (sync point)."""
         return unreplicate(tree)
+
+    def local(self, tree: Any) -> Any:
+        """Replica 0's copy, left on its device (no sync; host arrays pass through)."""
+        return jax.tree.map(lambda x: x.addressable_data(0)[0] if isinstance(x, jax.Array)
+                            else x, tree)
 
     def logical(self, state: Any) -> Any:
         """One device-count-independent copy of the state (host arrays)."""
