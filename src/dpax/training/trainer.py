@@ -325,8 +325,7 @@ class Trainer:
         the Trainer's buffers."""
         failing = sys.exc_info()[0] is not None
         try:
-            params = self.backend.local(layouts.host_params(self.layout, self.state.params,
-                                                            self.backend.mesh))
+            params = self.backend.local(self._logical(self.state.params))
             rest = self.backend.local(self.state.model_state)
         except Exception:  # a step failed mid-call: its donated state is gone
             if failing:
@@ -448,16 +447,18 @@ class Trainer:
     @property
     def params(self) -> nnx.State:
         """Host copy of the parameters in their model shapes (whatever the layout)."""
-        return self.backend.host(layouts.host_params(self.layout, self.state.params,
-                                                     self.backend.mesh))
+        return self.backend.host(self._logical(self.state.params))
 
     @property
     def ema_params(self) -> nnx.State | None:
         """Host copy of the EMA of the params (None without `ema_decay`)."""
         if self.state.ema is None:
             return None
-        return self.backend.host(layouts.host_params(self.layout, self.state.ema,
-                                                     self.backend.mesh))
+        return self.backend.host(self._logical(self.state.ema))
+
+    def _logical(self, params):
+        """The params (or EMA) as stored, in their model shapes (`layout.host_params`)."""
+        return layouts.host_params(self.layout, params, self.backend.mesh)
 
     def model(self, ema: bool | None = None) -> nnx.Module:
         """The trained model on the host, ready for single-device use; with the
