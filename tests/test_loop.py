@@ -51,24 +51,40 @@ def test_a_log_over_several_device_sums_equals_the_per_step_logs(monkeypatch):
 
 
 # -- the training loop and Python's GC ---------------------------------------------------
-def test_fit_leaves_the_gc_as_it_found_it():
-    """The loop keeps pre-existing objects out of the cyclic collector and undoes
-    that afterwards; a freeze the caller made stays."""
-
+def test_fit_runs_no_full_collection_and_restores_the_gc():
+    """While the loop runs, Python's collector collects young generations only
+    (a full one pauses a fast loop); afterwards its thresholds are the caller's,
+    and a freeze the caller made stays."""
     t = mlp_trainer(1)
-    gc.unfreeze()
-    during = []
     ds = digits()
-    t.fit(ds.x_train, ds.y_train, batch_size=32, until_step=2,
-          hooks=[AfterStep(lambda step: during.append(gc.get_freeze_count()))])
-    assert len(during) == 2 and min(during) > 0  # frozen while the loop ran
-    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    before = gc.get_threshold()
+    collected, running = [], [False]
+
+    def record(phase, info):
+        if phase == "start" and running[0]:
+            collected.append(info["generation"])
+
+    class Running(loop.Hook):  # marks the loop's span, making young objects each step
+        def on_start(self, step):
+            running[0] = True
+
+        def after_step(self, step):
+            [[] for _ in range(50)]
+            running[0] = step < 4
+
+    gc.set_threshold(5, 1, 1)  # a full collection every few allocations, unless prevented
+    gc.callbacks.append(record)
     gc.freeze()
     try:
-        fit_digits(t, 32, steps=4)
-        assert gc.get_freeze_count() > 0  # unfreezing would have emptied it
+        t.fit(ds.x_train, ds.y_train, batch_size=32, until_step=4,
+              hooks=[Running()])
+        assert gc.get_threshold() == (5, 1, 1)
+        assert gc.get_freeze_count() > 0  # the caller's freeze stays: not unfrozen
     finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*before)
         gc.unfreeze()
+    assert collected and 2 not in collected, collected  # young collections only
 
 
 # -- hooks and triggers ------------------------------------------------------------------
