@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 Batch = dict[str, Any]  # arrays (or nested dicts of them) sharing a leading example axis
 MASK = "mask"  # the boolean real-row entry dpax adds to every batch
 INDEX = "index"  # each row's position in the global batch, added inside the step
+ROWS = "rows"  # the example indices of a batch gathered on the device (`gather_rows`)
 
 
 def padded_size(batch_size: int, n: int) -> int:
@@ -55,3 +57,17 @@ def pad_batch(batch: Batch, size: int) -> Batch:
     mask[:b] = True if old is None else np.asarray(old, bool)
     out[MASK] = mask
     return out
+
+
+def gather_rows(data: Batch, rows: Batch) -> Batch:
+    """On the device: the batch of the examples `rows[ROWS]` of `data` (arrays
+    placed on every device), its padded rows zero as `pad_batch` makes them,
+    with `rows`'s mask. The same batch as the host pipeline's, without a
+    host-to-device copy of its examples each step."""
+    mask = rows[MASK]
+
+    def take(a):
+        keep = mask.reshape(mask.shape + (1,) * (a.ndim - 1))
+        return jnp.where(keep, a[rows[ROWS]], jnp.zeros((), a.dtype))
+
+    return {**jax.tree.map(take, data), MASK: mask}

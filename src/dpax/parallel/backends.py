@@ -43,6 +43,13 @@ def _global(x: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
+def _batch_spec(rows: P, with_data: bool) -> Any:
+    """The layout of a step's batch argument: its rows split, or with
+    `with_data` a pair (examples, batch of their indices), the examples
+    replicated (a PartitionSpec prefix of the pair)."""
+    return (P(), rows) if with_data else rows
+
+
 class ShardMapBackend:
     """State replicated as one logical array; batches split along their rows."""
 
@@ -144,24 +151,29 @@ class ShardMapBackend:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
                             is_leaf=lambda x: isinstance(x, P))
 
-    def stepper(self, fn: Callable, state_spec=None) -> Callable:
+    def stepper(self, fn: Callable, state_spec=None, with_data: bool = False) -> Callable:
         """`fn(state, metric sums, shard) -> (state, metric sums)`, per device;
-        `state_spec` lays out a state that is not fully replicated."""
+        `state_spec` lays out a state that is not fully replicated. `with_data`:
+        the shard is `(data, rows)`, the examples replicated and a batch of
+        their indices split (`dpax.data.batches.gather_rows`)."""
         out_state = P() if state_spec is None else state_spec
-        return self._wrap(fn, (out_state, P()), donate=True, state_spec=state_spec,
-                          carries_metrics=True)
-
-    def multi_stepper(self, fn: Callable, state_spec=None) -> Callable:
-        """`fn(state, metric sums, batches)`, batches stacked along a leading step axis."""
-        out_state = P() if state_spec is None else state_spec
-        return self._wrap(fn, (out_state, P()), donate=True, batch_spec=P(None, AXIS),
+        return self._wrap(fn, (out_state, P()), donate=True,
+                          batch_spec=_batch_spec(P(AXIS), with_data),
                           state_spec=state_spec, carries_metrics=True)
 
-    def global_stepper(self, fn: Callable, state_spec, steps_axis: bool = False) -> Callable:
+    def multi_stepper(self, fn: Callable, state_spec=None, with_data: bool = False) -> Callable:
+        """`fn(state, metric sums, batches)`, batches stacked along a leading step axis."""
+        out_state = P() if state_spec is None else state_spec
+        return self._wrap(fn, (out_state, P()), donate=True,
+                          batch_spec=_batch_spec(P(None, AXIS), with_data),
+                          state_spec=state_spec, carries_metrics=True)
+
+    def global_stepper(self, fn: Callable, state_spec, steps_axis: bool = False,
+                       with_data: bool = False) -> Callable:
         """`fn(state, metric sums, batch) -> (state, metric sums)` of the whole
         stored state and batch, under jit (it maps its own per-device part);
         `steps_axis`: batches stacked along a leading step axis."""
-        batch_spec = P(None, AXIS) if steps_axis else P(AXIS)
+        batch_spec = _batch_spec(P(None, AXIS) if steps_axis else P(AXIS), with_data)
         return self._compile(fn, (state_spec, P(), batch_spec), donate=True,
                              out_specs=(state_spec, P()))
 
@@ -237,10 +249,12 @@ class PmapBackend:
             fn, axis_name=AXIS, devices=self.devices, donate_argnums=(0,) if donate else ()
         )
 
-    def stepper(self, fn: Callable, state_spec=None) -> Callable:
-        return self._wrap(fn, donate=True)  # no state_spec: `layout` allows none with pmap
+    # No state_spec: `layout` allows none with pmap. `with_data` needs no
+    # layout of its own: examples placed by `put_state` carry a device axis.
+    def stepper(self, fn: Callable, state_spec=None, with_data: bool = False) -> Callable:
+        return self._wrap(fn, donate=True)
 
-    def multi_stepper(self, fn: Callable, state_spec=None) -> Callable:
+    def multi_stepper(self, fn: Callable, state_spec=None, with_data: bool = False) -> Callable:
         return self._wrap(fn, donate=True)
 
     def reduce(self, fn: Callable, state_spec=None) -> Callable:

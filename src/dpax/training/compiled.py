@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from dpax.data.batches import gather_rows
 from dpax.parallel.layout import Layout, Replicated, specs
 from dpax.training import metrics
 from dpax.training.state import TrainState
@@ -27,7 +28,9 @@ from dpax.training.step import (
 
 
 class CompiledSteps:
-    """`train`, `train_multi`, `eval` and `predict` over flat state leaves.
+    """`train`, `train_multi`, `eval` and `predict` over flat state leaves;
+    `train_rows` and `train_multi_rows` take `(examples on the devices, batch
+    of their indices)` as the batch (`dpax.data.resident`).
 
     `train(leaves, sums, batch) -> (leaves, sums)` folds the step's metrics into
     packed running sums on the device (`dpax.training.metrics`); `traces` counts the
@@ -51,16 +54,36 @@ class CompiledSteps:
         def metrics_only(state, batch):  # traced (never compiled), for the metrics' shapes
             return train_step(state, batch)[1]
 
-        multi = make_multi_step(summing, unroll=backend.platform.unroll_steps)
+        unroll = backend.platform.unroll_steps
+        multi = make_multi_step(summing, unroll=unroll)
+
+        # The same steps on examples kept on the devices: the batch argument is
+        # (examples, batch of their indices), gathered inside the step.
+        def summing_rows(state, sums, data_rows):
+            data, rows = data_rows
+            return summing(state, sums, gather_rows(data, rows))
+
+        def multi_rows(state, sums, data_rows):
+            data, rows = data_rows
+            step = make_multi_step(lambda s, a, r: summing(s, a, gather_rows(data, r)), unroll)
+            return step(state, sums, rows)
+
         train, multi = self._flat("train", summing, True), self._flat("train_multi", multi, True)
+        train_rows = self._flat("train", summing_rows, True)
+        multi_rows = self._flat("train_multi", multi_rows, True)
         metrics_only = self._flat("metrics_only", metrics_only)
         if layout.per_device_update:  # the whole step runs per device
             self.train = backend.stepper(train, leaf_specs)
             self.train_multi = backend.multi_stepper(multi, leaf_specs)
+            self.train_rows = backend.stepper(train_rows, leaf_specs, with_data=True)
+            self.train_multi_rows = backend.multi_stepper(multi_rows, leaf_specs, with_data=True)
             self._metrics_only = backend.reduce(metrics_only, leaf_specs)
         else:  # the update runs on the logical state under jit
             self.train = backend.global_stepper(train, leaf_specs)
             self.train_multi = backend.global_stepper(multi, leaf_specs, steps_axis=True)
+            self.train_rows = backend.global_stepper(train_rows, leaf_specs, with_data=True)
+            self.train_multi_rows = backend.global_stepper(multi_rows, leaf_specs,
+                                                           steps_axis=True, with_data=True)
             self._metrics_only = metrics_only
         self.packing: metrics.Packing | None = None
         self._zero_sums = None

@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpax import config as cfg
+from dpax.data import resident
 from dpax.data.augment import Augment
-from dpax.data.batches import batch_rows, padded_size
+from dpax.data.batches import MASK, ROWS, batch_rows, padded_size
 from dpax.data.pipeline import (
     EVAL_BATCH,
     BatchPlan,
@@ -246,6 +247,7 @@ class Trainer:
         batches: Iterator[dict] | None = None,
         augment: Augment | None = None,
         data_workers: int = 0,
+        data_on_device: bool | None = None,
     ) -> list[dict]:
         """Train with global batches of `batch_size` until the step counter
         reaches `until_step` (or `epochs` passes); returns the log rows. The
@@ -265,6 +267,10 @@ class Trainer:
           augment: random image augmentation of `x` (`dpax.data.augment.parse("crop,flip")`),
             the same for any device count; only with batches made here.
           data_workers: Grain worker processes that make the batches (0: this thread).
+          data_on_device: copy the examples to every device once and gather
+            each batch there, the host sending only its example indices
+            (`dpax.data.resident`; the same batches). None: where they take at
+            most 1/8 of an accelerator's memory, and not on CPU devices.
         """
         data = examples(data, y)
         plan = BatchPlan(batch_rows(data), batch_size, seed)
@@ -273,7 +279,15 @@ class Trainer:
         size = self.padded(batch_size)
         self._warn_idle(batch_size, batch_rows(data), size)
         made_here = batches is None
-        if made_here:
+        on_device = resident.choose(data_on_device, data, self.backend.devices,
+                                    self.platform.name, batches_given=not made_here,
+                                    augment=augment is not None, workers=data_workers)
+        placed = None
+        if on_device:  # batches of example indices, gathered on the devices
+            placed = self.backend.put_state(data)
+            batches = train_input({ROWS: np.arange(batch_rows(data), dtype=np.int32)}, plan,
+                                  self.backend.local_rows(size), start, total)
+        elif made_here:
             if augment is not None:
                 if "x" not in data:
                     raise DpaxError("`augment` changes the images under the key 'x'; the "
@@ -283,7 +297,8 @@ class Trainer:
                                   augment, data_workers)
         sized = ((size, b) for b in itertools.islice(batches, max(total - start, 0)))
         try:
-            return self._train(sized, start, total, log_every, hooks, plan.steps_per_epoch)
+            return self._train(sized, start, total, log_every, hooks, plan.steps_per_epoch,
+                               self._resident(data, placed) if on_device else None)
         finally:
             if made_here:
                 batches.close()  # stops Grain worker processes, if any
@@ -307,9 +322,10 @@ class Trainer:
                          self.backend.local_rows)
         return self._train(sized, self.step, None, log_every, hooks)
 
-    def _train(self, sized, start, total, log_every, hooks, steps_per_epoch=None) -> list[dict]:
+    def _train(self, sized, start, total, log_every, hooks, steps_per_epoch=None,
+               steps: loop.Steps | None = None) -> list[dict]:
         try:
-            return loop.run(self._loop_steps(), sized, start=start, total=total,
+            return loop.run(steps or self._loop_steps(), sized, start=start, total=total,
                               log_every=log_every, hooks=hooks, steps_per_epoch=steps_per_epoch)
         finally:
             self._update_model()
@@ -351,6 +367,23 @@ class Trainer:
             place=lambda sized: loop.device_calls(sized, self._input, self.backend.put_batches,
                                                   self.steps_per_call),
             in_flight=self._in_flight())
+
+    def _resident(self, data: dict, placed: Any) -> loop.Steps:
+        """The loop's steps on batches of example indices (`dpax.data.resident`):
+        each call gathers its batch from `placed`, `data` on the devices."""
+        train, multi = self._steps.train_rows, self._steps.train_multi_rows
+
+        def run(n_steps, rows, sums):
+            self._leaves, sums = (train if n_steps == 1 else multi)(self._leaves, sums,
+                                                                     (placed, rows))
+            return sums
+
+        def zero_sums(size, rows):  # the metrics' shapes: from a batch of zeros
+            local = len(rows[MASK])
+            return self._zero_sums(size, {**jax.tree.map(
+                lambda a: np.zeros((local,) + a.shape[1:], a.dtype), data), MASK: rows[MASK]})
+
+        return dataclasses.replace(self._loop_steps(), run=run, zero_sums=zero_sums)
 
     def _input(self, host_batch: dict, size: int | None) -> dict:
         return self.backend.step_input(host_batch, size)

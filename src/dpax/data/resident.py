@@ -1,0 +1,71 @@
+"""Examples kept on the devices: whether `Trainer.fit` copies the training
+arrays to every device once and gathers each batch there.
+
+Each step then takes only the batch's example indices and mask from the host
+(a few bytes a row) instead of its examples, and the host skips the row
+gather: on an H200 the host pipeline and the copy of an MLP's 800 KB batch
+held the host 0.6 ms a step, three times the step itself
+(benchmarks/README.md). The batches are the host pipeline's, row for row
+(`dpax.data.batches.gather_rows`), so the numbers do not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from dpax.errors import DpaxError
+
+# By default the examples take at most this share of each device's memory
+# (the rest is the model's, its optimizer state's and the step's).
+AUTO_SHARE = 0.125
+
+
+def nbytes(data: dict) -> int:
+    return sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in jax.tree.leaves(data))
+
+
+def why_not(data: dict, *, batches_given: bool, augment: bool, workers: int) -> str | None:
+    """Why these examples cannot be gathered on the devices; None if they can."""
+    if batches_given:
+        return "the batches come from `batches`, not from the examples"
+    if augment:
+        return "`augment` changes each batch on the host"
+    if workers:
+        return "`data_workers` build the batches in other processes"
+    if not all(isinstance(a, (np.ndarray, jax.Array)) for a in jax.tree.leaves(data)):
+        return "some examples are `dpax.data.sources` columns, read and decoded per batch"
+    return None
+
+
+def device_memory(devices: Sequence[jax.Device]) -> int | None:
+    """The smallest memory of `devices` in bytes, where the runtime says."""
+    limits = []
+    for d in devices:
+        stats = d.memory_stats() if hasattr(d, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limits.append(stats["bytes_limit"])
+    return min(limits)
+
+
+def choose(requested: bool | None, data: dict, devices: Sequence[jax.Device], platform: str,
+           **context) -> bool:
+    """Whether `fit` keeps `data` on `devices`. `requested` None: yes on
+    accelerators when the examples take at most `AUTO_SHARE` of a device's
+    memory; on CPU devices no, since there the device memory is the host's
+    (each device would hold one more copy) and a host batch costs no copy to
+    another memory. True where it cannot be is an error naming why."""
+    if requested is False:
+        return False
+    reason = why_not(data, **context)
+    if requested:
+        if reason:
+            raise DpaxError(f"`data_on_device=True`, but {reason}; leave it out")
+        return True
+    if reason or platform == "cpu":
+        return False
+    memory = device_memory(devices)
+    return memory is not None and nbytes(data) <= AUTO_SHARE * memory
