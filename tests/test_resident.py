@@ -88,6 +88,8 @@ def test_the_default_keeps_examples_on_accelerators_with_memory_to_spare():
     assert resident.choose(None, data, [_Device(8 << 20)] * 2, "gpu", **ctx)
     assert not resident.choose(None, data, [_Device(8 << 20), _Device(1 << 20)], "gpu", **ctx)
     assert not resident.choose(None, data, [_Device(None)], "tpu", **ctx)  # memory unknown
+    assert not resident.choose(None, data, [_Device(8 << 20)], "gpu", 2, **ctx)  # 2 processes
+    assert resident.choose(True, data, [_Device(8 << 20)], "gpu", 2, **ctx)
     assert not resident.choose(None, data, [_Device(8 << 30)], "cpu", **ctx)  # host memory
     assert not resident.choose(False, data, [_Device(8 << 30)], "gpu", **ctx)
     assert resident.choose(True, data, [_Device(None)], "cpu", **ctx)

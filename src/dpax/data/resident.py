@@ -52,12 +52,12 @@ def device_memory(devices: Sequence[jax.Device]) -> int | None:
 
 
 def choose(requested: bool | None, data: dict, devices: Sequence[jax.Device], platform: str,
-           **context) -> bool:
+           processes: int = 1, **context) -> bool:
     """Whether `fit` keeps `data` on `devices`. `requested` None: yes on
-    accelerators when the examples take at most `AUTO_SHARE` of a device's
-    memory; on CPU devices no, since there the device memory is the host's
-    (each device would hold one more copy) and a host batch costs no copy to
-    another memory. True where it cannot be is an error naming why."""
+    accelerators, in a single-process run, when the examples take at most
+    `AUTO_SHARE` of a device's memory. Not on CPU devices: their memory is the
+    host's, each one would hold one more copy, and it measured within the
+    noise there. True where it cannot be is an error naming why."""
     if requested is False:
         return False
     reason = why_not(data, **context)
@@ -65,7 +65,9 @@ def choose(requested: bool | None, data: dict, devices: Sequence[jax.Device], pl
         if reason:
             raise DpaxError(f"`data_on_device=True`, but {reason}; leave it out")
         return True
-    if reason or platform == "cpu":
+    # Several processes: only where asked (every process would place all of it;
+    # the multi-process tests run on CPU devices, where the default is off).
+    if reason or platform == "cpu" or processes > 1:
         return False
     memory = device_memory(devices)
     return memory is not None and nbytes(data) <= AUTO_SHARE * memory

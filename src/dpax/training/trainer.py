@@ -280,7 +280,8 @@ class Trainer:
         self._warn_idle(batch_size, batch_rows(data), size)
         made_here = batches is None
         on_device = resident.choose(data_on_device, data, self.backend.devices,
-                                    self.platform.name, batches_given=not made_here,
+                                    self.platform.name, jax.process_count(),
+                                    batches_given=not made_here,
                                     augment=augment is not None, workers=data_workers)
         placed = None
         if on_device:  # batches of example indices, gathered on the devices
