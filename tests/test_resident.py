@@ -1,17 +1,22 @@
 """Examples kept on the devices (`dpax.data.resident`): the batches gathered there
 are the host pipeline's, so training gives the numbers it gives."""
 
+import json
+import os
+
 import jax
 import numpy as np
 import pytest
 
 from conftest import digits, max_diff, mlp_trainer
+from dpax.cli import main
 from dpax.data import resident
 from dpax.data.augment import parse
 from dpax.data.batches import ROWS, gather_rows
 from dpax.data.pipeline import BatchPlan, local_parts
 from dpax.data.sources import ArrayTable, Column
 from dpax.errors import DpaxError
+from dpax.training import compiled
 
 TOL = 1e-5  # as tests/test_equivalence.py: N devices against one
 
@@ -113,3 +118,33 @@ def test_examples_on_the_devices_where_they_cannot_be_is_an_error(why):
     with pytest.raises(DpaxError, match=why):
         t.fit(x, ds.y_train, batch_size=32, until_step=1, data_on_device=True, **kw)
     assert t.step == 0
+
+
+@pytest.mark.slow  # three `dpax train` runs (in this process)
+def test_the_cli_resumes_across_batches_on_the_host_and_on_the_devices(tmp_path, monkeypatch):
+    """`dpax train --data-on-device` saves and resumes the data position as the
+    host pipeline does: host -> devices -> host, on 4, 2 and 8 devices, equals
+    the uninterrupted run."""
+    gathered = []
+    real = compiled.gather_rows
+    monkeypatch.setattr(compiled, "gather_rows", lambda *a: gathered.append(1) or real(*a))
+    flags = ["train", "--model", "mlp", "--optimizer", "momentum", "--lr", "0.05",
+             "--batch-size", "61", "--steps", "30", "--log-every", "5"]
+    ref, a, b = (str(tmp_path / n) for n in ("ref", "a", "b"))
+    assert main([*flags, "--devices", "4", "--checkpoint-dir", f"{ref}/ck",
+                 "--checkpoint-every", "10", "--out", ref]) == 0
+    assert not gathered  # CPU devices: host batches by default
+    assert main([*flags, "--devices", "2", "--data-on-device", "--resume", f"{ref}/ck/10",
+                 "--checkpoint-dir", f"{a}/ck", "--checkpoint-every", "10", "--out", a]) == 0
+    assert gathered
+    assert main([*flags, "--devices", "8", "--resume", f"{a}/ck/20", "--out", b]) == 0
+    for out in (a, b):
+        assert max_diff(_params(out), _params(ref)) <= TOL
+        steps = [r["step"] for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))
+                 if "loss" in r]
+        assert steps == list(range(15 if out == a else 25, 31, 5))  # each step once
+
+
+def _params(out):
+    with np.load(os.path.join(out, "params.npz")) as p:
+        return {k: p[k] for k in p.files}

@@ -5,11 +5,14 @@ Trainer; and a Trainer holding a checkpoint's state."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
+
+import jax
 
 from dpax import config as cfg
 from dpax.cli.outputs import OutputConfig
-from dpax.data import augment, tokenizer
+from dpax.data import augment, resident, tokenizer
 from dpax.data.datasets import DataConfig, Dataset
 from dpax.data.pipeline import BatchPlan, check_length, train_input
 from dpax.data.tokenizer import Tokenizer
@@ -113,12 +116,22 @@ class Job:
                 "input_shape": list(self.ds.input_shape), "n_out": self.ds.n_out,
                 "total": self.total, "tokenizer": None if tok is None else tok.to_json()}
 
+    @functools.cached_property
+    def on_device(self) -> bool:
+        """Whether the training arrays stay on the devices (`dpax.data.resident`):
+        then `input` makes batches of their indices."""
+        data, t = self.config.data, self.trainer
+        return resident.choose(data.on_device, {"x": self.ds.x_train, "y": self.ds.y_train},
+                               t.backend.devices, t.platform.name, jax.process_count(),
+                               batches_given=False, augment=data.augment is not None,
+                               workers=data.workers)
+
     def input(self, start: int):
         """This process's training batches of steps `start..total-1`."""
         rows = self.trainer.backend.local_rows(self.trainer.padded(self.config.batch_size))
         return train_input({"x": self.ds.x_train, "y": self.ds.y_train}, self.plan, rows,
                            start, self.total, augment.parse(self.config.data.augment),
-                           self.config.data.workers)
+                           self.config.data.workers, indices=self.on_device)
 
 
 def build(config: TrainConfig) -> Job:

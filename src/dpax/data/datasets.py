@@ -236,6 +236,10 @@ class DataConfig:
     workers: int = cfg.field(
         0, "Grain worker processes that read and decode batches (0: the training thread)",
         how=True, flag="data_workers")
+    on_device: bool | None = cfg.field(
+        None, "keep the training arrays on the devices and gather each batch there, the same "
+        "batches (default: on GPUs and TPUs when they take at most 1/8 of a device's memory, "
+        "one process; docs/data.md)", how=True, flag="data_on_device")
 
     def check(self) -> None:
         check_name(self.name)

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from dpax.data.augment import Augment
-from dpax.data.batches import INDEX, MASK, Batch, batch_rows, pad_batch, padded_size
+from dpax.data.batches import INDEX, MASK, ROWS, Batch, batch_rows, pad_batch, padded_size
 from dpax.errors import DpaxError
 
 EVAL_BATCH = 256  # global batch of evaluation and prediction, unless given
@@ -303,8 +303,9 @@ class TrainedPosition:
     iterator itself (state as JSON bytes).
     """
 
-    def __init__(self, iterator):
+    def __init__(self, iterator, holds_indices: bool = False):
         self._it = iterator
+        self.holds_indices = holds_indices  # batches of example indices (`train_input`)
         self._read: collections.deque[dict] = collections.deque()  # after each read
         self._trained = self._it.get_state()
 
@@ -345,8 +346,15 @@ class TrainedPosition:
 
 
 def train_input(data: dict, plan: BatchPlan, rows: tuple[int, int], start: int, stop: int,
-                augment: Augment | None = None, workers: int = 0) -> TrainedPosition:
+                augment: Augment | None = None, workers: int = 0,
+                indices: bool = False) -> TrainedPosition:
     """The input pipeline of a training run: this process's rows of the padded,
     masked global batches of steps `start..stop-1`, checkpointable at the last
-    batch trained on. `Trainer.fit` takes it as `batches`."""
-    return TrainedPosition(iter(train_batches(data, plan, rows, start, stop, augment, workers)))
+    batch trained on. `Trainer.fit` takes it as `batches`. `indices`: batches
+    of the examples' indices (`ROWS`) instead, for examples kept on the
+    devices (`dpax.data.resident`); the same position, saved and restored
+    interchangeably with the examples' pipeline."""
+    if indices:
+        data, augment, workers = {ROWS: np.arange(batch_rows(data), dtype=np.int32)}, None, 0
+    return TrainedPosition(iter(train_batches(data, plan, rows, start, stop, augment, workers)),
+                           holds_indices=indices)

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from dpax import config as cfg
 from dpax.data import resident
 from dpax.data.augment import Augment
-from dpax.data.batches import MASK, ROWS, batch_rows, padded_size
+from dpax.data.batches import MASK, batch_rows, padded_size
 from dpax.data.pipeline import (
     EVAL_BATCH,
     BatchPlan,
@@ -270,7 +270,8 @@ class Trainer:
           data_on_device: copy the examples to every device once and gather
             each batch there, the host sending only its example indices
             (`dpax.data.resident`; the same batches). None: where they take at
-            most 1/8 of an accelerator's memory, and not on CPU devices.
+            most 1/8 of an accelerator's memory, and not on CPU devices; always
+            with `batches` from `train_input(..., indices=True)`.
         """
         data = examples(data, y)
         plan = BatchPlan(batch_rows(data), batch_size, seed)
@@ -279,15 +280,22 @@ class Trainer:
         size = self.padded(batch_size)
         self._warn_idle(batch_size, batch_rows(data), size)
         made_here = batches is None
-        on_device = resident.choose(data_on_device, data, self.backend.devices,
-                                    self.platform.name, jax.process_count(),
-                                    batches_given=not made_here,
+        indices_given = getattr(batches, "holds_indices", False)  # e.g. the CLI's
+        if indices_given and data_on_device is False:
+            raise DpaxError("`batches` hold example indices (`train_input(..., indices=True)`), "
+                            "which need the examples on the devices; leave out "
+                            "`data_on_device=False`")
+        on_device = resident.choose(True if indices_given else data_on_device, data,
+                                    self.backend.devices, self.platform.name,
+                                    jax.process_count(),
+                                    batches_given=not made_here and not indices_given,
                                     augment=augment is not None, workers=data_workers)
         placed = None
         if on_device:  # batches of example indices, gathered on the devices
             placed = self.backend.put_state(data)
-            batches = train_input({ROWS: np.arange(batch_rows(data), dtype=np.int32)}, plan,
-                                  self.backend.local_rows(size), start, total)
+            if made_here:
+                batches = train_input(data, plan, self.backend.local_rows(size), start, total,
+                                      indices=True)
         elif made_here:
             if augment is not None:
                 if "x" not in data:
