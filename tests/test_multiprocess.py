@@ -35,8 +35,11 @@ def in_process(devices, out):
 
 
 def test_launch_2x2_equals_1x4_equals_1x1(tmp_path, capsys):
+    """The launched run keeps its examples on the devices (each process places
+    them, the index batches split over both); the in-process ones, and the
+    resume of its checkpoint, make host batches."""
     ck = str(tmp_path / "ck")
-    r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *RUN,
+    r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *RUN, "--data-on-device",
                "--checkpoint-dir", ck, "--checkpoint-every", "5",
                "--out", str(tmp_path / "launched"), "--tracker", "mlflow")
     assert r.returncode == 0, r.stdout + r.stderr

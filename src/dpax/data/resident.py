@@ -65,8 +65,9 @@ def choose(requested: bool | None, data: dict, devices: Sequence[jax.Device], pl
         if reason:
             raise DpaxError(f"`data_on_device=True`, but {reason}; leave it out")
         return True
-    # Several processes: only where asked (every process would place all of it;
-    # the multi-process tests run on CPU devices, where the default is off).
+    # Several processes: only where asked. Each places all of it on its devices;
+    # exact (tests/test_multiprocess.py launches it), but unmeasured on hosts
+    # with accelerators.
     if reason or platform == "cpu" or processes > 1:
         return False
     memory = device_memory(devices)
