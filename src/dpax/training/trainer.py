@@ -350,8 +350,9 @@ class Trainer:
         the Trainer's buffers."""
         failing = sys.exc_info()[0] is not None
         try:
-            params = self.backend.local(self._logical(self.state.params))
-            rest = self.backend.local(self.state.model_state)
+            state = self.state  # one unflatten of the whole state, not one per field
+            params = self.backend.local(self._logical(state.params))
+            rest = self.backend.local(state.model_state)
         except Exception:  # a step failed mid-call: its donated state is gone
             if failing:
                 return  # the step's own error is the one to see
