@@ -80,18 +80,21 @@ def test_training_on_gathered_batches_is_training_on_host_batches(case, host_one
 
 
 class _Device:
-    def __init__(self, memory):
-        self.memory = memory
+    def __init__(self, memory, in_use=0):
+        self.memory, self.in_use = memory, in_use
 
     def memory_stats(self):
-        return None if self.memory is None else {"bytes_limit": self.memory}
+        return None if self.memory is None else {"bytes_limit": self.memory,
+                                                 "bytes_in_use": self.in_use}
 
 
-def test_the_default_keeps_examples_on_accelerators_with_memory_to_spare():
+def test_the_default_keeps_examples_on_accelerators_with_free_memory_to_spare():
     data = {"x": np.zeros((1000, 100), np.float32), "y": np.zeros(1000, np.int32)}  # 404 kB
     ctx = dict(batches_given=False, augment=False, workers=0)
     assert resident.choose(None, data, [_Device(8 << 20)] * 2, "gpu", **ctx)
     assert not resident.choose(None, data, [_Device(8 << 20), _Device(1 << 20)], "gpu", **ctx)
+    # the free memory counts: a model that fills the device leaves no room
+    assert not resident.choose(None, data, [_Device(8 << 20, in_use=7 << 20)], "gpu", **ctx)
     assert not resident.choose(None, data, [_Device(None)], "tpu", **ctx)  # memory unknown
     assert not resident.choose(None, data, [_Device(8 << 20)], "gpu", 2, **ctx)  # 2 processes
     assert resident.choose(True, data, [_Device(8 << 20)], "gpu", 2, **ctx)

@@ -238,8 +238,8 @@ class DataConfig:
         how=True, flag="data_workers")
     on_device: bool | None = cfg.field(
         None, "keep the training arrays on the devices and gather each batch there, the same "
-        "batches (default: on GPUs and TPUs when they take at most 1/8 of a device's memory, "
-        "one process; docs/data.md)", how=True, flag="data_on_device")
+        "batches (default: on GPUs and TPUs when they take at most 1/8 of a device's free "
+        "memory, one process; docs/data.md)", how=True, flag="data_on_device")
 
     def check(self) -> None:
         check_name(self.name)

@@ -18,8 +18,9 @@ import numpy as np
 
 from dpax.errors import DpaxError
 
-# By default the examples take at most this share of each device's memory
-# (the rest is the model's, its optimizer state's and the step's).
+# By default the examples take at most this share of each device's FREE memory
+# when `fit` starts: the model and its optimizer state are placed by then, and
+# the rest is left to the step's activations.
 AUTO_SHARE = 0.125
 
 
@@ -40,22 +41,23 @@ def why_not(data: dict, *, batches_given: bool, augment: bool, workers: int) -> 
     return None
 
 
-def device_memory(devices: Sequence[jax.Device]) -> int | None:
-    """The smallest memory of `devices` in bytes, where the runtime says."""
-    limits = []
+def free_memory(devices: Sequence[jax.Device]) -> int | None:
+    """The least free memory of `devices` in bytes (limit less in use), where
+    the runtime says."""
+    free = []
     for d in devices:
         stats = d.memory_stats() if hasattr(d, "memory_stats") else None
         if not stats or "bytes_limit" not in stats:
             return None
-        limits.append(stats["bytes_limit"])
-    return min(limits)
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(free)
 
 
 def choose(requested: bool | None, data: dict, devices: Sequence[jax.Device], platform: str,
            processes: int = 1, **context) -> bool:
     """Whether `fit` keeps `data` on `devices`. `requested` None: yes on
     accelerators, in a single-process run, when the examples take at most
-    `AUTO_SHARE` of a device's memory. Not on CPU devices: their memory is the
+    `AUTO_SHARE` of a device's free memory. Not on CPU devices: their memory is the
     host's, each one would hold one more copy, and it measured within the
     noise there. True where it cannot be is an error naming why."""
     if requested is False:
@@ -70,5 +72,5 @@ def choose(requested: bool | None, data: dict, devices: Sequence[jax.Device], pl
     # with accelerators.
     if reason or platform == "cpu" or processes > 1:
         return False
-    memory = device_memory(devices)
+    memory = free_memory(devices)
     return memory is not None and nbytes(data) <= AUTO_SHARE * memory

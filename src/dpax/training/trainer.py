@@ -270,8 +270,8 @@ class Trainer:
           data_on_device: copy the examples to every device once and gather
             each batch there, the host sending only its example indices
             (`dpax.data.resident`; the same batches). None: where they take at
-            most 1/8 of an accelerator's memory, and not on CPU devices; always
-            with `batches` from `train_input(..., indices=True)`.
+            most 1/8 of an accelerator's free memory, not on CPU devices;
+            always with `batches` from `train_input(..., indices=True)`.
         """
         data = examples(data, y)
         plan = BatchPlan(batch_rows(data), batch_size, seed)
