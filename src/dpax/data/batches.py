@@ -62,8 +62,9 @@ def pad_batch(batch: Batch, size: int) -> Batch:
 def gather_rows(data: Batch, rows: Batch) -> Batch:
     """On the device: the batch of the examples `rows[ROWS]` of `data` (arrays
     placed on every device), its padded rows zero as `pad_batch` makes them,
-    with `rows`'s mask. The same batch as the host pipeline's, without a
-    host-to-device copy of its examples each step."""
+    with `rows`'s mask; `rows` may stack several steps' batches (leading
+    axes). The same batch as the host pipeline's, without a host-to-device
+    copy of its examples each step."""
     mask = rows[MASK]
 
     def take(a):

@@ -54,23 +54,16 @@ class CompiledSteps:
         def metrics_only(state, batch):  # traced (never compiled), for the metrics' shapes
             return train_step(state, batch)[1]
 
-        unroll = backend.platform.unroll_steps
-        multi = make_multi_step(summing, unroll=unroll)
+        multi = make_multi_step(summing, unroll=backend.platform.unroll_steps)
 
-        # The same steps on examples kept on the devices: the batch argument is
-        # (examples, batch of their indices), gathered inside the step.
-        def summing_rows(state, sums, data_rows):
-            data, rows = data_rows
-            return summing(state, sums, gather_rows(data, rows))
+        def gathered(step):
+            """`step` on (examples on the devices, batch of their indices): the
+            batch (or a call's stacked batches) gathered inside the step."""
+            return lambda state, sums, data_rows: step(state, sums, gather_rows(*data_rows))
 
-        def multi_rows(state, sums, data_rows):
-            data, rows = data_rows
-            step = make_multi_step(lambda s, a, r: summing(s, a, gather_rows(data, r)), unroll)
-            return step(state, sums, rows)
-
+        train_rows = self._flat("train", gathered(summing), True)
+        multi_rows = self._flat("train_multi", gathered(multi), True)
         train, multi = self._flat("train", summing, True), self._flat("train_multi", multi, True)
-        train_rows = self._flat("train", summing_rows, True)
-        multi_rows = self._flat("train_multi", multi_rows, True)
         metrics_only = self._flat("metrics_only", metrics_only)
         if layout.per_device_update:  # the whole step runs per device
             self.train = backend.stepper(train, leaf_specs)
