@@ -10,12 +10,13 @@ The forms, each a jitted step with its state donated:
   select  the update always computed, then `jnp.where(finite, new, old)` per leaf.
 
 Every form waits for the whole gradient before it updates anything: the
-verdict needs the gradient's norm. On XLA:GPU a conditional also copies its
-predicate to the host and blocks the host until the device gets there
-(XLA's `ConditionalThunk`), so the next step is dispatched late; a select
-has no such wait, but XLA may keep the old moments alive next to the new
-ones. This script measures both: steps/s (medians of interleaved repeats,
-batches already on the device) and XLA's temporary bytes for the step.
+verdict needs the gradient's norm. A select needs no branch, but XLA may keep
+the old optimizer moments alive next to the new ones; a conditional on
+XLA:GPU copies its predicate to the host and blocks the host until the
+device gets there (XLA's `ConditionalThunk`). This script measures both:
+steps/s (medians of interleaved repeats, batches already on the device) and
+XLA's temporary bytes for the step. Results: benchmarks/README.md, "The
+non-finite guard's forms".
 """
 
 from __future__ import annotations
