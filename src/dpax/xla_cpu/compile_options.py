@@ -2,7 +2,7 @@
 
 XLA:CPU emits each fusion with its newer MLIR "fusion emitters" by default.
 For some windowed reductions (the select-and-scatter of an overlapping max
-pool's gradient, a max pool in evaluation) the older emitters are faster; for
+pool's gradient, such a pool in evaluation) the older emitters are faster; for
 others (average pools) they are slower; both give the same bits. No op's name
 tells which, so a step that holds a windowed op is compiled both ways at its
 first call and each is timed on copies of its arguments, the two taking
