@@ -27,13 +27,30 @@ def test_a_step_that_pools_has_the_old_emitters_timed():
     assert "select_and_scatter_add" in compile_options.primitives(pooled)
     assert compile_options.for_step(pooled) == {
         "older emitters": compile_options.OLD_FUSION_EMITTERS}
-    averaged = jax.make_jaxpr(jax.grad(lambda v: nnx.avg_pool(v, (2, 2), (2, 2)).sum()))(x)
-    assert compile_options.for_step(averaged) == {
-        "older emitters": compile_options.OLD_FUSION_EMITTERS,
-        "YNNPACK dots only": compile_options.YNN_DOTS_ONLY}
     dense = jax.make_jaxpr(jax.grad(lambda w: jnp.tanh(x.reshape(4, -1) @ w).sum()))(
         jnp.ones((192, 2)))
     assert compile_options.for_step(dense) == {}
+
+
+def test_a_program_that_fills_large_constant_arrays_has_ynnpack_dots_only_timed():
+    """XLA:CPU hands YNNPACK the ReLU and the average pool after it, and writes
+    ReLU's zero as a whole array for it: the bench's cnn-avg on one device
+    fills f32[128,32,32,32] (16 MiB) every step."""
+    from dpax.bench.baselines import compiled_step
+    from dpax.bench.workloads import WORKLOADS
+
+    w = WORKLOADS["cnn-avg"]
+    t = dpax.Trainer(w.make(), w.loss(), w.tx(), devices=1, xla_cpu_tuning=False)
+    hlo = compiled_step(t, w.batch_size, w).as_text()
+    assert compile_options.largest_fill(hlo) == 128 * 32 * 32 * 32 * 4
+    assert "YNNPACK dots only" in compile_options.for_step(jax.make_jaxpr(lambda: 0.0)(), hlo)
+    fill = ("  %wrapped_broadcast.2 = f32[64,16,16,64]{3,2,1,0} fusion(%constant.117), "
+            "kind=kLoop, calls=%wrapped_broadcast_computation.2, backend_config={}")
+    other = ("  %broadcast_add_fusion.1 = f32[128,32,32,32]{3,2,1,0} fusion(%ynn_fusion.12, "
+             "%leaves_1_.1), kind=kLoop, calls=%fused_computation.65")
+    assert compile_options.largest_fill(fill + "\n" + other) == 64 * 16 * 16 * 64 * 4
+    assert compile_options.largest_fill(other) == 0
+    assert compile_options.for_step(jax.make_jaxpr(lambda: 0.0)(), other) == {}
 
 
 def _trainer(model, **kw):
@@ -117,6 +134,8 @@ def test_the_clearly_fastest_options_win_whatever_the_op(times, chosen, monkeypa
         return {name: [t] * 3 for name, t in zip(names, times)}
 
     monkeypatch.setattr(compile_options, "fastest", timed)
+    # Digits are too small for a large fill: the candidate is offered as if.
+    monkeypatch.setattr(compile_options, "largest_fill", lambda hlo: compile_options.FILL_BYTES)
     ds = data.digits()
     t = _trainer(AvgPoolCNN(nnx.Rngs(0)))
     t.fit(ds.x_train, ds.y_train, batch_size=64, until_step=3)

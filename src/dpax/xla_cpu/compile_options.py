@@ -3,16 +3,17 @@
 XLA:CPU emits each fusion with its newer MLIR "fusion emitters" by default.
 For some windowed reductions (the select-and-scatter of an overlapping max
 pool's gradient, such a pool in evaluation) the older emitters are faster; for
-others (average pools) they are slower; both give the same bits. For a summed
-window (an average pool) handing YNNPACK only the dots can be faster still
-(`YNN_DOTS_ONLY`; the pool's sums then run on another kernel and can round
-differently in the last bits). No op's name tells which, so a step that holds a windowed
-op is compiled with XLA's defaults and with each candidate at its first call
-and each is timed on copies of its arguments, taking turns; a candidate
+others (average pools) they are slower; both give the same bits. Where the
+default program writes large constant arrays for YNNPACK (a ReLU before an
+average pool or a global mean), handing YNNPACK only the dots can be faster
+(`YNN_DOTS_ONLY`; the sums then run on another kernel and can round
+differently in the last bits), or slower. No op's name tells which, so such
+a step is compiled with XLA's defaults and with each candidate at its first
+call and each is timed on copies of its arguments, taking turns; a candidate
 trains only if it is clearly the fastest, otherwise XLA's defaults stand
 (measurements: benchmarks/README.md, "XLA:CPU options", "The emitters'
-choice, timed in turns" and "YNNPACK for dots only"). A step
-without one keeps XLA's defaults untimed. A training step's 2x2-style pools
+choice, timed in turns" and "YNNPACK for dots only"). Any other step keeps
+XLA's defaults untimed. A training step's 2x2-style pools
 (windows that do not overlap) are rewritten without windowed ops by
 `dpax.xla_cpu.backward`, so it keeps them too. Several processes take the
 old emitters without timing: each would time its own and could choose
@@ -21,6 +22,8 @@ otherwise.
 
 from __future__ import annotations
 
+import math
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -34,12 +37,17 @@ WINDOWED = frozenset({
     "select_and_scatter", "select_and_scatter_add", "select_and_gather_add",
 })
 OLD_FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
-# YNNPACK for dots only. By default XLA:CPU also hands YNNPACK fusions that hold
-# a summed window (an average pool with the ReLU before it), and YNNPACK takes
-# their broadcast constants as whole arrays: XLA writes a zero array the size of
-# the activations every step (16 MB for cnn-avg's first pool) for ReLU's max.
+# YNNPACK for dots only. By default XLA:CPU also hands YNNPACK fusions of
+# elementwise ops and reductions (a ReLU and the average pool or the global
+# mean after it), and YNNPACK takes their broadcast constants as whole arrays:
+# the compiled step writes a constant array the size of the activations every
+# step (16 MB of zeros for cnn-avg's first ReLU). Offered where the default
+# program writes one of at least `FILL_BYTES`.
 YNN_DOTS_ONLY = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
-SUMMED_WINDOWS = frozenset({"reduce_window_sum"})
+FILL_BYTES = 2**20
+# A fusion of one constant that only broadcasts it, in XLA:CPU's optimized HLO.
+_FILL = re.compile(r"= (\w+)\[([\d,]*)\]\S* fusion\(%constant[\w.]*\), kind=kLoop, "
+                   r"calls=%wrapped_broadcast")
 
 
 def primitives(jaxpr: Jaxpr | ClosedJaxpr) -> set[str]:
@@ -52,17 +60,23 @@ def primitives(jaxpr: Jaxpr | ClosedJaxpr) -> set[str]:
     return names
 
 
-def for_step(jaxpr: Jaxpr | ClosedJaxpr) -> dict[str, dict[str, Any]]:
+def for_step(jaxpr: Jaxpr | ClosedJaxpr, hlo: str = "") -> dict[str, dict[str, Any]]:
     """{name: options} worth timing against XLA's defaults for a step traced
-    to `jaxpr` ({}: none, the defaults stand untimed). The first is the one
-    several processes take untimed."""
-    names = primitives(jaxpr)
-    if not names & WINDOWED:
-        return {}
-    candidates = {"older emitters": dict(OLD_FUSION_EMITTERS)}
-    if names & SUMMED_WINDOWS:
+    to `jaxpr` and compiled by default to `hlo` (XLA's optimized HLO text;
+    {}: none, the defaults stand untimed)."""
+    candidates = {}
+    if primitives(jaxpr) & WINDOWED:
+        candidates["older emitters"] = dict(OLD_FUSION_EMITTERS)
+    if largest_fill(hlo) >= FILL_BYTES:
         candidates["YNNPACK dots only"] = dict(YNN_DOTS_ONLY)
     return candidates
+
+
+def largest_fill(hlo: str) -> int:
+    """Bytes of the largest array `hlo` fills with a constant."""
+    sizes = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1}
+    return max((sizes.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+                for dtype, dims in _FILL.findall(hlo)), default=0)
 
 
 TIMED_CALLS = 7  # timed rounds, after the untimed ones
@@ -127,11 +141,15 @@ class ChosenJit:
     def _chosen(self, args) -> Any:
         if self._jit is None:
             default = self._build({})
-            candidates = for_step(default.trace(*args).jaxpr)
+            jaxpr = default.trace(*args).jaxpr
+            # Compiled here to be read; the jit's own first call reuses it.
+            candidates = for_step(jaxpr, default.lower(*args).compile().as_text())
             self.options, self._jit = {}, default
-            if candidates and jax.process_count() > 1:
-                first = next(iter(candidates.values()))
-                self.options, self._jit = first, self._build(first)
+            if jax.process_count() > 1:
+                # Untimed: each process would time its own and could choose otherwise.
+                if "older emitters" in candidates:
+                    self.options = candidates["older emitters"]
+                    self._jit = self._build(self.options)
             elif candidates:
                 jits = {"default": default,
                         **{name: self._build(o) for name, o in candidates.items()}}
