@@ -124,7 +124,7 @@ class AvgPoolCNN(OverlapPoolCNN):
 def test_the_clearly_fastest_options_win_whatever_the_op(times, chosen, monkeypatch):
     """Average pooling, whose older emitters are no faster: the choice follows
     the clock, not the op's name; what trains computes what XLA's defaults do."""
-    calls, real = [], compile_options.fastest
+    calls, real = [], compile_options.round_times
     names = ("default", "older emitters", "YNNPACK dots only")
 
     def timed(compiled, args, *rest):
@@ -133,7 +133,7 @@ def test_the_clearly_fastest_options_win_whatever_the_op(times, chosen, monkeypa
         calls.append(sorted(compiled))
         return {name: [t] * 3 for name, t in zip(names, times)}
 
-    monkeypatch.setattr(compile_options, "fastest", timed)
+    monkeypatch.setattr(compile_options, "round_times", timed)
     # Digits are too small for a large fill: the candidate is offered as if.
     monkeypatch.setattr(compile_options, "largest_fill", lambda hlo: compile_options.FILL_BYTES)
     ds = data.digits()
@@ -174,7 +174,7 @@ def test_the_timed_steps_take_turns_on_fresh_copies():
             return a + 1
         return run
 
-    times = compile_options.fastest({"a": step("a"), "b": step("b")}, (x,), calls=3)
+    times = compile_options.round_times({"a": step("a"), "b": step("b")}, (x,), calls=3)
     assert compile_options.WARMUP_ROUNDS == 2
     assert order == ["b", "a", "a", "b", "b", "a", "a", "b", "b", "a"]
     assert set(times) == {"a", "b"} and all(len(ts) == 3 and all(0 < t < 1 for t in ts)

@@ -89,7 +89,7 @@ WARMUP_ROUNDS = 2  # a process's first calls run slower (thread pools, fresh pag
 MARGIN = 0.10
 
 
-def fastest(compiled: dict[str, Any], args, calls: int = TIMED_CALLS) -> dict[str, list[float]]:
+def round_times(compiled: dict[str, Any], args, calls: int = TIMED_CALLS) -> dict[str, list[float]]:
     """{name: seconds of each timed round} of each compiled step on fresh
     copies of `args` (a step donates its state: the run's own arrays are never
     handed over). The steps take turns, in an order that alternates from round
@@ -141,9 +141,10 @@ class ChosenJit:
     def _chosen(self, args) -> Any:
         if self._jit is None:
             default = self._build({})
-            jaxpr = default.trace(*args).jaxpr
-            # Compiled here to be read; the jit's own first call reuses it.
-            candidates = for_step(jaxpr, default.lower(*args).compile().as_text())
+            traced = default.trace(*args)
+            # Compiled here to be read, and timed below; the jit's first call reuses it.
+            compiled = traced.lower().compile()
+            candidates = for_step(traced.jaxpr, compiled.as_text())
             self.options, self._jit = {}, default
             if jax.process_count() > 1:
                 # Untimed: each process would time its own and could choose otherwise.
@@ -151,9 +152,8 @@ class ChosenJit:
                     self.options = candidates["older emitters"]
                     self._jit = self._build(self.options)
             elif candidates:
-                jits = {"default": default,
-                        **{name: self._build(o) for name, o in candidates.items()}}
-                self.timed = fastest(_compiled(jits, args), args)
+                jits = {name: self._build(o) for name, o in candidates.items()}
+                self.timed = round_times({"default": compiled, **_compiled(jits, args)}, args)
                 best = chosen(self.timed)
                 if best != "default":
                     self.options, self._jit = candidates[best], jits[best]
@@ -174,16 +174,15 @@ class ChosenJit:
 
 
 def _compiled(jits: dict[str, Any], args) -> dict[str, Any]:
-    """Each jit compiled for `args`; a candidate whose options this XLA does not
-    take (an experimental option renamed) is left out: a speed-up must never
-    block training."""
+    """Each candidate's jit compiled for `args`; one whose options this XLA
+    does not take (an experimental option renamed) is left out: a speed-up
+    must never block training."""
     out = {}
     for name, jit in jits.items():
         try:
             out[name] = jit.lower(*args).compile()
         except Exception:  # noqa: BLE001
-            if name == "default":
-                raise
+            continue
     return out
 
 

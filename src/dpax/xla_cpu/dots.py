@@ -40,7 +40,7 @@ MARGIN = 1.5  # the kept pair must be this much faster to be chosen
 # its timing noise, and the copy the kept pair adds costs a step one more op.
 FLOOR_S = 50e-6
 RULE = 2  # part of every key: a changed rule times every shape again
-CALLS = 7  # timed calls per form, in turns (`compile_options.fastest`); the fastest counts
+CALLS = 7  # timed calls per form, in turns (`compile_options.round_times`); the fastest counts
 DIR = "xla_cpu_dots"  # under the dpax cache directory
 
 _decided: dict[str, bool] = {}  # this process's choices, by key
@@ -94,7 +94,7 @@ def seconds(lhs, rhs, params, permutation) -> dict[str, float]:
     with jax.ensure_compile_time_eval():  # runs now, also while a step is traced
         args = [jax.device_put(rng.standard_normal(v.shape).astype(v.dtype), device)
                 for v in (lhs, rhs)]
-        times = compile_options.fastest({name: jax.jit(f).lower(*args).compile()
+        times = compile_options.round_times({name: jax.jit(f).lower(*args).compile()
                                          for name, f in (("folded", folded), ("apart", apart))},
                                         args, CALLS)
         return {name: min(ts) for name, ts in times.items()}
