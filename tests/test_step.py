@@ -150,6 +150,22 @@ def test_a_nan_batch_is_skipped_on_every_replica(backend):
     assert max_diff(leaves(t), ref) <= 1e-5
 
 
+def test_a_batch_of_zero_weight_is_skipped_not_applied():
+    """A global batch whose examples all weigh 0 (text windows with no target,
+    say) has no mean gradient: 0/0. It is skipped like a NaN batch, where it
+    used to pass the guard (finite sums) and write NaN params."""
+    def weighted(model, batch):
+        return (*dpax.classification_loss(model, batch), batch["w"])
+
+    good = plan_batches(40, steps=4)
+    stream = [{"x": x, "y": y, "w": np.ones(len(y), np.float32)} for x, y in good]
+    empty = {**stream[1], "w": np.zeros(40, np.float32)}
+    t = dpax.Trainer(small_mlp(), weighted, optax.sgd(0.1), devices=4)
+    rows = t.fit_stream(iter([stream[0], empty, *stream[1:]]), log_every=5)
+    assert rows[0]["skipped"] == 1 and rows[0]["examples"] == 160
+    assert max_diff(leaves(t), plain_jit_params(optax.sgd(0.1), good)) <= 1e-5
+
+
 @pytest.mark.slow
 def test_too_many_bad_steps_exit_3_and_keep_the_last_good_params(tmp_path):
     out = tmp_path / "diverged"

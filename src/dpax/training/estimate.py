@@ -175,7 +175,11 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
             return jnp.sum(loss_fn(model, batch)[0])
         return jax.grad(loss)(params)
 
-    cost = jax.jit(grad_step).lower(params, rest, batch_of(micro)).cost_analysis() or {}
+    # Counted on the host's CPU backend, whatever the machine: the count is the
+    # model's, and GPU plugins do not analyse a lowered module (on an H100 the
+    # count came back empty, and the predicted step 0 ms).
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        cost = jax.jit(grad_step).lower(params, rest, batch_of(micro)).cost_analysis() or {}
     flops = float(cost.get("flops", 0.0)) * n * k
 
     padded = p if layout == "replicated" else _padded_bytes(params, n)

@@ -425,9 +425,10 @@ class Trainer:
         bad = int(row.pop("bad_in_a_row", 0))
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
             raise TooManyBadSteps(
-                f"{bad} steps in a row had a non-finite loss or gradient and were skipped "
-                f"(limit {self.max_bad_steps}); the params are the last good ones. Lower the "
-                "learning rate, clip gradients (`clip_norm`) or check the data for NaNs")
+                f"{bad} steps in a row had a non-finite loss or gradient, or no weight, and "
+                f"were skipped (limit {self.max_bad_steps}); the params are the last good "
+                "ones. Lower the learning rate, clip gradients (`clip_norm`) or check the data "
+                "for NaNs and for batches with nothing to learn from")
         return row
 
     # -- evaluation and prediction --------------------------------------------------

@@ -89,7 +89,8 @@ def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | Non
         # twice more.
         sq = sum_of_squares(r.grads)
         norm = jnp.sqrt(sq) / r.count
-        finite = jnp.isfinite(sq) & jnp.isfinite(r.loss_sum)
+        # A batch of zero weight has no mean (0/0): skipped like a NaN one.
+        finite = jnp.isfinite(sq) & jnp.isfinite(r.loss_sum) & (r.count > 0)
 
         def apply():
             # A product by the reciprocal, not a division: XLA counts a divide
