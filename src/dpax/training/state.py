@@ -17,7 +17,7 @@ class TrainState:
     params: nnx.State  # nnx.Param variables: what the optimizer updates
     model_state: nnx.State  # every other model variable (e.g. batch statistics)
     opt_state: optax.OptState
-    bad_in_a_row: jax.Array  # consecutive steps skipped: a non-finite loss or gradient, or no weight
+    bad_in_a_row: jax.Array  # consecutive skipped steps (non-finite, or no weight)
     rng: jax.Array  # raw key data; step keys are fold_in(rng, step): N-independent
     # Exponential moving average of the params (laid out like them), or None.
     ema: nnx.State | None = None
