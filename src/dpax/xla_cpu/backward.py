@@ -10,9 +10,10 @@ Three things in a JAX gradient make XLA:CPU slow or memory-hungry:
   ran as a plain Eigen dot. In a `jit` step that XLA partitions itself the
   all-reduce sits between the dot and the transpose and the fold never
   happens: that is why such a step was faster. Here an `optimization_barrier`
-  keeps each such pair apart, so the dot stays a YNNPACK dot: where the dot
-  contracts several dimensions, and for a 2-D dense layer ([batch,
-  features]) where its shapes were timed faster so (`dpax.xla_cpu.dots`).
+  keeps each such pair apart, so the dot stays a YNNPACK dot, where its
+  shapes were timed faster so (`dpax.xla_cpu.dots`): the transpose is a copy
+  of the gradient, which costs more than the dot saves when few tokens
+  contract (a large model on a small batch).
 
 - **Checkpointed blocks** (`jax.checkpoint`, e.g. `GPT(remat=...)`). JAX keeps
   XLA from merging a block's recomputation with its forward pass by an
@@ -77,16 +78,17 @@ def _is_folded_pair(eqn, made_by: dict) -> bool:
     dot = transposed_dot(eqn, made_by)
     if dot is None:
         return False
-    # A dot that contracts several dimensions (batch and tokens): kept apart,
-    # faster in every shape timed (1.1-3.2x). One that contracts one (a 2-D
-    # dense layer's weight gradient, attention's batched products): it depends
-    # on the shapes (a 1024 x 1024 layer's folded dot is the faster, a 4096 ->
-    # 10 head's is 2.7x slower), so each shape is timed (`dpax.xla_cpu.dots`).
+    # Which is faster depends on the shapes, not the op, so each shape is timed
+    # (`dpax.xla_cpu.dots`). A 2-D dense layer's weight gradient: a 1024 x 1024
+    # layer's folded dot is the faster, a 4096 -> 10 head's 2.7x slower. A dot
+    # that contracts several dimensions (batch and tokens): kept apart was
+    # 1.1-3.2x faster on the bench's GPT (2048 tokens), but with 32 tokens a
+    # 12 x 768 GPT's transposes cost more than its dots (the step 0.59x of
+    # the generic one), so it is timed too, with the smaller margin.
     (contracting, _), _ = dot.params["dimension_numbers"]
-    if len(contracting) > 1:
-        return True
+    margin = dots.MARGIN_SEVERAL if len(contracting) > 1 else dots.MARGIN
     lhs, rhs = (v.aval for v in dot.invars)
-    return dots.keep_apart(lhs, rhs, dot.params, tuple(eqn.params["permutation"]))
+    return dots.keep_apart(lhs, rhs, dot.params, tuple(eqn.params["permutation"]), margin)
 
 
 def _is_recomputation(eqn) -> bool:
