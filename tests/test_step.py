@@ -166,6 +166,20 @@ def test_a_batch_of_zero_weight_is_skipped_not_applied():
     assert max_diff(leaves(t), plain_jit_params(optax.sgd(0.1), good)) <= 1e-5
 
 
+def test_skipping_off_applies_every_step_as_a_hand_loop_does():
+    """`skip_nonfinite=False`: the same params on finite data; a NaN step is
+    applied (the params are then not finite), counted, and stops the run."""
+    good = plan_batches(40, steps=4)
+    t = mlp_trainer(4, skip_nonfinite=False, max_bad_steps=2)
+    t.fit_stream(({"x": x, "y": y} for x, y in good), log_every=4)
+    assert max_diff(leaves(t), plain_jit_params(optax.sgd(0.1), good)) <= 1e-5
+    nan = good[0][0].copy()
+    nan[3] = np.nan
+    with pytest.raises(dpax.TooManyBadSteps, match="were applied"):
+        t.fit_stream(({"x": nan, "y": good[0][1]} for _ in range(4)), log_every=1)
+    assert not all(np.isfinite(np.asarray(a)).all() for a in leaves(t))
+
+
 @pytest.mark.slow
 def test_too_many_bad_steps_exit_3_and_keep_the_last_good_params(tmp_path):
     out = tmp_path / "diverged"

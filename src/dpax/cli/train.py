@@ -159,8 +159,12 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
                                   until_step=total, seed=config.seed,
                                   log_every=config.log_every, batches=data_iter,
                                   hooks=[h for h in run_hooks if h is not None])
-        except (TooManyBadSteps, Preempted):
-            save_params()  # the last good params, whatever happens next
+        except TooManyBadSteps:
+            if trainer.config.skip_nonfinite:  # else the steps were applied: not finite
+                save_params()  # the last good params, whatever happens next
+            raise
+        except Preempted:
+            save_params()
             raise
         except RunFailed as e:
             raise kept(e, save_params(), f"the params of step {position.step}") from None

@@ -78,6 +78,11 @@ class TrainerConfig:
     max_bad_steps: int | None = cfg.field(
         10, "stop (exit 3) after this many non-finite steps in a row, checked at log steps",
         how=True)
+    skip_nonfinite: bool = cfg.field(
+        True, "skip a step whose loss or gradient is not finite (the state stays); "
+              "--no-skip-nonfinite applies every step, as a hand-written loop does: faster "
+              "where the optimizer bounds the step (large model, small batch), but a NaN "
+              "step then ruins the params")
     sync_batchnorm: bool = cfg.field(
         True, "BatchNorm statistics over the global batch (--no-sync-batchnorm: per "
               "device, not equivalent to one device)")
@@ -125,6 +130,10 @@ class Trainer:
       allreduce_dtype: "fp32" or "bf16" for the gradient all-reduce.
       max_bad_steps: stop with `TooManyBadSteps` after this many skipped
         (non-finite) steps in a row, checked at log boundaries; None: never.
+      skip_nonfinite: skip a step whose loss or gradient is not finite (the
+        default). False applies every step, as a hand-written loop does:
+        faster where the optimizer's update bounds the step, but one NaN
+        step leaves non-finite params (then counted for `max_bad_steps`).
       steps_per_call: run this many steps in one compiled call (a scan over
         batches already on the device): fewer launches for small models.
       sync_batchnorm: convert `nnx.BatchNorm` layers to `SyncBatchNorm`, and
@@ -189,6 +198,7 @@ class Trainer:
             allreduce_dtype=PRECISIONS[config.allreduce_dtype],
             average_state=has_per_device_state(model), sync_batchnorm=config.sync_batchnorm,
             clip_norm=config.clip_norm, ema_decay=config.ema_decay,
+            skip_nonfinite=config.skip_nonfinite,
             backward=self.platform.backward, pack=self.platform.pack_collectives)
         ema = config.ema_decay is not None
         self._graphdef, state = init_state(model, optimizer, seed, ema=ema)
@@ -424,6 +434,12 @@ class Trainer:
         row = metrics.summarize([self._steps.packing.unpack(h) for h in host])
         bad = int(row.pop("bad_in_a_row", 0))
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
+            if not self.config.skip_nonfinite:
+                raise TooManyBadSteps(
+                    f"{bad} steps in a row had a non-finite loss or gradient, or no weight, "
+                    f"and were applied (skip_nonfinite=False; limit {self.max_bad_steps}): "
+                    "the params are not finite. Skip such steps (the default), lower the "
+                    "learning rate or clip gradients (`clip_norm`)")
             raise TooManyBadSteps(
                 f"{bad} steps in a row had a non-finite loss or gradient, or no weight, and "
                 f"were skipped (limit {self.max_bad_steps}); the params are the last good "
