@@ -27,7 +27,8 @@ class BenchConfig:
     workloads: str = cfg.field("tiny,mlp,cnn,digits,gpt",
                                "comma-separated: tiny, mlp, cnn, digits, gpt, and conv nets "
                                "that downsample otherwise: cnn-avg, cnn-max3, cnn-strided, "
-                               "cnn-gap")
+                               "cnn-gap; gpt-wide: 12 x 768 on 16 tokens, a step the "
+                               "optimizer bounds")
     optimizer: str = cfg.field("adam", "what every method trains with: sgd, momentum, adam, "
                                "adamw")
     devices: str = cfg.field("1,2,4,8", "device counts, comma-separated", metavar="N,N")

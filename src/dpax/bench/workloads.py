@@ -105,6 +105,17 @@ def _gpt():
     return gpt.GPT(256, GPT_SEQ, **GPT_SHAPE, rngs=nnx.Rngs(0))
 
 
+# GPT-2 small's depth and width on few tokens: a step bound by the
+# optimizer's passes over 86M params, not by the matmuls (every other
+# workload is the other kind).
+WIDE_SHAPE = {"layers": 12, "width": 768, "heads": 12}
+WIDE_SEQ = 16
+
+
+def _gpt_wide():
+    return gpt.GPT(256, WIDE_SEQ, **WIDE_SHAPE, rngs=nnx.Rngs(0))
+
+
 def _gpt_flops(vocab=256, d=128, layers=4):
     """Per window of GPT_SEQ tokens; the weights counted from the shapes (a
     block holds 12 d^2 + 13 d, test_gpt.py checks it), the position table left out."""
@@ -123,6 +134,7 @@ WORKLOADS = {
     "digits": Workload("digits", (8, 8, 1), 128,
                        lambda: models.CNN((8, 8, 1), 10, rngs=nnx.Rngs(0)), steps=128),
     "gpt": Workload("gpt", (GPT_SEQ + 1,), 32, _gpt, _gpt_flops(), steps=16, task="lm"),
+    "gpt-wide": Workload("gpt-wide", (WIDE_SEQ + 1,), 8, _gpt_wide, steps=8, task="lm"),
     # Common downsampling a user's conv net may have (`PoolCNN`).
     **{f"cnn-{pool}": Workload(f"cnn-{pool}", (32, 32, 3), 128, _pool_cnn(pool),
                                steps=24 if pool in ("avg", "max3") else 48)

@@ -1,0 +1,64 @@
+"""What the non-finite guard costs `Trainer.fit`: dpax with and without
+`skip_nonfinite` against the bench's hand loops, in interleaved turns.
+
+    python scripts/skip_nonfinite_bench.py --workloads gpt-wide,mlp --devices 1
+
+The guard makes every update wait for the whole gradient; where the
+optimizer's passes bound the step (`gpt-wide`), XLA:CPU can then no longer
+update each leaf while its gradient is in cache. Results: benchmarks/README.md,
+"The guard on a large model, and its weight-gradient dots".
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from dpax.bench import baselines
+from dpax.bench.timing import first_call, time_interleaved
+from dpax.bench.workloads import WORKLOADS, synthetic
+from dpax.parallel.mesh import simulate_devices
+from dpax.training.trainer import Trainer
+
+
+def fit_method(w, n: int, skip: bool, tuning: bool | None):
+    x, y = synthetic(w, w.batch_size)
+    t = Trainer(w.make(), w.loss(), w.tx(), devices=n, skip_nonfinite=skip,
+                xla_cpu_tuning=tuning)
+    done = [0]
+
+    def run(k):  # fit trains until the step counter reaches the total
+        done[0] += k
+        t.fit(x, y, batch_size=w.batch_size, until_step=done[0], log_every=10**9)
+
+    return first_call("dpax" if skip else "dpax, skip_nonfinite=False", run)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="gpt-wide,mlp")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--tuning", choices=("on", "off"), default="on",
+                        help="dpax's XLA:CPU tuning (off: the path GPUs and TPUs take)")
+    args = parser.parse_args(argv)
+    tuning, n = args.tuning == "on", args.devices
+    simulate_devices(max(n, 8))  # before JAX starts its backend
+    print("| workload | N | tuning | dpax | dpax, skip_nonfinite=False | best hand loop | "
+          "dpax vs hand | no skip vs hand |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name in args.workloads.split(","):
+        w = WORKLOADS[name]
+        b = w.batch_size
+        ms = [fit_method(w, n, True, tuning), fit_method(w, n, False, tuning),
+              baselines.bench_jit(w, b, n if n > 1 else None), baselines.bench_pmap_loop(w, n, b)]
+        med = {k: statistics.median(v) for k, v in time_interleaved(ms, w.steps,
+                                                                     args.repeats).items()}
+        hand = max(med["jit 1 device" if n == 1 else "jit sharded"], med["pmap loop"])
+        on, off = med["dpax"], med["dpax, skip_nonfinite=False"]
+        print(f"| {name} | {n} | {args.tuning} | {on:.2f} | {off:.2f} | {hand:.2f} | "
+              f"{on / hand:.3f}x | {off / hand:.3f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
