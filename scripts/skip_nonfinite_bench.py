@@ -39,6 +39,9 @@ def main(argv=None) -> None:
     parser.add_argument("--workloads", default="gpt-wide,mlp")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps per repeat (default: the workload's; on a GPU use more, "
+                        "so that a fit call's fixed cost does not dominate)")
     parser.add_argument("--tuning", choices=("on", "off"), default="on",
                         help="dpax's XLA:CPU tuning (off: the path GPUs and TPUs take)")
     args = parser.parse_args(argv)
@@ -52,7 +55,8 @@ def main(argv=None) -> None:
         b = w.batch_size
         ms = [fit_method(w, n, True, tuning), fit_method(w, n, False, tuning),
               baselines.bench_jit(w, b, n if n > 1 else None), baselines.bench_pmap_loop(w, n, b)]
-        med = {k: statistics.median(v) for k, v in time_interleaved(ms, w.steps,
+        steps = args.steps or w.steps
+        med = {k: statistics.median(v) for k, v in time_interleaved(ms, steps,
                                                                      args.repeats).items()}
         hand = max(med["jit 1 device" if n == 1 else "jit sharded"], med["pmap loop"])
         on, off = med["dpax"], med["dpax, skip_nonfinite=False"]
