@@ -15,23 +15,9 @@ import argparse
 import statistics
 
 from dpax.bench import baselines
-from dpax.bench.timing import first_call, time_interleaved
-from dpax.bench.workloads import WORKLOADS, synthetic
+from dpax.bench.timing import time_interleaved
+from dpax.bench.workloads import WORKLOADS
 from dpax.parallel.mesh import simulate_devices
-from dpax.training.trainer import Trainer
-
-
-def fit_method(w, n: int, skip: bool, tuning: bool | None):
-    x, y = synthetic(w, w.batch_size)
-    t = Trainer(w.make(), w.loss(), w.tx(), devices=n, skip_nonfinite=skip,
-                xla_cpu_tuning=tuning)
-    done = [0]
-
-    def run(k):  # fit trains until the step counter reaches the total
-        done[0] += k
-        t.fit(x, y, batch_size=w.batch_size, until_step=done[0], log_every=10**9)
-
-    return first_call("dpax" if skip else "dpax, skip_nonfinite=False", run)
 
 
 def main(argv=None) -> None:
@@ -53,7 +39,9 @@ def main(argv=None) -> None:
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
         b = w.batch_size
-        ms = [fit_method(w, n, True, tuning), fit_method(w, n, False, tuning),
+        ms = [baselines.bench_dpax(w, n, "shard_map", b, name="dpax", xla_cpu_tuning=tuning),
+              baselines.bench_dpax(w, n, "shard_map", b, name="dpax, skip_nonfinite=False",
+                                   xla_cpu_tuning=tuning, skip_nonfinite=False),
               baselines.bench_jit(w, b, n if n > 1 else None), baselines.bench_pmap_loop(w, n, b)]
         steps = args.steps or w.steps
         med = {k: statistics.median(v) for k, v in time_interleaved(ms, steps,

@@ -38,11 +38,12 @@ from dpax.training.trainer import Trainer
 
 
 def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None,
-               sharding="replicated", xla_cpu_tuning=None) -> Method:
+               sharding="replicated", **options) -> Method:
+    """`Trainer.fit` on the workload; `options`: more of `Trainer`'s
+    (`xla_cpu_tuning`, `skip_nonfinite`)."""
     x, y = synthetic(w, batch_size)
     t = Trainer(w.make(), w.loss(), w.tx(), devices=n, backend=backend,
-                steps_per_call=steps_per_call, sharding=sharding,
-                xla_cpu_tuning=xla_cpu_tuning)
+                steps_per_call=steps_per_call, sharding=sharding, **options)
     done = [0]
 
     def run(k):  # fit trains until the step counter reaches the total

@@ -434,17 +434,14 @@ class Trainer:
         row = metrics.summarize([self._steps.packing.unpack(h) for h in host])
         bad = int(row.pop("bad_in_a_row", 0))
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
-            if not self.config.skip_nonfinite:
-                raise TooManyBadSteps(
-                    f"{bad} steps in a row had a non-finite loss or gradient, or no weight, "
-                    f"and were applied (skip_nonfinite=False; limit {self.max_bad_steps}): "
-                    "the params are not finite. Skip such steps (the default), lower the "
-                    "learning rate or clip gradients (`clip_norm`)")
+            were, params = (("skipped", "the params are the last good ones")
+                            if self.config.skip_nonfinite else
+                            ("applied (skip_nonfinite=False)", "the params are not finite"))
             raise TooManyBadSteps(
                 f"{bad} steps in a row had a non-finite loss or gradient, or no weight, and "
-                f"were skipped (limit {self.max_bad_steps}); the params are the last good "
-                "ones. Lower the learning rate, clip gradients (`clip_norm`) or check the data "
-                "for NaNs and for batches with nothing to learn from")
+                f"were {were} (limit {self.max_bad_steps}); {params}. Lower the learning "
+                "rate, clip gradients (`clip_norm`) or check the data for NaNs and for "
+                "batches with nothing to learn from")
         return row
 
     # -- evaluation and prediction --------------------------------------------------
