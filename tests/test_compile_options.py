@@ -157,7 +157,8 @@ def test_the_choice_pairs_the_rounds():
              "y": [2.0, 2.0, 0.7, 2.0, 2.0]}
     assert min(times["y"]) < min(times["x"])
     assert compile_options.chosen(times) == "x"
-    assert compile_options.chosen({"default": [1.0] * 3, "x": [0.95] * 3}) == "default"
+    near = 1 - compile_options.MARGIN / 2  # faster, but by less than the margin
+    assert compile_options.chosen({"default": [1.0] * 3, "x": [near] * 3}) == "default"
 
 
 def test_the_timed_steps_take_turns_on_fresh_copies():
