@@ -25,6 +25,8 @@ from conftest import (
     small_mlp,
 )
 from dpax.models import losses
+from dpax.training import hooks
+from dpax.training.checkpoint import Checkpointer
 
 
 # -- gradient accumulation ---------------------------------------------------------------
@@ -166,18 +168,30 @@ def test_a_batch_of_zero_weight_is_skipped_not_applied():
     assert max_diff(leaves(t), plain_jit_params(optax.sgd(0.1), good)) <= 1e-5
 
 
-def test_skipping_off_applies_every_step_as_a_hand_loop_does():
+def test_skipping_off_applies_every_step_as_a_hand_loop_does(tmp_path, capsys):
     """`skip_nonfinite=False`: the same params on finite data; a NaN step is
-    applied (the params are then not finite), counted, and stops the run."""
+    applied (the params are then not finite), counted, and stops the run. Its
+    state is never checkpointed: it would push the good checkpoints out of the
+    newest `keep`, and the newest one holds the last good step."""
     good = plan_batches(40, steps=4)
     t = mlp_trainer(4, skip_nonfinite=False, max_bad_steps=2)
-    t.fit_stream(({"x": x, "y": y} for x, y in good), log_every=4)
+    ckpt = Checkpointer(str(tmp_path), keep=2)
+    every_step = hooks.Checkpoint(ckpt, t, None, {}, every=1)
+    t.fit_stream(({"x": x, "y": y} for x, y in good), log_every=4, hooks=[every_step])
     assert max_diff(leaves(t), plain_jit_params(optax.sgd(0.1), good)) <= 1e-5
+    last_good = {k: np.asarray(v) for k, v in t.state_dict().items()}
     nan = good[0][0].copy()
     nan[3] = np.nan
     with pytest.raises(dpax.TooManyBadSteps, match="were applied"):
-        t.fit_stream(({"x": nan, "y": good[0][1]} for _ in range(4)), log_every=1)
+        t.fit_stream(({"x": nan, "y": good[0][1]} for _ in range(4)), log_every=1,
+                     hooks=[every_step])
     assert not all(np.isfinite(np.asarray(a)).all() for a in leaves(t))
+    ckpt.manager.wait_until_finished()
+    assert ckpt.steps() == [3, 4]
+    assert "step 5 was not checkpointed" in capsys.readouterr().err
+    step, state, _ = ckpt.restore(t.state_template(), None)
+    assert step == 4 and all(np.array_equal(state[k], v) for k, v in last_good.items())
+    ckpt.close()
 
 
 @pytest.mark.slow

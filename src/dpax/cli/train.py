@@ -138,17 +138,24 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
                                 *config.output.profile_range(), trainer)
 
     def save_params(params: dict | None = None) -> str | None:
+        """params.npz in `out`, unless the params are not finite (a step
+        applied with skip_nonfinite=False): such a file helps no one and would
+        replace a good one."""
         if config.output.out is None:
             return None
         path = os.path.join(config.output.out, "params.npz")
         if writer_process:
-            outputs.save_npz(path, outputs.flat_params(trainer.params) if params is None
-                             else params)
+            params = outputs.flat_params(trainer.params) if params is None else params
+            if not all(np.isfinite(v).all() for v in params.values()):
+                return None
+            outputs.save_npz(path, params)
         return path
 
     def kept(e: RunFailed, path: str | None, what: str) -> RunFailed:
-        return RunFailed(f"{e}; {what} are in {path}" if path
-                         else f"{e}; no `out`, so the params were not saved")
+        if path:
+            return RunFailed(f"{e}; {what} are in {path}")
+        why = "no `out`" if config.output.out is None else "they are not finite"
+        return RunFailed(f"{e}; {why}, so the params were not saved")
 
     with hooks.StopOnSignal(checkpoint) as stop:
         run_hooks = [hooks.Evaluate(trainer, {"x": ds.x_eval, "y": ds.y_eval},
@@ -160,8 +167,7 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
                                   log_every=config.log_every, batches=data_iter,
                                   hooks=[h for h in run_hooks if h is not None])
         except TooManyBadSteps:
-            if trainer.config.skip_nonfinite:  # else the steps were applied: not finite
-                save_params()  # the last good params, whatever happens next
+            save_params()  # the last good params (skipping on), whatever happens next
             raise
         except Preempted:
             save_params()

@@ -19,6 +19,8 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from dpax import config as cfg
@@ -77,11 +79,19 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
-    def save(self, step: int, state: dict, data: Any, meta: dict) -> None:
+    def save(self, step: int, state: dict, data: Any, meta: dict) -> bool:
         """Start an async save. Returns once the state is copied off the devices,
-        so the next (donating) step may run; the files are written in the background."""
+        so the next (donating) step may run; the files are written in the background.
+        A state that is not finite is not saved (False): it would push a good
+        checkpoint out of the newest `keep`."""
         if step in self.manager.all_steps():
-            return
+            return True
+        if not all_finite(state):
+            print(f"dpax: warning: step {step} was not checkpointed: its state is not "
+                  "finite (a non-finite step applied with skip_nonfinite=False, or an "
+                  "update that overflowed); the checkpoints before it are kept",
+                  file=sys.stderr, flush=True)
+            return False
         args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if data is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data)
@@ -89,6 +99,7 @@ class Checkpointer:
         # barrier: a peer that stopped would hang it, so the watchdog times it.
         with self._failing_as(f"saving step {step}"), watchdog.waiting(step):
             self.manager.save(step, args=ocp.args.Composite(**args))
+        return True
 
     def close(self) -> None:
         """Wait until every started save is on disk (a background write that
@@ -173,6 +184,22 @@ class Checkpointer:
         path = self.manager.directory / str(step) / "state"
         saved = ocp.StandardCheckpointHandler().metadata(path)
         return {k: tuple(v.shape) for k, v in saved.items()}
+
+
+@jax.jit
+def _finite(arrays: list) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(a).all() for a in arrays]))
+
+
+def all_finite(state: dict) -> bool:
+    """Whether every floating-point array of a state dict is finite: one
+    reduction on the devices for device arrays (every process gets the same
+    answer, so all of them save or none), numpy for host ones (pmap's copy)."""
+    floats = [v for v in state.values() if jnp.issubdtype(v.dtype, jnp.inexact)]
+    on_device = [v for v in floats if isinstance(v, jax.Array)]
+    on_host = [v for v in floats if not isinstance(v, jax.Array)]
+    return (all(np.isfinite(v).all() for v in on_host)
+            and (not on_device or bool(_finite(on_device))))
 
 
 def _mismatch(saved: dict[str, tuple], template: dict) -> str | None:
