@@ -69,6 +69,23 @@ def test_a_run_whose_params_are_not_finite_does_not_end_in_success(tmp_path, cap
 
 
 @pytest.mark.slow
+def test_a_diverging_run_without_skipping_writes_nothing_that_is_not_finite(tmp_path,
+                                                                             capsys):
+    """`--no-skip-nonfinite` applies the diverging steps: the run stops with
+    exit 3, writes no params.npz, and checkpoints none of its states (a
+    warning for each), so nothing it leaves holds a NaN."""
+    ck, out = tmp_path / "ck", tmp_path / "run"
+    code = main(["train", *RUN, "--lr", "1e20", "--steps", "40", "--max-bad-steps", "5",
+                 "--no-skip-nonfinite", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+                 "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 3 and "were applied (skip_nonfinite=False)" in err[-1], err
+    assert all("was not checkpointed" in line for line in err[:-1]) and len(err) > 1
+    assert not (out / "params.npz").exists()
+    assert not [d for d in os.listdir(ck) if d.isdigit()]
+
+
+@pytest.mark.slow
 def test_a_finished_run_can_be_extended_with_more_steps(tmp_path, capsys):
     ck = str(tmp_path / "ck")
     assert main(["train", *RUN, "--steps", "20", "--checkpoint-dir", ck,
