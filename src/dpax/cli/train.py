@@ -11,7 +11,6 @@ import os
 import sys
 
 import jax
-import numpy as np
 
 from dpax import config as cfg
 from dpax.cli import devices, outputs
@@ -24,7 +23,7 @@ from dpax.parallel import peak, watchdog
 from dpax.parallel.distributed import is_writer
 from dpax.parallel.mesh import describe
 from dpax.training import hooks
-from dpax.training.checkpoint import AUTO, LATEST, Checkpointer, locate
+from dpax.training.checkpoint import AUTO, LATEST, Checkpointer, all_finite, locate
 from dpax.training.trainer import Trainer
 
 NAME = "train"
@@ -137,16 +136,17 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
         profile = hooks.Profile(os.path.join(config.output.out, "profile"),
                                 *config.output.profile_range(), trainer)
 
-    def save_params(params: dict | None = None) -> str | None:
-        """params.npz in `out`, unless the params are not finite (a step
+    def save_params(final: dict | None = None) -> str | None:
+        """params.npz in `out`: the `final` params (checked finite by the
+        caller), or the trainer's now unless they are not finite (a step
         applied with skip_nonfinite=False): such a file helps no one and would
         replace a good one."""
         if config.output.out is None:
             return None
         path = os.path.join(config.output.out, "params.npz")
         if writer_process:
-            params = outputs.flat_params(trainer.params) if params is None else params
-            if not all(np.isfinite(v).all() for v in params.values()):
+            params = outputs.flat_params(trainer.params) if final is None else final
+            if final is None and not all_finite(params):
                 return None
             outputs.save_npz(path, params)
         return path
@@ -166,11 +166,8 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
                                   until_step=total, seed=config.seed,
                                   log_every=config.log_every, batches=data_iter,
                                   hooks=[h for h in run_hooks if h is not None])
-        except TooManyBadSteps:
-            save_params()  # the last good params (skipping on), whatever happens next
-            raise
-        except Preempted:
-            save_params()
+        except (TooManyBadSteps, Preempted):
+            save_params()  # the last good params, whatever happens next
             raise
         except RunFailed as e:
             raise kept(e, save_params(), f"the params of step {position.step}") from None
@@ -185,7 +182,7 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
     # optimizer's hyperparameter be NaN through the Python API). Checked once,
     # on the host copy params.npz needs anyway: such a run does not end in success.
     final = outputs.flat_params(trainer.params)
-    if not all(np.isfinite(v).all() for v in final.values()):
+    if not all_finite(final):
         raise RunFailed(f"the params are not finite after step {total}: an update overflowed "
                         "or an optimizer hyperparameter is not finite; lower `lr` or clip "
                         "gradients (`clip_norm`). params.npz was not written")
