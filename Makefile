@@ -13,10 +13,11 @@ PARALLEL := -n $(JOBS) --dist loadfile
 
 setup: $(STAMP)
 
-# Re-install only when the pins change; a no-op when already set up.
+# Re-install only when the pins change; a no-op when already set up. No pip
+# cache: it would keep a second copy of the 2.5 GB of wheels on the disk.
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-cache-dir -e '.[dev]'
 	touch $(STAMP)
 
 train: $(STAMP)
