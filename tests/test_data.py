@@ -14,6 +14,25 @@ def test_digits_split_is_fixed_and_covers_every_image():
     assert 0.0 <= a.x_train.min() and a.x_train.max() <= 1.0
 
 
+def test_digits_are_scikit_learns_own_without_importing_it():
+    """dpax reads the file `load_digits` reads, without its ~2 s import."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    theirs = data.datasets._split("digits", (d.images[..., None] / 16.0).astype(np.float32),
+                                  d.target.astype(np.int32), "classification", 10)
+    ours = data.digits()
+    for field in ("x_train", "y_train", "x_eval", "y_eval"):
+        a, b = getattr(ours, field), getattr(theirs, field)
+        assert a.dtype == b.dtype and np.array_equal(a, b), field
+    loads = "import sys, dpax; dpax.data.digits(); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", loads], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+
 def test_random_images_are_nhwc_and_learnable_labels():
     ds = data.random_images(n=64)
     assert ds.x_train.shape[1:] == (32, 32, 3) and ds.n_out == 10
