@@ -5,11 +5,15 @@ Compiled steps go to a persistent XLA cache made for this session: the `dpax`
 processes the tests start (README commands, launches, kill -9 and resume)
 compile the same steps again and again, and a cache hit replaces a compile
 with a file read. Numbers do not change: the cache holds XLA's own executables,
-keyed by the program and its options.
+keyed by the program and its options. pytest-xdist's workers inherit the
+session's directory from the process that starts them, so they share one
+cache; that process removes it at exit.
 """
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 
 import jax
@@ -17,16 +21,28 @@ import numpy as np
 
 import dpax
 
+_SESSION = os.environ.get("DPAX_TEST_SESSION_DIR")
+if _SESSION is None:  # the first pytest process: make the session's directory
+    _SESSION = os.environ["DPAX_TEST_SESSION_DIR"] = tempfile.mkdtemp(prefix="dpax-test-")
+    atexit.register(shutil.rmtree, _SESSION, ignore_errors=True)
+
+
+def _session_dir(name: str) -> str:
+    path = os.path.join(_SESSION, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 _CACHE = {
-    "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(prefix="dpax-test-xla-cache-"),
+    "JAX_COMPILATION_CACHE_DIR": _session_dir("xla-cache"),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     # The measured MFU peaks (`dpax.parallel.peak`) stay out of the user's ~/.cache.
-    "DPAX_CACHE_DIR": tempfile.mkdtemp(prefix="dpax-test-cache-"),
+    "DPAX_CACHE_DIR": _session_dir("dpax-cache"),
     # --tracker wandb: offline, and its staging and caches out of the user's home.
     "WANDB_MODE": "offline",
-    **{var: tempfile.mkdtemp(prefix=f"dpax-test-{var.lower()}-")
-       for var in ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR")},
+    **{var: _session_dir(var.lower()) for var in
+       ("WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR")},
 }
 os.environ.update(_CACHE)  # for the subprocesses
 jax.config.update("jax_compilation_cache_dir", _CACHE["JAX_COMPILATION_CACHE_DIR"])
