@@ -47,7 +47,7 @@ def test_cnn_bn_steps_on_8_devices_equal_1_device(seed):
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("n, grad_accum, seed", [(4, 2, 0), (8, 3, 1)])
+@pytest.mark.parametrize("n, grad_accum, seed", [(8, 3, 1)])  # 61 rows: uneven micro-batches
 def test_cnn_bn_with_grad_accum_steps_equal_1_device(n, grad_accum, seed):
     """A micro-batch's BatchNorm statistics cover the same examples on N devices
     as on one (every grad_accum-th row of the global batch), and each micro-batch
@@ -103,10 +103,10 @@ def test_dropout_masks_do_not_depend_on_the_device_count():
 def test_cnn_bn_trains_digits_and_resumes_exactly(tmp_path, capsys):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     assert main(["train", "--model", "cnn-bn", "--checkpoint-dir", f"{a}/ck",
-                 "--checkpoint-every", "90", "--log-every", "45", "--out", a]) == 0
+                 "--checkpoint-every", "135", "--log-every", "45", "--out", a]) == 0
     acc = float(capsys.readouterr().out.split("eval accuracy ")[1].split()[0])
     assert acc >= 0.97
-    assert main(["train", "--model", "cnn-bn", "--resume", f"{a}/ck/90", "--log-every", "45",
+    assert main(["train", "--model", "cnn-bn", "--resume", f"{a}/ck/135", "--log-every", "45",
                  "--out", b]) == 0
     pa, pb = np.load(f"{a}/params.npz"), np.load(f"{b}/params.npz")
     assert all(np.array_equal(pa[k], pb[k]) for k in pa.files)

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from dpax.cli import main
-from dpax.cli.launch import free_port
 from test_multiprocess import _children
 
 pytestmark = pytest.mark.slow  # starts dpax processes
@@ -39,12 +38,17 @@ def logged_steps(out) -> list[int]:
     return [r["step"] for r in rows if "loss" in r]
 
 
-def reference(tmp_path, steps, *flags):
-    """One process, 4 devices, uninterrupted: what 2 x 2 devices must give."""
-    out = str(tmp_path / "reference")
-    assert main(["train", *RUN, *flags, "--steps", str(steps), "--devices", "4",
-                 "--out", out]) == 0
-    return params(out), logged_steps(out)
+def reference(tmp_path, steps):
+    """One process, 4 devices, uninterrupted: what 2 x 2 devices must give
+    (trained once per step count; several tests compare with the same run)."""
+    if steps not in _REFERENCES:
+        out = str(tmp_path / "reference")
+        assert main(["train", *RUN, "--steps", str(steps), "--devices", "4", "--out", out]) == 0
+        _REFERENCES[steps] = params(out), logged_steps(out)
+    return _REFERENCES[steps]
+
+
+_REFERENCES: dict[int, tuple[dict, list[int]]] = {}
 
 
 def start_launch(*args):
@@ -178,25 +182,33 @@ def _slurm_port() -> tuple[int, int]:
     pytest.skip("no free port in SLURM's range")
 
 
-@pytest.mark.parametrize("scheduler", ["slurm", "kubernetes"])
-def test_a_run_joins_from_the_schedulers_environment(tmp_path, scheduler):
-    """Two processes given no multi-process flag, only their scheduler's
-    environment (SLURM's variables for one task per process, or a Kubernetes
-    indexed Job's), train as one process with all their devices."""
+def test_a_kubernetes_indexed_jobs_environment_names_the_run():
+    """What a pod of the example JobSet sees; from there the run joins as the
+    SLURM one below does (`distributed.environment_run` feeds both)."""
+    from dpax.errors import DpaxError
+    from dpax.parallel.distributed import environment_run
+
+    env = {"JAX_COORDINATOR_ADDRESS": "job-0.svc:1234", "JAX_NUM_PROCESSES": "4"}
+    assert environment_run({**env, "JOB_COMPLETION_INDEX": "2"}) == ("job-0.svc:1234", 4, 2)
+    assert environment_run({**env, "JOB_COMPLETION_INDEX": "2", "JAX_PROCESS_ID": "3"})[2] == 3
+    with pytest.raises(DpaxError, match="JOB_COMPLETION_INDEX"):
+        environment_run(env)
+
+
+def test_a_run_joins_from_slurms_environment(tmp_path):
+    """Two processes given no multi-process flag, only SLURM's variables for
+    one task per process, train as one process with all their devices. (A
+    Kubernetes indexed Job's join the same way: the test above reads them.)"""
     steps = 10
-    job, port = _slurm_port() if scheduler == "slurm" else (None, free_port())
+    job, _ = _slurm_port()
     procs = []
     for rank in range(2):
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("SLURM_", "JAX_COORDINATOR", "JAX_NUM_PROCESSES",
                                     "JAX_PROCESS_ID"))}
-        if scheduler == "slurm":
-            env.update(SLURM_JOB_ID=str(job), SLURM_NTASKS="2", SLURM_PROCID=str(rank),
-                       SLURM_LOCALID=str(rank), SLURM_STEP_NODELIST="localhost",
-                       SLURM_STEP_NUM_NODES="1")
-        else:
-            env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
-                       JOB_COMPLETION_INDEX=str(rank))
+        env.update(SLURM_JOB_ID=str(job), SLURM_NTASKS="2", SLURM_PROCID=str(rank),
+                   SLURM_LOCALID=str(rank), SLURM_STEP_NODELIST="localhost",
+                   SLURM_STEP_NUM_NODES="1")
         out = str(tmp_path / f"run{rank}")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "dpax", "train", *RUN, "--steps", str(steps), "--devices",
@@ -208,7 +220,7 @@ def test_a_run_joins_from_the_schedulers_environment(tmp_path, scheduler):
     assert not os.path.exists(tmp_path / "run1" / "params.npz")  # only process 0 writes
     ref, _ = reference(tmp_path, steps)
     diff = max_diff(params(tmp_path / "run0"), ref)
-    print(f"{scheduler} environment, 2 processes x 2 devices vs 1 x 4: {diff:.2e}")
+    print(f"SLURM environment, 2 processes x 2 devices vs 1 x 4: {diff:.2e}")
     assert diff == 0.0
 
 
