@@ -32,7 +32,7 @@ docs-site: $(STAMP)
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(or $(SITE),site)
 
 test: lint
-	$(MAKE) docs-site SITE=$$(mktemp -d)
+	site=$$(mktemp -d) && $(MAKE) docs-site SITE=$$site && rm -rf $$site
 	$(BIN)/pytest $(PARALLEL) --durations=15
 	$(MAKE) test-generic
 
