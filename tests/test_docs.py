@@ -2,15 +2,15 @@
 flag table matches the config, every command in their bash blocks runs (or
 says why it cannot), and the architecture page lists every module."""
 
-import os
 import pathlib
 import re
+import shlex
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from dpax.cli import main
 from dpax.cli.flags import flags_markdown
 from dpax.cli.job import TrainConfig
 
@@ -64,8 +64,17 @@ def bash_lines():
     return list(dict.fromkeys(lines))  # a command shown on two pages runs once
 
 
-def test_every_readme_command_runs(tmp_path):
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+def run_command(line: str, capsys) -> tuple[int, str]:
+    """(exit code, stdout) of a `dpax ...` line, run through the CLI's `main` in
+    this process: a process per line paid ~3 s of imports each, 16 times
+    (test_cli.py runs the installed entry point in fresh processes)."""
+    capsys.readouterr()
+    code = main(shlex.split(line, comments=True)[1:])
+    return code, capsys.readouterr().out
+
+
+def test_every_readme_command_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     digits_x = __import__("dpax").data.digits().x_eval
     np.savez(tmp_path / "x.npz", x=digits_x)  # the input the predict example names
     from test_sources import images
@@ -84,15 +93,12 @@ def test_every_readme_command_runs(tmp_path):
             continue
         assert line.startswith("dpax "), f"README command neither run nor excused: {line}"
         if "|| echo" in line:  # a command shown failing on purpose: it must fail
-            r = subprocess.run(line.split("||")[0], shell=True, cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=600)
-            assert r.returncode == 1, line
+            assert run_command(line.split("||")[0], capsys)[0] == 1, line
             continue
-        r = subprocess.run(line, shell=True, cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=600)
-        assert r.returncode == 0, f"{line}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+        code, out = run_command(line, capsys)
+        assert code == 0, f"{line}\n{out[-2000:]}"
         if line.startswith("dpax check"):  # test_batchnorm_dropout leaves cnn-bn to this one
-            assert "\nequivalent (tolerance" in r.stdout, r.stdout
+            assert "\nequivalent (tolerance" in out, out
         ran += 1
     assert ran >= 8
     assert (tmp_path / "preds.npz").exists()
