@@ -18,6 +18,7 @@ import tempfile
 
 import jax
 import numpy as np
+import pytest
 
 import dpax
 
@@ -50,6 +51,18 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 dpax.simulate_devices(8)
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_wandb_service():
+    """A W&B run in the test process exports WANDB_SERVICE, and every dpax
+    process a later test starts would join that service: a killed run's id
+    then stays "in use" there and its resume fails. Each test starts without."""
+    before = os.environ.pop("WANDB_SERVICE", None)
+    yield
+    os.environ.pop("WANDB_SERVICE", None)
+    if before is not None:
+        os.environ["WANDB_SERVICE"] = before
 
 
 def pytest_configure(config):
