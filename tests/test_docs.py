@@ -64,6 +64,13 @@ def bash_lines():
     return list(dict.fromkeys(lines))  # a command shown on two pages runs once
 
 
+def make_targets() -> str:
+    """The Makefile's rules as make reads them, running nothing (`make -n test`
+    still ran the docs build, a line that calls $(MAKE))."""
+    return subprocess.run(["make", "-pRrq", "-f", "Makefile", ":"], cwd=ROOT,
+                          capture_output=True, text=True).stdout
+
+
 def run_command(line: str, capsys) -> tuple[int, str]:
     """(exit code, stdout) of a `dpax ...` line, run through the CLI's `main` in
     this process: a process per line paid ~3 s of imports each, 16 times
@@ -88,8 +95,7 @@ def test_every_readme_command_runs(tmp_path, monkeypatch, capsys):
             continue
         if line.startswith("make "):
             target = line.split()[1]
-            r = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True)
-            assert r.returncode == 0, f"Makefile lacks {target}: {r.stderr}"
+            assert re.search(rf"^{target}:", make_targets(), re.M), f"Makefile lacks {target}"
             continue
         assert line.startswith("dpax "), f"README command neither run nor excused: {line}"
         if "|| echo" in line:  # a command shown failing on purpose: it must fail
