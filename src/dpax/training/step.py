@@ -185,7 +185,11 @@ def make_train_step(
     out_specs)` maps the gradient part over the devices (shard_map), and the
     update runs on the logical state.
     """
-    grad_step = make_grad_step(graphdef, loss_fn, layout, options)
+    # A jit of its own, which XLA inlines: a Trainer traces its step twice
+    # (once for the metrics' shapes, once to compile it), and jit's trace
+    # cache turns the second trace of the gradient, most of the tracing, into
+    # a lookup.
+    grad_step = jax.jit(make_grad_step(graphdef, loss_fn, layout, options))
     update = make_update(tx, schedule, UpdateOptions(
         skip_nonfinite=options.skip_nonfinite, clip_norm=options.clip_norm,
         ema_decay=options.ema_decay))
