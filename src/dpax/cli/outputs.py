@@ -66,14 +66,20 @@ def check_dirs(out: OutputConfig, checkpoint, writer_process: bool) -> list[str]
     directories this made. `checkpoint`: the run's `CheckpointConfig`."""
     created = []
     if out.out is not None and writer_process:
-        if holds_run(out.out) and not out.overwrite and checkpoint.resume is None:
-            raise DpaxError(f"`out={out.out}` already holds a run; give a new `out`, "
-                            "`overwrite=True` to replace it, or `resume` to continue it")
+        refuse_another_run(out, checkpoint)
         if writable_dir(out.out, "out"):
             created.append(out.out)
     if checkpoint.dir is not None and writable_dir(checkpoint.dir, "checkpoint_dir"):
         created.append(checkpoint.dir)
     return created
+
+
+def refuse_another_run(out: OutputConfig, checkpoint) -> None:
+    """Refuse an `out` that holds another run, unless overwriting or resuming."""
+    if out.out is not None and holds_run(out.out) and not out.overwrite \
+            and checkpoint.resume is None:
+        raise DpaxError(f"`out={out.out}` already holds a run; give a new `out`, "
+                        "`overwrite=True` to replace it, or `resume` to continue it")
 
 
 def holds_run(path: str) -> bool:

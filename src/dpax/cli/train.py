@@ -39,6 +39,11 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = cfg.validate(config_from_args(args, TrainConfig))
+    if config.distributed.from_environment().process_id in (None, 0):
+        # Before joining a multi-process run: process 0 refuses alone, and
+        # after joining it would wait at exit for peers that wait for it in
+        # their first collective (30 s, then a traceback from each).
+        outputs.refuse_another_run(config.output, config.checkpoint)
     devices.start(config.trainer.devices, config.distributed)
     train(config)
     return 0
