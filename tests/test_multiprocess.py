@@ -34,13 +34,16 @@ def in_process(devices, out):
         return {k: p[k] for k in p.files}
 
 
-def test_launch_2x2_equals_1x4_equals_1x1(tmp_path, capsys):
+def test_launch_2x2_equals_1x4_equals_1x1_and_its_checkpoint_resumes_on_2(tmp_path, capsys):
     """The launched run keeps its examples on the devices (each process places
-    them, the index batches split over both); the in-process ones, and the
-    resume of its checkpoint, make host batches."""
+    them, the index batches split over both) and its Adam state fully sharded
+    over both processes; the in-process ones, and the resume of its step-5
+    checkpoint (one logical copy) replicated in one process on 2 devices,
+    make host batches."""
+    run = [*RUN, "--optimizer", "adam", "--lr", "0.01"]  # the later --optimizer wins
     ck = str(tmp_path / "ck")
-    r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *RUN, "--data-on-device",
-               "--checkpoint-dir", ck, "--checkpoint-every", "5",
+    r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *run, "--data-on-device",
+               "--sharding", "full", "--checkpoint-dir", ck, "--checkpoint-every", "5",
                "--out", str(tmp_path / "launched"), "--tracker", "mlflow")
     assert r.returncode == 0, r.stdout + r.stderr
     assert len(re.findall(r"^\[rank 0\] eval accuracy", r.stdout, re.M)) == 1
@@ -51,41 +54,23 @@ def test_launch_2x2_equals_1x4_equals_1x1(tmp_path, capsys):
     # Process 0 alone logs to the tracker: one run, each step once, as metrics.jsonl.
     from test_trackers import logged_by_step, mlflow_by_step
 
-    held, (client, run) = mlflow_by_step(str(tmp_path / "launched"))
-    assert len(client.search_runs([run.info.experiment_id])) == 1
+    held, (client, mlrun) = mlflow_by_step(str(tmp_path / "launched"))
+    assert len(client.search_runs([mlrun.info.experiment_id])) == 1
     assert held == logged_by_step(str(tmp_path / "launched"))
     info = json.loads((tmp_path / "launched" / "run.json").read_text())
     assert (info["processes"], info["devices"]) == (2, 4)
-    with np.load(tmp_path / "launched" / "params.npz") as p:
-        launched = {k: p[k] for k in p.files}
-    four, one = in_process(4, tmp_path / "four"), in_process(1, tmp_path / "one")
-    # The 2-process checkpoint of step 5 resumes in one process on 2 devices.
-    assert main(["train", *RUN, "--devices", "2", "--resume", f"{ck}/5",
-                 "--out", str(tmp_path / "resumed")]) == 0
-    resumed = dict(np.load(tmp_path / "resumed" / "params.npz"))
-    capsys.readouterr()
-    for ref in (four, one, resumed):
-        diff = max(float(np.max(np.abs(launched[k] - ref[k]))) for k in ref)
-        print(f"launched 2x2 vs in-process: max |diff| {diff:.2e}")
-        assert diff <= 1e-5
-
-
-def test_fsdp_launch_2x2_equals_replicated_and_its_checkpoint_resumes_replicated(tmp_path):
-    """Fully sharded over 2 processes x 2 devices, Adam: one device's numbers,
-    and its step-5 checkpoint (one logical copy) resumes replicated on 2."""
-    run = [*RUN, "--optimizer", "adam", "--lr", "0.01"]  # the later --optimizer wins
-    ck = str(tmp_path / "ck")
-    r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *run, "--sharding", "full",
-               "--checkpoint-dir", ck, "--checkpoint-every", "5", "--out", str(tmp_path / "a"))
-    assert r.returncode == 0, r.stdout + r.stderr
-    launched = dict(np.load(tmp_path / "a" / "params.npz"))
-    assert main(["train", *run, "--devices", "4", "--out", str(tmp_path / "four")]) == 0
+    launched = dict(np.load(tmp_path / "launched" / "params.npz"))
+    refs = {}
+    for name, devices in (("four", 4), ("one", 1)):
+        assert main(["train", *run, "--devices", str(devices), "--out", str(tmp_path / name)]) == 0
+        refs[name] = dict(np.load(tmp_path / name / "params.npz"))
     assert main(["train", *run, "--devices", "2", "--resume", f"{ck}/5",
                  "--out", str(tmp_path / "resumed")]) == 0
-    for name in ("four", "resumed"):
-        ref = dict(np.load(tmp_path / name / "params.npz"))
+    refs["resumed"] = dict(np.load(tmp_path / "resumed" / "params.npz"))
+    capsys.readouterr()
+    for name, ref in refs.items():
         diff = max(float(np.max(np.abs(launched[k] - ref[k]))) for k in ref)
-        print(f"FSDP launched 2x2 vs {name}: max |diff| {diff:.2e}")
+        print(f"launched 2x2, fully sharded, vs {name}: max |diff| {diff:.2e}")
         assert diff <= 1e-5
 
 
