@@ -153,7 +153,7 @@ def test_a_2d_dense_gradient_timed_apart_keeps_its_values(monkeypatch):
     assert {(lhs, rhs) for lhs, rhs, _ in seen} == {((8, 16), (8, 48)), ((8, 48), (8, 24))}
 
 
-_SPEC = (jax.ShapeDtypeStruct((8, 10), jnp.float32), jax.ShapeDtypeStruct((8, 64), jnp.float32),
+_SPEC = (jax.ShapeDtypeStruct((64, 10), jnp.float32), jax.ShapeDtypeStruct((64, 64), jnp.float32),
          {"dimension_numbers": (((0,), (0,)), ((), ())), "preferred_element_type": None}, (1, 0))
 
 
@@ -189,6 +189,24 @@ def test_the_pair_is_kept_apart_only_by_a_clear_margin(fresh_choices, monkeypatc
                                                         apart, chosen):
     monkeypatch.setattr(dots, "seconds", lambda *a: {"folded": folded, "apart": apart})
     assert dots.keep_apart(*_SPEC) is chosen
+
+
+def test_a_dot_too_small_to_time_stays_folded_untimed(fresh_choices, monkeypatch):
+    """Below MIN_MACS a call is all dispatch: no timing, no choice kept."""
+    def never(*a):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(dots, "seconds", never)
+    lhs, rhs, params, perm = _SPEC
+    small = jax.ShapeDtypeStruct((8, 10), jnp.float32), jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    assert dots.macs(*small, params["dimension_numbers"]) == 8 * 10 * 64 < dots.MIN_MACS
+    assert dots.keep_apart(*small, params, perm) is False
+    assert not fresh_choices.exists()
+    # Batch dimensions count once: 4 x (8 x 8 outputs x 16 summed).
+    batched = (jax.ShapeDtypeStruct((4, 16, 8), jnp.float32),
+               jax.ShapeDtypeStruct((4, 16, 8), jnp.float32))
+    assert dots.macs(*batched, (((1,), (1,)), ((0,), (0,)))) == 4 * 8 * 8 * 16
+    assert dots.macs(lhs, rhs, params["dimension_numbers"]) >= dots.MIN_MACS  # the others' shape
 
 
 def test_the_first_process_to_decide_wins(fresh_choices):

@@ -13,6 +13,10 @@ both ways, alone, once per machine:
 - the kept pair is chosen only when it is at least `MARGIN` times faster, and
   only for a dot whose folded form takes at least `FLOOR_S`, so that noise
   near a tie, or in a call of a few microseconds, leaves XLA's own form;
+- a dot too small to take `FLOOR_S` on any CPU (`MIN_MACS`) is not timed
+  at all: it stays folded. Timed, such a dot's call is all dispatch: in one
+  test session (both cores busy) that noise chose the pair for 3 of the 133
+  such shapes, and their timings compiled 266 programs;
 - the choice goes to a file per shape under the dpax cache directory
   (`dpax.parallel.peak.cache_dir`), created exclusively: the first process
   to decide wins, and every later one (a resumed run, the other ranks of a
@@ -26,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 
 import jax
@@ -42,6 +47,10 @@ MARGIN_SEVERAL = 1.05
 # A folded dot faster than this stays: so short a call is mostly dispatch,
 # its timing noise, and the copy the kept pair adds costs a step one more op.
 FLOOR_S = 50e-6
+# Multiply-adds under which a dot cannot take FLOOR_S on any CPU: at 0.25
+# GMAC/s (scalar code at 1 GHz, a multiply-add every 4 cycles) these take
+# under 50 us.
+MIN_MACS = 12_500
 RULE = 3  # part of every key: a changed rule times every shape again
 CALLS = 7  # timed calls per form, in turns (`compile_options.round_times`); the fastest counts
 DIR = "xla_cpu_dots"  # under the dpax cache directory
@@ -55,6 +64,8 @@ def keep_apart(lhs, rhs, params: dict, permutation: tuple[int, ...],
     faster with the two kept apart than folded into one dot, on this machine,
     by at least `margin` (`lhs`, `rhs`: the operands' avals, or anything with
     a shape and dtype)."""
+    if macs(lhs, rhs, params["dimension_numbers"]) < MIN_MACS:
+        return False
     spec = {"lhs": [list(lhs.shape), str(lhs.dtype)], "rhs": [list(rhs.shape), str(rhs.dtype)],
             "dims": repr(params["dimension_numbers"]),
             "out": str(params.get("preferred_element_type")), "perm": list(permutation),
@@ -68,6 +79,14 @@ def keep_apart(lhs, rhs, params: dict, permutation: tuple[int, ...],
             kept = _write_once(key, spec, apart)
         _decided[key] = kept
     return _decided[key]
+
+
+def macs(lhs, rhs, dimension_numbers) -> int:
+    """Multiply-adds of `dot_general(lhs, rhs)`: every output element (batch x
+    lhs free x rhs free) sums over the contracted dimensions."""
+    (contract, _), (batch, _) = dimension_numbers
+    shared = math.prod(lhs.shape[i] for i in (*contract, *batch))
+    return math.prod(lhs.shape) * math.prod(rhs.shape) // max(shared, 1)
 
 
 def key_of(spec: dict) -> str:
