@@ -284,3 +284,34 @@ def test_two_processes_sum_in_rank_order_like_one(tmp_path):
         assert p.returncode == 0, err[-2000:]
         assert "dpax True" in out, out
     print("gloo's own psum in rank order:", "gloo True" in outs[0][0])
+
+
+def test_the_launcher_says_why_after_the_failed_ranks_last_words():
+    """A stalled rank prints its stacks and exits; the launcher's verdict must
+    come after them in the launch's output, however late its pump is (the
+    cluster test once read the verdict before the rank's own lines)."""
+    import io
+    import threading
+
+    from dpax.cli import launch as launcher
+    from dpax.errors import EXIT_STALLED
+
+    out = io.StringIO()
+    code = f"print('stacks of the stalled rank', flush=True); raise SystemExit({EXIT_STALLED})"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, start_new_session=True),
+             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              start_new_session=True)]  # as launched: a group each
+
+    def late_pump(stream):
+        time.sleep(1.0)  # a pump thread behind the process it reads
+        launcher._pump(stream, 0, lambda line: True, out)
+
+    pumps = [[threading.Thread(target=late_pump, args=(procs[0].stdout,), daemon=True)], []]
+    pumps[0][0].start()
+    assert launcher._wait(procs, out, pumps) == EXIT_STALLED
+    lines = out.getvalue().splitlines()
+    assert lines == ["[rank 0] stacks of the stalled rank",
+                     "dpax launch: rank 0 stalled (it waited on its peers longer than "
+                     "--timeout); stopping the other ranks"], lines
+    assert procs[1].wait(timeout=10) == -signal.SIGKILL

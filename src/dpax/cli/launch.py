@@ -30,6 +30,7 @@ from dpax.errors import (
 
 NAME = "launch"
 GRACE_S = 5  # SIGTERM, then SIGKILL after this long
+LAST_WORDS_S = 2  # how long a failed rank's output may take to drain
 # Exit codes of a run that stopped on purpose: starting it again changes nothing.
 NO_RESTART = (0, EXIT_USAGE, EXIT_BAD_STEPS, EXIT_PREEMPTED, 130)
 
@@ -146,7 +147,7 @@ def launch(train_args: list[str], nprocs: int, devices_per_process: int | None =
 def _launch_once(train_args, nprocs, devices_per_process, port, verbose, out) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
+    pumps: list[list[threading.Thread]] = []  # per rank: its stdout's and stderr's
     for rank in range(nprocs):
         cmd = [sys.executable, "-m", "dpax", "train", *train_args,
                "--coordinator", f"localhost:{port}", "--num-processes", str(nprocs),
@@ -160,10 +161,11 @@ def _launch_once(train_args, nprocs, devices_per_process, port, verbose, out) ->
         quiet = (lambda line: True) if verbose else (lambda line: "[Gloo]" not in line)
         show_out = quiet if (rank == 0 or verbose) else (lambda line: False)
         show_err = quiet
+        pumps.append([])
         for stream, show in ((p.stdout, show_out), (p.stderr, show_err)):
             t = threading.Thread(target=_pump, args=(stream, rank, show, out), daemon=True)
             t.start()
-            pumps.append(t)
+            pumps[rank].append(t)
     # A signal to the launcher (a scheduler's SIGTERM or SIGUSR1) goes to every
     # rank: they agree on a step, save and stop (exit 4).
     def forward(signum, frame):
@@ -175,11 +177,11 @@ def _launch_once(train_args, nprocs, devices_per_process, port, verbose, out) ->
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)
            if main_thread}
     try:
-        code = _wait(procs, out)
+        code = _wait(procs, out, pumps)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-    for t in pumps:
+    for t in (t for rank in pumps for t in rank):
         t.join(timeout=GRACE_S)
     return code
 
@@ -193,7 +195,7 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _wait(procs: list[subprocess.Popen], out) -> int:
+def _wait(procs: list[subprocess.Popen], out, pumps: list[list[threading.Thread]]) -> int:
     """The run's exit code, once every rank exited (0, or 4 when they stopped
     on a signal after saving), or at the first rank that failed (the others
     are then killed: a save needs every rank, so theirs cannot finish)."""
@@ -207,6 +209,10 @@ def _wait(procs: list[subprocess.Popen], out) -> int:
                 rank, rc = min(failed, key=lambda f: (f[1] in (-signal.SIGABRT, EXIT_STALLED),
                                                       f[0]))
                 stopped = [r for r, p in enumerate(procs) if codes[r] is None and _stopped(p.pid)]
+                # Its last words first (a stalled rank's stacks), then the verdict:
+                # written at once, the verdict could come before them.
+                for t in pumps[rank]:
+                    t.join(timeout=LAST_WORDS_S)
                 why = f"rank {rank} {_describe(rc)}"
                 if stopped:  # the peers stalled waiting on a rank that cannot run
                     why += (f"; rank {', '.join(map(str, stopped))} is stopped (SIGSTOP?) "
