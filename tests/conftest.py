@@ -87,6 +87,14 @@ def max_diff(a, b) -> float:
                 for x, y in zip(la, lb)), default=0.0)
 
 
+def forward(model, *args):
+    """`model(*args)` as one compiled program: called op by op, a GPT's forward
+    pass compiled some 80 small programs, one per op and shape."""
+    from flax import nnx
+
+    return nnx.jit(lambda m, *a: m(*a))(model, *args)
+
+
 def small_mlp():
     from flax import nnx
 

@@ -12,6 +12,7 @@ import torch
 from safetensors.numpy import load_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from conftest import forward
 from dpax.cli import main
 from dpax.cli.job import TrainConfig, build, load_checkpoint
 from test_gpt import write_corpus
@@ -55,7 +56,7 @@ def test_hugging_faces_gpt2_loads_with_the_same_logits(gpt2_dir, corpus):
     job = build(TrainConfig.from_flags(data=f"text:{corpus}", init_from=path, **_flags()))
     model = job.trainer.model()
     tokens = np.random.default_rng(0).integers(0, 256, (4, 16))
-    diff = float(np.max(np.abs(np.asarray(model(tokens)) - hf_logits(hf, tokens))))
+    diff = float(np.max(np.abs(np.asarray(forward(model, tokens)) - hf_logits(hf, tokens))))
     print(f"Hugging Face GPT-2 -> dpax: max |logit diff| {diff:.1e}")
     assert diff <= TOLERANCE
 
@@ -70,7 +71,7 @@ def test_a_dpax_checkpoint_exports_to_what_transformers_loads(tmp_path, corpus, 
     model = load_checkpoint(ck, devices=1).trainer.model()
     model.eval()  # dropout off, as in Hugging Face's eval()
     tokens = np.random.default_rng(1).integers(0, 256, (4, 16))
-    diff = float(np.max(np.abs(np.asarray(model(tokens)) - hf_logits(hf, tokens))))
+    diff = float(np.max(np.abs(np.asarray(forward(model, tokens)) - hf_logits(hf, tokens))))
     with capsys.disabled():
         print(f"dpax -> Hugging Face GPT-2: max |logit diff| {diff:.1e}")
     assert diff <= TOLERANCE
