@@ -157,7 +157,9 @@ def test_remat_policies_cut_the_steps_memory_in_xlas_analysis():
     for remat in ("none", "block", "dots"):
         model = models.make_model("gpt", (257,), 256, 0, "lm", layers=3, width=32, heads=2,
                                   remat=remat)
-        t = dpax.Trainer(model, losses.lm_loss, optax.adam(1e-3), devices=1)
+        # SGD: the temporaries are the activations, the same with Adam (measured:
+        # 59.4, 20.4, 25.2 MiB with either), and its step compiles faster.
+        t = dpax.Trainer(model, losses.lm_loss, optax.sgd(1e-3), devices=1)
         temp[remat] = t.lower_train_step(host, 8).compile().memory_analysis().temp_size_in_bytes
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
     assert temp["block"] <= 0.5 * temp["none"]
