@@ -7,7 +7,9 @@ compile the same steps again and again, and a cache hit replaces a compile
 with a file read. Numbers do not change: the cache holds XLA's own executables,
 keyed by the program and its options. pytest-xdist's workers inherit the
 session's directory from the process that starts them, so they share one
-cache; that process removes it at exit.
+cache; that process removes it at exit. A directory given in
+DPAX_TEST_SESSION_DIR is used and left to whoever made it: `make test` gives
+its two pytest runs one, so the second reads the first's compiled steps.
 """
 
 import atexit
