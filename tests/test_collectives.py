@@ -154,3 +154,34 @@ def test_psum_tree_packed_sums_like_psum_in_one_buffer_per_dtype():
     assert all_reduces(text) == 4  # packed f32, s32 and bf16, and the big leaf
     assert SCALAR_MAX >= 5 and SCALAR_MAX < 3 * 7  # the small leaves under it, "a" over it
     assert all_reduces(unpacked_text) == 5  # packed f32, s32 and bf16; "a"; the big leaf
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_batchnorm_sums_have_the_bits_of_three_exact_sums(n):
+    """SyncBatchNorm's statistics (`layers._global_sums`: the sums and squared
+    sums stacked into one exact sum, the whole-number count a plain psum)
+    have the bits of `exact_sums` of the three apart, totals and gradients."""
+    from dpax.models.layers import _global_sums
+
+    rng = np.random.default_rng(n)
+    rows = 4 * 61
+    x = (rng.normal(size=(rows, 40)) + rng.normal(size=40) * 5).astype(np.float32)
+    count = (rng.random(rows) < 0.9).astype(np.float32) * 16  # masked rows x per_row
+    mesh = Mesh(np.array(jax.devices()[:n]), (AXIS,))
+
+    def per_device(v, c):
+        def stats(total):
+            def loss(v):
+                replicated, per_dev = total((v, jnp.square(v), c))
+                return jnp.sum(jnp.sin(per_dev[0] / per_dev[2]) + per_dev[1]) / n
+            return total((v, jnp.square(v), c))[0], jax.grad(loss)(v)
+        return (stats(lambda vals: _global_sums(vals, AXIS, rows * 16)),
+                stats(lambda vals: collectives.exact_sums(vals, AXIS)))
+
+    f = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
+                              out_specs=(((P(), P(), P()), P(AXIS)),) * 2, check_vma=n > 1))
+    (ours, our_grad), (theirs, their_grad) = f(x, count)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(our_grad), np.asarray(their_grad))
+    assert float(ours[2]) == count.sum()

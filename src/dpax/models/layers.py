@@ -84,13 +84,35 @@ def global_moments(x: jax.Array, feature_axes: tuple[int, ...], ctx: BatchContex
     if ctx.axis is None:
         replicated = per_device = tuple(jnp.sum(v, 0) for v in values)
     else:
-        replicated, per_device = exact_sums(values, ctx.axis)
+        most = x.shape[0] * per_row * jax.lax.axis_size(ctx.axis)  # every row real
+        replicated, per_device = _global_sums(values, ctx.axis, most)
     return _moments(*per_device), jax.lax.stop_gradient(_moments(*replicated))
 
 
+# Below this, a float32 sum of whole numbers is exact in any order.
+EXACT_INTEGERS = 2**24
+
+
+def _global_sums(values: tuple, axis: str, most: int) -> tuple[tuple, tuple]:
+    """`exact_sums(values, axis)` for (sum, sum of squares, count), with the
+    same bits and a smaller program: each level of an exact sum is a fusion
+    of its own for XLA to compile, and three sums apart made cnn-bn's step
+    compile 1.6x as long as with plain sums. The two sums share one exact sum,
+    stacked (each column is still summed alone, by the same operations), and
+    the count, whole numbers, is a plain sum when its total (`most` at the
+    largest) stays below `EXACT_INTEGERS`."""
+    s1, s2, count = values
+    if most >= EXACT_INTEGERS:
+        return exact_sums(values, axis)
+    (both,), (both_per_device,) = exact_sums((jnp.stack([s1, s2], 1),), axis)
+    total = jax.lax.psum(jnp.sum(count), axis)
+    return (both[0], both[1], total), (both_per_device[0], both_per_device[1], total)
+
+
 class SyncBatchNorm(nnx.BatchNorm):
-    """`nnx.BatchNorm` with masked statistics over the global batch (one psum of
-    sums, squared sums and the count per layer and step)."""
+    """`nnx.BatchNorm` with masked statistics over the global batch (per layer
+    and step, one exact all-reduce of the sums and squared sums, and one psum
+    of the count)."""
 
     def __call__(self, x, use_running_average=None, *, mask=None):
         ctx = current()
