@@ -80,9 +80,10 @@ class TrainerConfig:
         how=True)
     skip_nonfinite: bool = cfg.field(
         True, "skip a step whose loss or gradient is not finite (the state stays); "
-              "--no-skip-nonfinite applies every step, as a hand-written loop does: faster "
-              "where the optimizer bounds the step (large model, small batch), but a NaN "
-              "step then ruins the params")
+              "--no-skip-nonfinite applies every step, as a hand-written loop does, with no "
+              "gradient norm (no grad_norm unless --clip-norm): faster, most where the "
+              "optimizer bounds the step (large model, small batch), but a NaN step then "
+              "ruins the params")
     sync_batchnorm: bool = cfg.field(
         True, "BatchNorm statistics over the global batch (--no-sync-batchnorm: per "
               "device, not equivalent to one device)")
@@ -131,9 +132,11 @@ class Trainer:
       max_bad_steps: stop with `TooManyBadSteps` after this many skipped
         (non-finite) steps in a row, checked at log boundaries; None: never.
       skip_nonfinite: skip a step whose loss or gradient is not finite (the
-        default). False applies every step, as a hand-written loop does:
-        faster where the optimizer's update bounds the step, but one NaN
-        step leaves non-finite params (then counted for `max_bad_steps`).
+        default). False applies every step, as a hand-written loop does, and
+        computes no gradient norm (no `grad_norm` metric unless `clip_norm`):
+        faster, most where the optimizer's update bounds the step, but one
+        NaN step leaves non-finite params (counted for `max_bad_steps` by
+        the loss: a non-finite gradient shows in the next step's loss).
       steps_per_call: run this many steps in one compiled call (a scan over
         batches already on the device): fewer launches for small models.
       sync_batchnorm: convert `nnx.BatchNorm` layers to `SyncBatchNorm`, and

@@ -88,14 +88,20 @@ def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | Non
     partitions it, collectives included)."""
 
     def update(state: TrainState, r: Reduced):
+        # A batch of zero weight has no mean (0/0): skipped like a NaN one.
+        finite = jnp.isfinite(r.loss_sum) & (r.count > 0)
+        norm = None
         # One pass over the summed gradients gives the norm and the finiteness
         # test (a NaN or inf anywhere makes the sum of squares non-finite); the
         # division then fuses into the update instead of being stored and read
-        # twice more.
-        sq = sum_of_squares(r.grads)
-        norm = jnp.sqrt(sq) / r.count
-        # A batch of zero weight has no mean (0/0): skipped like a NaN one.
-        finite = jnp.isfinite(sq) & jnp.isfinite(r.loss_sum) & (r.count > 0)
+        # twice more. Without the guard or clipping nothing needs it: the step
+        # then does a hand-written loop's work, no more (that pass costs 4-6%
+        # of the mlp's step on one XLA:CPU device), and a non-finite gradient
+        # shows as the next step's non-finite loss.
+        if options.skip_nonfinite or options.clip_norm is not None:
+            sq = sum_of_squares(r.grads)
+            norm = jnp.sqrt(sq) / r.count
+            finite &= jnp.isfinite(sq)
 
         def apply():
             # A product by the reciprocal, not a division: XLA counts a divide
@@ -144,7 +150,8 @@ def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | Non
         skipped = (1.0 - finite.astype(jnp.float32)) if options.skip_nonfinite else 0.0
         metrics["skipped"] = Total(jnp.asarray(skipped, jnp.float32))
         metrics["bad_in_a_row"] = Last(new.bad_in_a_row)
-        metrics["grad_norm"] = Last(norm)
+        if norm is not None:
+            metrics["grad_norm"] = Last(norm)
         if schedule is not None:
             metrics["lr"] = Last(jnp.asarray(schedule(state.step), jnp.float32))
         return new, metrics
