@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -196,6 +197,43 @@ def test_skipping_off_applies_every_step_as_a_hand_loop_does(tmp_path, capsys):
     ckpt.close()
 
 
+
+
+@jax.custom_vjp
+def _inf_gradient(x, bad):
+    return x
+
+
+_inf_gradient.defvjp(lambda x, bad: (x, bad),
+                     lambda bad, g: (jnp.where(bad[:, None], jnp.inf, g), None))
+
+
+def _finite_loss_inf_gradient(model, batch):
+    """The classification loss, finite everywhere, with an inf gradient from
+    the rows marked `bad`."""
+    return dpax.classification_loss(lambda x: _inf_gradient(model(x), batch["bad"]), batch)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_finite_loss_with_an_inf_gradient(skip):
+    """The guard skips it (its test is the gradient's sum of squares). Without
+    the guard nothing reads the gradient: the step is applied, and the next
+    step's loss, computed from the non-finite params, counts it."""
+    good = plan_batches(40, steps=3)
+    stream = [{"x": x, "y": y, "bad": np.zeros(40, bool)} for x, y in good]
+    stream[1]["bad"][5] = True
+    t = dpax.Trainer(small_mlp(), _finite_loss_inf_gradient, optax.sgd(0.1), devices=4,
+                     skip_nonfinite=skip, max_bad_steps=None)
+    rows = t.fit_stream(iter(stream), log_every=1)
+    if skip:  # a skipped step adds nothing to the logged means
+        assert [r["skipped"] for r in rows] == [0, 1, 0] and rows[1]["examples"] == 0
+        ref = plain_jit_params(optax.sgd(0.1), [good[0], good[2]])
+        assert max_diff(leaves(t), ref) <= 1e-5
+    else:
+        assert [r["skipped"] for r in rows] == [0, 0, 0]
+        assert np.isfinite(rows[1]["loss"]) and not np.isfinite(rows[2]["loss"])
+        assert not all(np.isfinite(np.asarray(a)).all() for a in leaves(t))
+        assert int(t.state.bad_in_a_row) == 1
 
 def weight_norm_reductions(t, batch_size=24):
     """The step's reductions of a whole 2-D weight-shaped array to a scalar:
