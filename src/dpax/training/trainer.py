@@ -437,11 +437,13 @@ class Trainer:
         row = metrics.summarize([self._steps.packing.unpack(h) for h in host])
         bad = int(row.pop("bad_in_a_row", 0))
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
-            were, params = (("skipped", "the params are the last good ones")
-                            if self.config.skip_nonfinite else
-                            ("applied (skip_nonfinite=False)", "the params are not finite"))
+            # Without the guard nothing reads the gradient: the loss counts.
+            what, were, params = (
+                ("loss or gradient", "skipped", "the params are the last good ones")
+                if self.config.skip_nonfinite else
+                ("loss", "applied (skip_nonfinite=False)", "the params are not finite"))
             raise TooManyBadSteps(
-                f"{bad} steps in a row had a non-finite loss or gradient, or no weight, and "
+                f"{bad} steps in a row had a non-finite {what}, or no weight, and "
                 f"were {were} (limit {self.max_bad_steps}); {params}. Lower the learning "
                 "rate, clip gradients (`clip_norm`) or check the data for NaNs and for "
                 "batches with nothing to learn from")
