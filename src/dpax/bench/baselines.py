@@ -5,6 +5,8 @@
   dpax/optimizer, dpax/full   the shard_map path with ZeRO-1 or FSDP state (`dpax.parallel.layout`)
   dpax/generic                the shard_map path with the XLA:CPU tuning off: what GPUs and
                               TPUs run (`dpax.parallel.platform`)
+  dpax/no-guard               dpax/generic with `skip_nonfinite=False`: a hand loop's work,
+                              no gradient norm (the guard's price is the difference)
   pmap loop                   the jax.pmap tutorials' loop: pmap + pmean, batches reshaped
                               on the host
   jit 1 device                a plain jit loop on one device with the whole batch
