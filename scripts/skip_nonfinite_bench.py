@@ -15,7 +15,7 @@ import argparse
 import statistics
 
 from dpax.bench import baselines
-from dpax.bench.timing import time_interleaved
+from dpax.bench.timing import paired_ratio, time_interleaved
 from dpax.bench.workloads import WORKLOADS
 from dpax.parallel.mesh import simulate_devices
 
@@ -33,6 +33,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     tuning, n = args.tuning == "on", args.devices
     simulate_devices(max(n, 8))  # before JAX starts its backend
+    print("Ratios: the median of each repeat's ratio [the sign test's >= 90% interval]")
     print("| workload | N | tuning | dpax | dpax, skip_nonfinite=False | best hand loop | "
           "dpax vs hand | no skip vs hand |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -44,12 +45,14 @@ def main(argv=None) -> None:
                                    xla_cpu_tuning=tuning, skip_nonfinite=False),
               baselines.bench_jit(w, b, n if n > 1 else None), baselines.bench_pmap_loop(w, n, b)]
         steps = args.steps or w.steps
-        med = {k: statistics.median(v) for k, v in time_interleaved(ms, steps,
-                                                                     args.repeats).items()}
-        hand = max(med["jit 1 device" if n == 1 else "jit sharded"], med["pmap loop"])
-        on, off = med["dpax"], med["dpax, skip_nonfinite=False"]
-        print(f"| {name} | {n} | {args.tuning} | {on:.2f} | {off:.2f} | {hand:.2f} | "
-              f"{on / hand:.3f}x | {off / hand:.3f}x |", flush=True)
+        rates = time_interleaved(ms, steps, args.repeats)
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        hand = max("jit 1 device" if n == 1 else "jit sharded", "pmap loop", key=med.get)
+        on, off = (paired_ratio(rates[m], rates[hand])
+                   for m in ("dpax", "dpax, skip_nonfinite=False"))
+        print(f"| {name} | {n} | {args.tuning} | {med['dpax']:.2f} | "
+              f"{med['dpax, skip_nonfinite=False']:.2f} | {med[hand]:.2f} | {on} | {off} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """The bench's order of turns (`dpax.bench.timing.turns`) against the balance
-it promises, counted."""
+it promises, counted; its paired ratios (`paired_ratio`) against the sign
+test's closed form and against the coverage they promise, sampled."""
 
 import collections
 
+import numpy as np
 import pytest
 
-from dpax.bench.timing import Method, time_interleaved, turns
+from dpax.bench.timing import Method, paired_ratio, time_interleaved, turns
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7])
@@ -37,3 +39,35 @@ def test_time_interleaved_runs_in_turns():
     assert warm == [("a", 3), ("b", 3), ("c", 3)]
     assert [name for name, _ in timed] == ["abc"[i] for row in turns(3, 6) for i in row]
     assert {k: len(v) for k, v in rates.items()} == {"a": 6, "b": 6, "c": 6}
+
+
+@pytest.mark.parametrize("n,k,coverage", [
+    (4, 1, 1 - 2 / 16),  # too few repeats for 90%: [min, max]
+    (5, 1, 1 - 2 / 32),
+    (7, 1, 1 - 2 / 128),  # k = 2 would hold only 1 - 2 * 8/128 = 0.875
+    (9, 2, 1 - 2 * 10 / 512),
+    (11, 3, 1 - 2 * 67 / 2048)])
+def test_paired_ratio_takes_the_sign_tests_order_statistics(n, k, coverage):
+    b = [10.0 + i for i in range(n)]
+    ratios = [0.9 + 0.01 * ((7 * i) % n) for i in range(n)]  # each once, shuffled
+    r = paired_ratio([x * y for x, y in zip(ratios, b)], b)
+    s = sorted(ratios)
+    assert r.median == pytest.approx((s[(n - 1) // 2] + s[n // 2]) / 2)
+    assert (r.low, r.high) == (pytest.approx(s[k - 1]), pytest.approx(s[n - k]))
+    assert r.coverage == pytest.approx(coverage)
+
+
+def test_paired_ratio_covers_the_median_as_often_as_it_says():
+    """Ratios from a skewed distribution of known median (a slow tail: a turn
+    the host interrupted), under a load that moves from turn to turn: the
+    interval holds that median at least as often as its coverage promises."""
+    rng = np.random.default_rng(0)
+    for n in (5, 7, 11):
+        held, trials = 0, 4000
+        for _ in range(trials):
+            hand = rng.uniform(50, 100, n)  # each turn's load
+            # exp(-(E - s ln 2)) with E exponential of scale s has median 1.
+            ratio = 0.95 * np.exp(-(rng.exponential(0.05, n) - 0.05 * np.log(2)))
+            r = paired_ratio(list(hand * ratio), list(hand))
+            held += r.low <= 0.95 <= r.high
+        assert held / trials >= r.coverage - 0.015, (n, held / trials, r.coverage)

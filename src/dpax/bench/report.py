@@ -11,13 +11,22 @@ import jax
 import numpy as np
 
 
+INTERVAL = ("\"vs best hand loop\": the median of the ratios of each repeat (both ran in "
+            "the same turn), and in brackets the sign test's interval for the median of "
+            "such ratios: it holds it with probability >= 90% "
+            "(`dpax.bench.timing.paired_ratio`; [min, max] below 5 repeats).")
+
+
 def format_row(r: dict) -> str:
     flops = f" {100 * r['flops_frac']:5.1f}%" if "flops_frac" in r else "     -"
     mem, state = ("-" if np.isnan(r.get(k, np.nan)) else f"{r[k]:.1f}"
                   for k in ("memory_mib", "state_mib"))
+    vs_hand = f"{r['vs_best_hand']:.2f}x"
+    if "vs_best_hand_interval" in r:
+        vs_hand += " [{:.2f}, {:.2f}]".format(*r["vs_best_hand_interval"])
     return (f"| {r['workload']} | {r['devices']} | {r['method']} | {r['compile_s']:.2f} | "
             f"{r['steps_per_sec']:.1f} | {r['min']:.1f} | {r['vs_pmap_loop']:.2f}x | "
-            f"{r['vs_best_hand']:.2f}x | {mem} | "
+            f"{vs_hand} | {mem} | "
             f"{state} |{flops} |")
 
 
@@ -31,7 +40,7 @@ def write_results(rows, sweep_rows, peak, out_dir, optimizer):
     text = [f"dpax bench, {time.strftime('%Y-%m-%d')}, {machine}, jax {jax.__version__}, "
             f"{jax.default_backend()}; matmul peak {peak / 1e9:.1f} GFLOP/s (f32, one device); "
             f"GLIBC_TUNABLES {tunables}; every method trains with {optimizer}",
-            "", header] + [format_row(r) for r in rows]
+            "", INTERVAL, "", header] + [format_row(r) for r in rows]
     text += comms_table(rows)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(text) + "\n")

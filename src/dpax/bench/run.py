@@ -13,7 +13,7 @@ import jax
 from dpax import config as cfg
 from dpax.bench.baselines import bench_dpax, bench_jit, bench_pmap_loop
 from dpax.bench.report import format_row, write_results
-from dpax.bench.timing import time_interleaved
+from dpax.bench.timing import paired_ratio, time_interleaved
 from dpax.bench.workloads import OPTIMIZERS, WORKLOADS
 from dpax.errors import DpaxError
 from dpax.parallel import peak as peaks
@@ -105,13 +105,16 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
             rates = time_interleaved(methods, s, repeats)
             loop_med = statistics.median(rates["pmap loop"])
             # The best loop a user writes by hand: pmap, or jit (sharded when N > 1).
-            hand = max(statistics.median(rates[m]) for m in
-                       ("pmap loop", "jit sharded" if n > 1 else "jit 1 device"))
+            hand = max(("pmap loop", "jit sharded" if n > 1 else "jit 1 device"),
+                       key=lambda m: statistics.median(rates[m]))
             for m in methods:
                 med = statistics.median(rates[m.name])
+                vs_hand = paired_ratio(rates[m.name], rates[hand])
                 row = {"workload": name, "devices": n, "method": m.name,
                        "compile_s": m.compile_s, "steps_per_sec": med, "min": min(rates[m.name]),
-                       "vs_pmap_loop": med / loop_med, "vs_best_hand": med / hand,
+                       "vs_pmap_loop": med / loop_med, "vs_best_hand": vs_hand.median,
+                       "vs_best_hand_interval": [vs_hand.low, vs_hand.high],
+                       "interval_coverage": vs_hand.coverage,
                        "memory_mib": m.memory / 2**20,
                        "state_mib": m.state / 2**20,
                        "batch_size": w.batch_size, "optimizer": optimizer}
