@@ -10,7 +10,6 @@ import time
 import jax
 import numpy as np
 
-
 INTERVAL = ("\"vs best hand loop\": the median of the ratios of each repeat (both ran in "
             "the same turn), and in brackets the sign test's interval for the median of "
             "such ratios: it holds it with probability >= 90% "
