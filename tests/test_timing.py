@@ -49,7 +49,8 @@ def test_time_interleaved_runs_in_turns():
     (11, 3, 1 - 2 * 67 / 2048)])
 def test_paired_ratio_takes_the_sign_tests_order_statistics(n, k, coverage):
     b = [10.0 + i for i in range(n)]
-    ratios = [0.9 + 0.01 * ((7 * i) % n) for i in range(n)]  # each once, shuffled
+    ratios = list(0.9 + 0.01 * np.random.default_rng(n).permutation(n))  # distinct, shuffled
+    assert len(set(ratios)) == n
     r = paired_ratio([x * y for x, y in zip(ratios, b)], b)
     s = sorted(ratios)
     assert r.median == pytest.approx((s[(n - 1) // 2] + s[n // 2]) / 2)

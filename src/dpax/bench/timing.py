@@ -75,7 +75,7 @@ def paired_ratio(a: list[float], b: list[float], least_coverage: float = 0.9) ->
     """`a` over `b`, rates of the same repeats of `time_interleaved`. Each
     repeat's ratio is taken first: both ran in the same turn, so a change in
     the host's load between repeats cancels out of it, where a ratio of two
-    medians keeps it (this host moved rows near 1.0 by +-5% from run to run).
+    medians keeps it.
     The interval is the sign test's: the k-th smallest and k-th largest
     ratio, with the largest k whose coverage, 1 - 2 P(Binomial(n, 1/2) < k),
     is still >= `least_coverage` (k = 1, all of them, when none is: n < 5)."""
