@@ -17,6 +17,7 @@ import functools
 import os
 import shutil
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -65,6 +66,30 @@ def _no_shared_wandb_service():
     os.environ.pop("WANDB_SERVICE", None)
     if before is not None:
         os.environ["WANDB_SERVICE"] = before
+
+
+# Opt-in: where the session's time goes, per test (tests/cost_report.py).
+_COSTS = None
+if os.environ.get("DPAX_TEST_COST_DIR"):
+    from cost_report import CostReport
+
+    _COSTS = CostReport(os.environ["DPAX_TEST_COST_DIR"])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _COSTS is None:
+        yield
+        return
+    _COSTS.start(item.nodeid)
+    start = time.perf_counter()
+    yield
+    _COSTS.finish(item.nodeid, time.perf_counter() - start)
+
+
+def pytest_sessionfinish(session):
+    if _COSTS is not None:
+        _COSTS.write()
 
 
 def pytest_configure(config):
