@@ -2,6 +2,8 @@
 holds a windowed op, the faster taken, and they change no number (the
 reference is the same Trainer with the tuning off: XLA's defaults)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,6 +55,13 @@ def test_a_program_that_fills_large_constant_arrays_has_ynnpack_dots_only_timed(
     assert compile_options.for_step(jax.make_jaxpr(lambda: 0.0)(), other) == {}
 
 
+@pytest.fixture(autouse=True)
+def fresh_choices(tmp_path, monkeypatch):
+    """No choice kept from an earlier test: each test here times its steps."""
+    monkeypatch.setenv("DPAX_CACHE_DIR", str(tmp_path))
+    return tmp_path / compile_options.DIR
+
+
 def _trainer(model, **kw):
     return dpax.Trainer(model, losses.classification_loss, optax.sgd(0.1), devices=8, **kw)
 
@@ -89,6 +98,38 @@ def test_the_chosen_options_change_no_number():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
     for a, b in zip(rows["chosen"], rows["default"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+def test_a_choice_is_timed_once_per_machine_and_the_next_trainer_takes_it(
+        fresh_choices, monkeypatch):
+    """A later Trainer (a resumed run, another process) of the same program
+    reads the kept choice and times nothing: YNNPACK's kernels can round
+    otherwise than XLA's defaults, so its choice must not follow its own
+    timing's noise. A choice planted against the timing wins too."""
+    ds = data.digits()
+
+    def first_step(t):
+        t.fit(ds.x_train, ds.y_train, batch_size=61, until_step=1)
+        return t._steps.train
+
+    first = first_step(_trainer(OverlapPoolCNN(nnx.Rngs(0))))
+    assert set(first.timed) == {"default", "older emitters"}
+    [kept] = fresh_choices.iterdir()
+    took = compile_options.chosen(first.timed)
+    assert json.loads(kept.read_text())["chosen"] == took
+    again = first_step(_trainer(OverlapPoolCNN(nnx.Rngs(1))))  # other params, same program
+    assert not again.timed and again.options == first.options
+    # Another machine's timing, planted: the kept choice decides, not this one's.
+    other = "default" if took == "older emitters" else "older emitters"
+    kept.write_text(json.dumps({"chosen": other}))
+    planted = first_step(_trainer(OverlapPoolCNN(nnx.Rngs(0))))
+    assert not planted.timed
+    assert planted.options == ({} if other == "default" else compile_options.OLD_FUSION_EMITTERS)
+    # A different program (another batch layout) is timed for itself.
+    other_program = _trainer(OverlapPoolCNN(nnx.Rngs(0)))
+    other_program.fit(ds.x_train, ds.y_train, batch_size=40, until_step=1)
+    assert set(other_program._steps.train.timed) == {"default", "older emitters"}
+    assert len(list(fresh_choices.iterdir())) == 2
 
 
 def test_a_training_step_whose_pools_are_rewritten_keeps_xla_defaults():

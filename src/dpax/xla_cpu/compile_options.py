@@ -17,7 +17,9 @@ XLA's defaults untimed. A training step's 2x2-style pools
 (windows that do not overlap) are rewritten without windowed ops by
 `dpax.xla_cpu.backward`, so it keeps them too. Several processes take the
 old emitters without timing: each would time its own and could choose
-otherwise.
+otherwise. A timed choice is kept per machine (`dpax.xla_cpu.choices`): a
+later process that compiles the same program reads it and times nothing,
+so a resumed run takes the options the run it resumes took.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, subjaxprs
+
+from dpax.xla_cpu import choices
 
 WINDOWED = frozenset({
     "reduce_window", "reduce_window_max", "reduce_window_min", "reduce_window_sum",
@@ -90,6 +94,8 @@ WARMUP_ROUNDS = 2  # a process's first calls run slower (thread pools, fresh pag
 # devices (0.79-0.96, against 0.80-0.93 in the training loop), and at 10% one
 # process in four or five kept the slower defaults; a tie taken is harmless.
 MARGIN = 0.05
+RULE = 1  # part of every kept choice's key: a changed rule times every step again
+DIR = "xla_cpu_options"  # the kept choices, under the dpax cache directory
 
 
 def round_times(compiled: dict[str, Any], args, calls: int = TIMED_CALLS) -> dict[str, list[float]]:
@@ -146,7 +152,8 @@ class ChosenJit:
             default = self._build({})
             traced = default.trace(*args)
             # Compiled here to be read, and timed below; the jit's first call reuses it.
-            compiled = traced.lower().compile()
+            lowered = traced.lower()
+            compiled = lowered.compile()
             candidates = for_step(traced.jaxpr, compiled.as_text())
             self.options, self._jit = {}, default
             if jax.process_count() > 1:
@@ -155,12 +162,26 @@ class ChosenJit:
                     self.options = candidates["older emitters"]
                     self._jit = self._build(self.options)
             elif candidates:
-                jits = {name: self._build(o) for name, o in candidates.items()}
-                self.timed = round_times({"default": compiled, **_compiled(jits, args)}, args)
-                best = chosen(self.timed)
+                best = self._kept_or_timed(lowered, candidates, compiled, args)
                 if best != "default":
-                    self.options, self._jit = candidates[best], jits[best]
+                    self.options, self._jit = candidates[best], self._build(candidates[best])
         return self._jit
+
+    def _kept_or_timed(self, lowered, candidates: dict, compiled, args) -> str:
+        """The choice kept on this machine for this program and candidates
+        (`dpax.xla_cpu.choices`), else the timed one, kept for the next
+        process: YNNPACK's kernels can round sums otherwise than XLA's
+        defaults, so a resumed run must take the choice the run it resumes
+        took, not one its own timing's noise picks."""
+        key = choices.key_of(RULE, choices.machine(), lowered.as_text(), candidates)
+        kept = choices.read(DIR, key, "chosen")
+        if kept in ("default", *candidates):
+            return kept
+        self.timed = round_times(
+            {"default": compiled, **_compiled({name: self._build(o)
+                                               for name, o in candidates.items()}, args)}, args)
+        return choices.write_once(DIR, key, "chosen", chosen(self.timed),
+                                  {"candidates": candidates, "timed": self.timed})
 
     def __call__(self, *args):  # the training loop's hot path: one check once chosen
         jit = self._jit

@@ -17,28 +17,22 @@ both ways, alone, once per machine:
   at all: it stays folded. Timed, such a dot's call is all dispatch: in one
   test session (both cores busy) that noise chose the pair for 3 of the 133
   such shapes, and their timings compiled 266 programs;
-- the choice goes to a file per shape under the dpax cache directory
-  (`dpax.parallel.peak.cache_dir`), created exclusively: the first process
-  to decide wins, and every later one (a resumed run, the other ranks of a
-  launch on this host) reads that choice instead of timing again. The two
-  forms can round the dot's sum differently in the last bit, so every
-  process on a machine must take the same one.
+- the choice is kept per machine (`dpax.xla_cpu.choices`): the first
+  process to decide wins, and every later one (a resumed run, the other
+  ranks of a launch on this host) reads that choice instead of timing
+  again. The two forms can round the dot's sum differently in the last bit,
+  so every process on a machine must take the same one.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import math
-import os
 
 import jax
 import numpy as np
 from jax import lax
 
-from dpax.parallel.peak import cache_dir, machine_key
-from dpax.xla_cpu import compile_options
+from dpax.xla_cpu import choices, compile_options
 
 MARGIN = 1.5  # the kept pair must be this much faster to be chosen
 # ... for a dot that contracts several dimensions (batch and tokens), where
@@ -91,13 +85,7 @@ def macs(lhs, rhs, dimension_numbers) -> int:
 
 def key_of(spec: dict) -> str:
     """The file name of a choice: the shapes on this machine and JAX."""
-    text = json.dumps([RULE, _machine(), spec], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-@functools.cache
-def _machine() -> str:  # read once: every traced weight gradient asks
-    return machine_key(jax.local_devices(backend="cpu")[0])
+    return choices.key_of(RULE, choices.machine(), spec)
 
 
 def seconds(lhs, rhs, params, permutation) -> dict[str, float]:
@@ -125,34 +113,11 @@ def seconds(lhs, rhs, params, permutation) -> dict[str, float]:
         return {name: min(ts) for name, ts in times.items()}
 
 
-def _path(key: str) -> str:
-    return os.path.join(cache_dir(), DIR, f"{key}.json")
-
-
 def _read(key: str) -> bool | None:
-    try:
-        with open(_path(key)) as f:
-            return bool(json.load(f)["apart"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    kept = choices.read(DIR, key, "apart")
+    return None if kept is None else bool(kept)
 
 
 def _write_once(key: str, spec: dict, apart: bool) -> bool:
-    """Keep `apart` for `key` unless a process decided first: then its choice
-    stands. A cache that cannot be written is no error."""
-    path = _path(key)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"apart": apart, **spec}, f)
-        try:
-            os.link(tmp, path)  # fails if another process's choice is there
-        finally:
-            os.unlink(tmp)
-    except FileExistsError:
-        theirs = _read(key)
-        return apart if theirs is None else theirs
-    except OSError:
-        pass
-    return apart
+    """Keep `apart` for `key` unless a process decided first: then its choice stands."""
+    return bool(choices.write_once(DIR, key, "apart", apart, spec))
