@@ -125,6 +125,12 @@ def test_a_choice_is_timed_once_per_machine_and_the_next_trainer_takes_it(
     planted = first_step(_trainer(OverlapPoolCNN(nnx.Rngs(0))))
     assert not planted.timed
     assert planted.options == ({} if other == "default" else compile_options.OLD_FUSION_EMITTERS)
+    # A broken file: this process times, takes its own choice, and trains.
+    kept.write_text(json.dumps({"chosen": "no such options"}))
+    broken = first_step(_trainer(OverlapPoolCNN(nnx.Rngs(0))))
+    assert set(broken.timed) == {"default", "older emitters"}
+    assert broken.options == ({} if compile_options.chosen(broken.timed) == "default" else
+                              compile_options.OLD_FUSION_EMITTERS)
     # A different program (another batch layout) is timed for itself.
     other_program = _trainer(OverlapPoolCNN(nnx.Rngs(0)))
     other_program.fit(ds.x_train, ds.y_train, batch_size=40, until_step=1)

@@ -162,26 +162,28 @@ class ChosenJit:
                     self.options = candidates["older emitters"]
                     self._jit = self._build(self.options)
             elif candidates:
-                best = self._kept_or_timed(lowered, candidates, compiled, args)
+                jits = {name: self._build(o) for name, o in candidates.items()}
+                best = self._kept_or_timed(lowered, candidates, jits, compiled, args)
                 if best != "default":
-                    self.options, self._jit = candidates[best], self._build(candidates[best])
+                    self.options, self._jit = candidates[best], jits[best]
         return self._jit
 
-    def _kept_or_timed(self, lowered, candidates: dict, compiled, args) -> str:
+    def _kept_or_timed(self, lowered, candidates: dict, jits: dict, compiled, args) -> str:
         """The choice kept on this machine for this program and candidates
         (`dpax.xla_cpu.choices`), else the timed one, kept for the next
         process: YNNPACK's kernels can round sums otherwise than XLA's
         defaults, so a resumed run must take the choice the run it resumes
         took, not one its own timing's noise picks."""
         key = choices.key_of(RULE, choices.machine(), lowered.as_text(), candidates)
+        names = ("default", *candidates)
         kept = choices.read(DIR, key, "chosen")
-        if kept in ("default", *candidates):
+        if kept in names:
             return kept
-        self.timed = round_times(
-            {"default": compiled, **_compiled({name: self._build(o)
-                                               for name, o in candidates.items()}, args)}, args)
-        return choices.write_once(DIR, key, "chosen", chosen(self.timed),
+        self.timed = round_times({"default": compiled, **_compiled(jits, args)}, args)
+        best = chosen(self.timed)
+        kept = choices.write_once(DIR, key, "chosen", best,
                                   {"candidates": candidates, "timed": self.timed})
+        return kept if kept in names else best  # a broken file kept first: this timing
 
     def __call__(self, *args):  # the training loop's hot path: one check once chosen
         jit = self._jit
