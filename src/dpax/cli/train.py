@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import os
 import sys
 
@@ -211,6 +212,9 @@ def _watched(config: TrainConfig):
     single process has no peer to wait for)."""
     if jax.process_count() == 1:
         return contextlib.nullcontext()
+    # JAX's own failure detection (a peer's missed heartbeats) aborts from C++;
+    # Python's stacks then still show where this rank was.
+    faulthandler.enable()
     return watchdog.installed(config.distributed.timeout, jax.process_index())
 
 

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dpax.errors import DpaxError
+from dpax.parallel import watchdog
 from dpax.parallel.arrays import host_leaf, is_key, replicate, unreplicate
 from dpax.parallel.mesh import AXIS
 from dpax.parallel.platform import Platform
@@ -186,8 +187,10 @@ class ShardMapBackend:
         return self._wrap(fn, P(AXIS), donate=False, state_spec=state_spec)
 
     def host(self, tree: Any) -> Any:
-        """Host copy of replicated outputs. A device-to-host transfer: a sync point."""
-        return jax.tree.map(host_leaf, tree)
+        """Host copy of replicated outputs. A device-to-host transfer: a sync
+        point, which waits on every process that computes them (timed)."""
+        with watchdog.waiting():
+            return jax.tree.map(host_leaf, tree)
 
     def local(self, tree: Any) -> Any:
         """This process's first-device copy of replicated outputs, left on that

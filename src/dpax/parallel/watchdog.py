@@ -13,6 +13,9 @@ calls in flight (`dpax.parallel.platform`), so one wait is at most a couple
 of steps long when all ranks are alive. A call of a compiled step is a wait
 too (`calling`): XLA:CPU runs small programs on the calling thread, where a
 stopped peer hangs it; its first call per shape compiles, and is not timed.
+Every host read of a device value is a wait too (a metric, the finite check
+before a save): one left untimed hangs until JAX's heartbeat abort, with no
+report from here.
 """
 
 from __future__ import annotations
@@ -50,11 +53,15 @@ class Watchdog:
     def waiting(self, step: int | None = None) -> Iterator[None]:
         if step is not None:
             self.step = step
-        self._since = time.monotonic()
+        # A wait inside a wait (a sync point inside a save) is part of the outer
+        # one: the outer's start counts, and the outer stays timed after it.
+        outer = self._since
+        if outer is None:
+            self._since = time.monotonic()
         try:
             yield
         finally:
-            self._since = None
+            self._since = outer
 
     def _watch(self) -> None:
         while not self._done.wait(min(1.0, self.timeout / 4)):

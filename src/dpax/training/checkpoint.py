@@ -86,7 +86,7 @@ class Checkpointer:
         checkpoint out of the newest `keep`."""
         if step in self.manager.all_steps():
             return True
-        if not all_finite(state):
+        if not all_finite(state, step):
             print(f"dpax: warning: step {step} was not checkpointed: its state is not "
                   "finite (a non-finite step applied with skip_nonfinite=False, or an "
                   "update that overflowed); the checkpoints before it are kept",
@@ -191,15 +191,25 @@ def _finite(arrays: list) -> jax.Array:
     return jnp.all(jnp.stack([jnp.isfinite(a).all() for a in arrays]))
 
 
-def all_finite(state: dict) -> bool:
+def all_finite(state: dict, step: int | None = None) -> bool:
     """Whether every floating-point array of a state dict is finite: one
     reduction on the devices for device arrays (every process gets the same
-    answer, so all of them save or none), numpy for host ones (pmap's copy)."""
+    answer, so all of them save or none), numpy for host ones (pmap's copy).
+
+    Reading the answer waits on every process: the state may be split over
+    them, and a split layout's copy is gathered (`state_dict`) just before.
+    A peer that stopped hangs it, so the watchdog times that read; the
+    compile (the first save's only) stays outside the timer."""
     floats = [v for v in state.values() if jnp.issubdtype(v.dtype, jnp.inexact)]
     on_device = [v for v in floats if isinstance(v, jax.Array)]
     on_host = [v for v in floats if not isinstance(v, jax.Array)]
-    return (all(np.isfinite(v).all() for v in on_host)
-            and (not on_device or bool(_finite(on_device))))
+    if not all(np.isfinite(v).all() for v in on_host):
+        return False
+    if not on_device:
+        return True
+    check = _finite.lower(on_device).compile()  # cached by JAX after the first save
+    with watchdog.waiting(step):
+        return bool(check(on_device))
 
 
 def _mismatch(saved: dict[str, tuple], template: dict) -> str | None:

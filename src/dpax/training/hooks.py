@@ -22,6 +22,7 @@ import time
 import jax
 
 from dpax.errors import Preempted
+from dpax.parallel import watchdog
 from dpax.parallel.distributed import any_process, from_process_0
 from dpax.parallel.peak import Peak
 from dpax.training.loop import Every, Hook
@@ -188,7 +189,8 @@ class Profile(Hook):
 
     def after_step(self, step):
         if self.active and step >= self.last:
-            jax.block_until_ready(self.trainer.state)  # the trace must hold the steps' work
+            with watchdog.waiting(step):  # the trace must hold the steps' work
+                jax.block_until_ready(self.trainer.state)
             self.close()
         self._start_if(step + 1)
 

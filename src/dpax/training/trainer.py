@@ -432,8 +432,7 @@ class Trainer:
                       f"them see only padding every step; {fix}", DpaxWarning, stacklevel=3)
 
     def _read(self, pending: list) -> dict:
-        with watchdog.waiting():
-            host = self.backend.host(pending)  # sync point: once per log
+        host = self.backend.host(pending)  # sync point (timed): once per log
         row = metrics.summarize([self._steps.packing.unpack(h) for h in host])
         bad = int(row.pop("bad_in_a_row", 0))
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
@@ -461,8 +460,7 @@ class Trainer:
             with watchdog.calling(compiled, self._steps.eval):
                 sums.append(self._steps.eval(self._leaves, self._input(b, size)))
             queue.add(sums[-1])
-        with watchdog.waiting():
-            return metrics.summarize(self.backend.host(sums))  # sync point
+        return metrics.summarize(self.backend.host(sums))  # sync point (timed)
 
     def predict(self, data: Any, batch_size: int = EVAL_BATCH) -> Any:
         """One prediction per example of `data` (an array of inputs `x`, or a
