@@ -156,9 +156,9 @@ def timed_until_decided(compiled: dict[str, Any], args) -> dict[str, list[float]
 
 
 def _undecided(times: dict[str, list[float]]) -> bool:
-    best = chosen(times)
-    bar = ratios(times)[best].median if best != "default" else 1 - MARGIN
-    return any(r.low <= 1 <= r.high and r.median < bar for r in ratios(times).values())
+    by_name, best = ratios(times), chosen(times)
+    bar = by_name[best].median if best != "default" else 1 - MARGIN
+    return any(r.low <= 1 <= r.high and r.median < bar for r in by_name.values())
 
 
 class ChosenJit:
