@@ -52,3 +52,32 @@ def test_a_trainer_is_freed_when_dropped(kw):
     freed = weakref.ref(t), weakref.ref(t._steps)
     del t
     assert all(ref() is None for ref in freed)
+
+
+@pytest.mark.parametrize("kw", [{}, {"backend": "pmap"}, {"sharding": "full"}], ids=str)
+def test_placing_the_state_holds_no_second_device_copy_of_it(kw, monkeypatch):
+    """The optimizer state `tx.init` makes on the model's device (Adam's: twice
+    the params) and the EMA's copy are gone before the placed state arrives:
+    on one H100 the Trainer's start, not the step, was a run's peak
+    (benchmarks/README.md). Live device arrays, counted as placing starts."""
+    import jax
+
+    from dpax.parallel import backends
+
+    seen = []
+    for cls in (backends.ShardMapBackend, backends.PmapBackend):
+        put = cls.put_state
+
+        def counting(self, *args, _put=put, **kwargs):
+            seen.append(sum(x.nbytes for x in jax.live_arrays()))
+            return _put(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "put_state", counting)
+    model = dpax.models.MLP((64,), 10, hidden=(256,), rngs=__import__("flax").nnx.Rngs(0))
+    params = sum(x.nbytes for x in jax.tree.leaves(model))
+    before = sum(x.nbytes for x in jax.live_arrays())
+    dpax.Trainer(model, dpax.models.losses.classification_loss, optax.adam(1e-3), devices=2,
+                 ema_decay=0.9, **kw)
+    # Adam's two moments and the EMA would be 3x the params; the step counters
+    # and the RNG key are what is left.
+    assert seen[0] - before < 0.05 * params

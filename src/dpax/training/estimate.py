@@ -165,7 +165,11 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
                  "gradients": p if k > 1 else sharded, "update": sharded}
     if k > 1:  # a micro-batch's whole gradients, before they join the sum
         state["gradients"] += p
-    memory = {**state, "activations": acts + recompute, "batch": _bytes(batch_of(micro * k))}
+    # The model as built: the user's model object keeps its arrays on the
+    # device it was made on (the first), and `fit` leaves the trained state in
+    # it. On one H100 that device's peak was XLA's need plus this.
+    memory = {"model": p + sum(x.nbytes for x in jax.tree.leaves(rest)), **state, "activations": acts + recompute,
+              "batch": _bytes(batch_of(micro * k))}
     memory["total"] = sum(memory.values())
 
     # FLOPs of one micro-batch's forward + backward on one device, from XLA.

@@ -205,11 +205,14 @@ class Trainer:
             backward=self.platform.backward, pack=self.platform.pack_collectives)
         ema = config.ema_decay is not None
         self._graphdef, state = init_state(model, optimizer, seed, ema=ema)
+        # To the host before it is placed: the optimizer state `tx.init` made on
+        # the model's device (Adam's: twice the params) and the EMA's copy would
+        # otherwise stay there next to the placed state, the peak of a run.
+        state = _on_host(state)
         check_optimizer(optimizer, state)
         self.layout = make_layout(config.sharding, self.backend, state, config.grad_accum)
         self._specs = layouts.specs(self.layout)
-        self.state = self.backend.put_state(layouts.stored(self.layout, _on_host(state)),
-                                            self._specs)
+        self.state = self.backend.put_state(layouts.stored(self.layout, state), self._specs)
         self._steps = CompiledSteps(self.backend, self._graphdef, state, self.layout, loss_fn,
                                     optimizer, schedule, step_options, predict_fn)
         self.traces = self._steps.traces  # compilations per step kind
@@ -532,5 +535,6 @@ class Trainer:
 
 
 def _on_host(tree):
-    """Host copies of a tree's arrays (typed PRNG keys stay keys)."""
-    return jax.tree.map(lambda x: x if is_key(x) else np.asarray(x), tree)
+    """Host copies of a tree's arrays (typed PRNG keys stay keys): copies, not
+    `np.asarray`'s views of CPU buffers, so that the device arrays can go."""
+    return jax.tree.map(lambda x: x if is_key(x) else np.array(x), tree)
