@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -21,6 +24,21 @@ class TrainState:
     rng: jax.Array  # raw key data; step keys are fold_in(rng, step): N-independent
     # Exponential moving average of the params (laid out like them), or None.
     ema: nnx.State | None = None
+
+
+def field_spans(state: TrainState, leaves: list) -> dict[str, tuple[int, int, Any]]:
+    """Each field's (start, stop, treedef) in `leaves`, `jax.tree.flatten(state)`'s
+    list: a field is rebuilt from its own leaves without unflattening the rest."""
+    spans, at = {}, 0
+    for field in dataclasses.fields(state):
+        part, treedef = jax.tree.flatten(getattr(state, field.name))
+        if any(a is not b for a, b in zip(part, leaves[at:at + len(part)])):
+            raise AssertionError(f"TrainState.{field.name} is not where its leaves are")
+        spans[field.name] = (at, at + len(part), treedef)
+        at += len(part)
+    if at != len(leaves):
+        raise AssertionError("TrainState's fields do not hold all of its leaves")
+    return spans
 
 
 def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 0,
