@@ -3,11 +3,12 @@ it promises, counted; its paired ratios (`paired_ratio`) against the sign
 test's closed form and against the coverage they promise, sampled."""
 
 import collections
+import time
 
 import numpy as np
 import pytest
 
-from dpax.bench.timing import Method, paired_ratio, time_interleaved, turns
+from dpax.bench.timing import Method, paired_ratio, repeat_steps, time_interleaved, turns
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7])
@@ -39,6 +40,24 @@ def test_time_interleaved_runs_in_turns():
     assert warm == [("a", 3), ("b", 3), ("c", 3)]
     assert [name for name, _ in timed] == ["abc"[i] for row in turns(3, 6) for i in row]
     assert {k: len(v) for k, v in rates.items()} == {"a": 6, "b": 6, "c": 6}
+
+
+def test_a_repeat_lasts_the_minimum_in_whole_doublings_of_the_steps():
+    ran = []
+
+    def method(name, seconds_per_step):
+        def run(k):
+            ran.append((name, k))
+            time.sleep(k * seconds_per_step)
+        return Method(name, 0.0, run)
+
+    methods = [method("slow", 0.02), method("fast", 0.01)]
+    # The fast method's 4 steps last ~40 ms: 8x that reaches 0.3 s (16x would
+    # be needed only if its run took over 75 ms).
+    assert repeat_steps(methods, 4, min_seconds=0.3) == 32
+    assert ran == [("slow", 4), ("fast", 4)]  # each ran once: the warm-up
+    assert repeat_steps(methods, 4) == 4  # no minimum: as given
+    assert repeat_steps(methods, 4, min_seconds=0.03) == 4  # already long enough
 
 
 @pytest.mark.parametrize("n,k,coverage", [

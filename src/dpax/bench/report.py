@@ -39,7 +39,8 @@ def write_results(rows, sweep_rows, peak, out_dir, optimizer):
     text = [f"dpax bench, {time.strftime('%Y-%m-%d')}, {machine}, jax {jax.__version__}, "
             f"{jax.default_backend()}; matmul peak {peak / 1e9:.1f} GFLOP/s (f32, one device); "
             f"GLIBC_TUNABLES {tunables}; every method trains with {optimizer}",
-            "", INTERVAL, "", header] + [format_row(r) for r in rows]
+            "", INTERVAL, "", "Steps per timed repeat (each dpax repeat is one `fit` call): "
+            + _steps_per_repeat(rows), "", header] + [format_row(r) for r in rows]
     text += comms_table(rows)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write("\n".join(text) + "\n")
@@ -47,6 +48,11 @@ def write_results(rows, sweep_rows, peak, out_dir, optimizer):
         json.dump({"rows": rows, "sweep": sweep_rows, "matmul_peak": peak,
                    "optimizer": optimizer}, f, indent=1)
     _plots(rows, sweep_rows, out_dir)
+
+
+def _steps_per_repeat(rows) -> str:
+    seen = {(r["workload"], r["devices"]): r.get("steps_per_repeat") for r in rows}
+    return ", ".join(f"{w} N={n}: {s}" for (w, n), s in seen.items() if s) or "-"
 
 
 def comms_table(rows) -> list[str]:

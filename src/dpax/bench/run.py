@@ -13,11 +13,14 @@ import jax
 from dpax import config as cfg
 from dpax.bench.baselines import bench_dpax, bench_jit, bench_pmap_loop
 from dpax.bench.report import format_row, write_results
-from dpax.bench.timing import paired_ratio, time_interleaved
+from dpax.bench.timing import paired_ratio, repeat_steps, time_interleaved
 from dpax.bench.workloads import OPTIMIZERS, WORKLOADS
 from dpax.errors import DpaxError
 from dpax.parallel import peak as peaks
 from dpax.parallel.layout import check_sharding
+
+# A timed repeat lasts at least this long unless `--steps` is given (`repeat_steps`).
+MIN_REPEAT_S = 0.2
 
 
 @dataclasses.dataclass
@@ -33,7 +36,8 @@ class BenchConfig:
                                "adamw")
     devices: str = cfg.field("1,2,4,8", "device counts, comma-separated", metavar="N,N")
     repeats: int = cfg.field(5, "timed repeats")
-    steps: int | None = cfg.field(None, "steps per repeat (default: per workload)")
+    steps: int | None = cfg.field(None, "steps per repeat (default: the workload's, doubled "
+                                      "until a repeat lasts 0.2 s)")
     steps_per_call: int = cfg.field(8, "K for the dpax/k=K row (1 leaves it out)")
     sweep: bool = cfg.field(True, "also the examples/s vs batch size sweep")
     sharding: str = cfg.field("replicated", "comma-separated state layouts to time on "
@@ -102,7 +106,9 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
                                           f"dpax/k={steps_per_call}"))
             methods += [bench_dpax(w, n, "shard_map", w.batch_size, name=f"dpax/{mode}",
                                    sharding=mode) for mode in shardings if mode != "replicated"]
-            rates = time_interleaved(methods, s, repeats)
+            # `--steps` is taken as given; a workload's own are a floor.
+            per_repeat = repeat_steps(methods, s, 0.0 if steps else MIN_REPEAT_S)
+            rates = time_interleaved(methods, per_repeat, repeats, warm_up=False)
             loop_med = statistics.median(rates["pmap loop"])
             # The best loop a user writes by hand: pmap, or jit (sharded when N > 1).
             hand = max(("pmap loop", "jit sharded" if n > 1 else "jit 1 device"),
@@ -117,7 +123,8 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
                        "interval_coverage": vs_hand.coverage,
                        "memory_mib": m.memory / 2**20,
                        "state_mib": m.state / 2**20,
-                       "batch_size": w.batch_size, "optimizer": optimizer}
+                       "batch_size": w.batch_size, "optimizer": optimizer,
+                       "steps_per_repeat": per_repeat}
                 if m.comms is not None:
                     row["collectives"] = m.comms
                 if w.flops_per_example:

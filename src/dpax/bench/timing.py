@@ -40,13 +40,35 @@ def turns(n_methods: int, repeats: int) -> list[list[int]]:
     return [rows[r % len(rows)] for r in range(repeats)]
 
 
-def time_interleaved(methods: list[Method], steps: int, repeats: int) -> dict[str, list[float]]:
-    """Steps/s of `repeats` timed runs of `steps` steps per method, after one
-    warm-up run each. The methods take turns within each repeat, so a change
-    in the machine's load hits all of them alike (this host is shared), in
-    an order that changes from repeat to repeat (`turns`)."""
+def repeat_steps(methods: list[Method], steps: int, min_seconds: float = 0.0) -> int:
+    """Runs each method once for `steps` steps (the warm-up: thread pools,
+    caches) and returns the steps a timed repeat takes: `steps` doubled until
+    the fastest method's run would last `min_seconds`.
+
+    A dpax repeat is one `Trainer.fit` call, and a call has a fixed cost (its
+    start and the trained state left in the user's model, ~5 ms for the
+    bench's GPT) that a run pays once. A workload's steps are sized for a CPU
+    step; on an H100 the GPT's 16 steps last ~40 ms, and that cost decided
+    the row (0.86x the jit loop, 48.2 ms a repeat against 41.4)."""
+    fastest = float("inf")
     for m in methods:
-        m.run(steps)  # warm-up: thread pools, caches
+        t0 = time.perf_counter()
+        m.run(steps)
+        fastest = min(fastest, time.perf_counter() - t0)
+    if 0 < fastest < min_seconds:
+        steps *= 2 ** math.ceil(math.log2(min_seconds / fastest))
+    return steps
+
+
+def time_interleaved(methods: list[Method], steps: int, repeats: int,
+                     warm_up: bool = True) -> dict[str, list[float]]:
+    """Steps/s of `repeats` timed runs of `steps` steps per method, after one
+    warm-up run each (unless `warm_up` is False: `repeat_steps` ran them).
+    The methods take turns within each repeat, so a change in the machine's
+    load hits all of them alike (this host is shared), in an order that
+    changes from repeat to repeat (`turns`)."""
+    if warm_up:
+        repeat_steps(methods, steps)
     rates: dict[str, list[float]] = {m.name: [] for m in methods}
     for order in turns(len(methods), repeats):
         for m in (methods[i] for i in order):
