@@ -54,6 +54,18 @@ def test_a_trainer_is_freed_when_dropped(kw):
     assert all(ref() is None for ref in freed)
 
 
+def device_bytes() -> int:
+    """Bytes of the device buffers alive, each counted once: an array made as a
+    view of another's shard (`np.asarray` of a replicated array) shares its buffer."""
+    import jax
+
+    buffers = {}
+    for x in jax.live_arrays():
+        for shard in x.addressable_shards:
+            buffers[(shard.device, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
+    return sum(buffers.values())
+
+
 @pytest.mark.parametrize("kw", [{}, {"backend": "pmap"}, {"sharding": "full"}], ids=str)
 def test_placing_the_state_holds_no_second_device_copy_of_it(kw, monkeypatch):
     """The optimizer state `tx.init` makes on the model's device (Adam's: twice
@@ -69,15 +81,43 @@ def test_placing_the_state_holds_no_second_device_copy_of_it(kw, monkeypatch):
         put = cls.put_state
 
         def counting(self, *args, _put=put, **kwargs):
-            seen.append(sum(x.nbytes for x in jax.live_arrays()))
+            seen.append(device_bytes())
             return _put(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, "put_state", counting)
     model = dpax.models.MLP((64,), 10, hidden=(256,), rngs=__import__("flax").nnx.Rngs(0))
     params = sum(x.nbytes for x in jax.tree.leaves(model))
-    before = sum(x.nbytes for x in jax.live_arrays())
+    before = device_bytes()
     dpax.Trainer(model, dpax.models.losses.classification_loss, optax.adam(1e-3), devices=2,
                  ema_decay=0.9, **kw)
-    # Adam's two moments and the EMA would be 3x the params; the step counters
-    # and the RNG key are what is left.
+    # Adam's two moments and the EMA would be 3x the params (on each device
+    # the model's are on); the step counters and the RNG key are what is left.
     assert seen[0] - before < 0.05 * params
+
+
+def test_loading_a_state_frees_the_current_one_before_placing_it(monkeypatch):
+    """A resume holds the restored state and the placed one, not also the
+    state the Trainer started with (three copies: 2x a step's state memory)."""
+    import jax
+
+    from dpax.parallel import backends
+
+    t = mlp_trainer(2, optax.adam(1e-3))
+    held = sum(s.data.nbytes for x in t._leaves for s in x.addressable_shards)
+    # Device arrays of the Trainer's shapes, as Orbax restores them; other values.
+    restored = {k: jax.device_put(v + 1 if np.issubdtype(v.dtype, np.floating) else v,
+                                  v.sharding, may_alias=False)
+                for k, v in t.state_dict().items()}
+    seen = []
+    put = backends.ShardMapBackend.put_state
+
+    def counting(self, *args, **kwargs):
+        seen.append(device_bytes())
+        return put(self, *args, **kwargs)
+
+    monkeypatch.setattr(backends.ShardMapBackend, "put_state", counting)
+    before = device_bytes()
+    t.load_state_dict(restored)
+    assert before - seen[0] > 0.95 * held
+    loaded = t.state_dict()
+    assert all(np.array_equal(loaded[k], v) for k, v in restored.items())

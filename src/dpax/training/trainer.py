@@ -511,6 +511,10 @@ class Trainer:
     def load_state_dict(self, flat: dict[str, Any]) -> None:
         """Replace the state with one from `state_dict()` (of any device count)."""
         state = layouts.from_state_dict(self.layout, flat, self.backend.logical(self.state))
+        # `state` is on the host now: the current device arrays go before the
+        # placed ones come, or a resume held the state three times on the
+        # devices (this one, the restored `flat`, the placed one).
+        del self._leaves
         self.state = self.backend.put_state(state, self._specs)
 
     # -- results ---------------------------------------------------------------------
