@@ -168,7 +168,8 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
     # The model as built: the user's model object keeps its arrays on the
     # device it was made on (the first), and `fit` leaves the trained state in
     # it. On one H100 that device's peak was XLA's need plus this.
-    memory = {"model": p + sum(x.nbytes for x in jax.tree.leaves(rest)), **state, "activations": acts + recompute,
+    built = p + sum(x.nbytes for x in jax.tree.leaves(rest))
+    memory = {"model": built, **state, "activations": acts + recompute,
               "batch": _bytes(batch_of(micro * k))}
     memory["total"] = sum(memory.values())
 
