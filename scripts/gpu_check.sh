@@ -22,8 +22,12 @@ timeout 100 python3 scripts/gpu_check.py equivalence 2>&1 | tee "$OUT/equivalenc
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 100 python3 scripts/gpu_check.py equivalence \
   2>&1 | tee "$OUT/equivalence-highest.log"
 
-timeout 240 python3 -m dpax bench --workloads tiny,mlp,cnn,digits,gpt,cnn-avg,cnn-max3,gpt-wide \
+timeout 300 python3 -m dpax bench --workloads tiny,mlp,cnn,digits,gpt,cnn-avg,cnn-max3,gpt-wide \
   --devices 1 --repeats 7 --no-sweep --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
+
+for backend in shard_map pmap; do
+  timeout 60 python3 scripts/gpu_check.py host $backend
+done 2>&1 | tee "$OUT/host.log"
 
 for case in deep-mlp gpt-4x128 gpt-4x128-remat gpt2-small-bf16 gpt2-small-bf16-remat; do
   timeout 45 python3 scripts/gpu_check.py memory $case 2>&1 | grep -E "MEMORY|Error"
