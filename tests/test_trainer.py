@@ -121,3 +121,28 @@ def test_loading_a_state_frees_the_current_one_before_placing_it(monkeypatch):
     assert before - seen[0] > 0.95 * held
     loaded = t.state_dict()
     assert all(np.array_equal(loaded[k], v) for k, v in restored.items())
+
+
+def test_a_checkpoint_is_restored_to_the_host_and_placed_once(tmp_path):
+    """A fully sharded state is read into host memory, not replicated onto
+    every device first (4 whole copies on 4 devices: a state split because it
+    does not fit one device did not fit), and placed as the layout splits it."""
+
+    from dpax.training.checkpoint import Checkpointer
+
+    t = mlp_trainer(4, optax.adam(1e-3), sharding="full")
+    saved = {k: np.asarray(v) for k, v in t.state_dict().items()}
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(7, t.state_dict(), None, {})
+    ckpt.manager.wait_until_finished()
+    fresh = mlp_trainer(4, optax.adam(1e-3), sharding="full")
+    template = fresh.state_template()
+    before = device_bytes()
+    step, state, _ = ckpt.restore(template, None)
+    ckpt.close()
+    assert step == 7 and all(isinstance(v, np.ndarray) for v in state.values())
+    assert device_bytes() == before
+    fresh.load_state_dict(state)
+    assert all(np.array_equal(v, saved[k]) for k, v in fresh.state_dict().items())
+    kernel = fresh._field("params")["layers"][0]["kernel"].get_value()
+    assert {s.data.size * 4 for s in kernel.addressable_shards} == {kernel.size}  # 1/4 each

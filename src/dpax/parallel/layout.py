@@ -301,7 +301,12 @@ def state_dict(layout: Layout, state, mesh=None) -> dict[str, Any]:
     for (path, leaf), split in zip(paths, jax.tree.leaves(layout.splits)):
         if is_key(leaf):  # saved as raw data; from_state_dict wraps it again
             leaf = jax.random.key_data(leaf)
-        out[_key(path)] = host_logical(split, leaf, mesh)
+        value = host_logical(split, leaf, mesh)
+        if split.dim is not None and jax.process_count() > 1:
+            # To the host one leaf at a time: a split state may not fit one
+            # device whole, and each leaf is gathered whole on every device.
+            value = np.asarray(value)
+        out[_key(path)] = value
     return out
 
 

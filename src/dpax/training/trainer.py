@@ -21,8 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from dpax import config as cfg
 from dpax.data import resident
@@ -502,11 +500,12 @@ class Trainer:
                                   self.backend.mesh)
 
     def state_template(self) -> dict[str, Any]:
-        """Shapes and dtypes of `state_dict()`, placed replicated on this Trainer's
-        devices: the restore target that re-shards a checkpoint onto any mesh."""
-        sharding = NamedSharding(self.backend.mesh, P())
-        return {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=sharding)
-                for k, v in self.state_dict().items()}
+        """Host arrays (not filled) of `state_dict()`'s shapes and dtypes: the
+        restore target. A checkpoint is read into host memory, and
+        `load_state_dict` places it on any mesh: restored replicated onto the
+        devices, a state split because it does not fit one device was whole on
+        each of them."""
+        return {k: np.empty(np.shape(v), v.dtype) for k, v in self.state_dict().items()}
 
     def load_state_dict(self, flat: dict[str, Any]) -> None:
         """Replace the state with one from `state_dict()` (of any device count)."""
