@@ -146,3 +146,21 @@ def test_a_checkpoint_is_restored_to_the_host_and_placed_once(tmp_path):
     assert all(np.array_equal(v, saved[k]) for k, v in fresh.state_dict().items())
     kernel = fresh._field("params")["layers"][0]["kernel"].get_value()
     assert {s.data.size * 4 for s in kernel.addressable_shards} == {kernel.size}  # 1/4 each
+
+
+def test_the_optimizer_state_and_ema_start_on_the_host_not_the_models_device(monkeypatch):
+    """`tx.init` and the EMA run on the host's CPU device: on the model's device
+    they would be made whole there (Adam's moments: twice the params) before a
+    layout splits them. Here device 7 stands in for the host."""
+    import jax
+    from flax import nnx
+
+    from dpax.training import state as states
+
+    monkeypatch.setattr(states, "host_device", lambda: jax.devices()[7])
+    with jax.default_device(jax.devices()[0]):
+        model = dpax.models.MLP((16,), 10, hidden=(32,), rngs=nnx.Rngs(0))
+    _, state = states.init_state(model, optax.adam(1e-3), ema=True)
+    made = jax.tree.leaves((state.opt_state, state.ema, state.step, state.rng))
+    assert {d for x in made for d in x.devices()} == {jax.devices()[7]}
+    assert {d for x in jax.tree.leaves(state.params) for d in x.devices()} == {jax.devices()[0]}

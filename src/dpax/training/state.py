@@ -47,11 +47,27 @@ def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 
     copy, in the model's shapes; `dpax.parallel.layout` lays it out); `ema`: with an
     EMA of the params, which starts as a copy of them."""
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-    # Separate buffers: one buffer in two donated fields would be donated twice.
-    step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
-    rng = jax.random.key_data(jax.random.key(seed))
-    average = jax.tree.map(lambda a: jnp.array(a, copy=True), params) if ema else None
-    return graphdef, TrainState(step, params, model_state, tx.init(params), bad, rng, average)
+    # Made on the host: whole on the model's device, the optimizer state
+    # (Adam's moments: twice the params) and the EMA would need room there
+    # that a layout which splits them never gives back before they are placed.
+    host = host_device()
+    with jax.default_device(host):
+        on_host = jax.device_put(params, host)
+        opt_state = tx.init(on_host)
+        # Separate buffers: one buffer in two donated fields would be donated twice.
+        step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+        rng = jax.random.key_data(jax.random.key(seed))
+        average = jax.tree.map(lambda a: jnp.array(a, copy=True), on_host) if ema else None
+    return graphdef, TrainState(step, params, model_state, opt_state, bad, rng, average)
+
+
+def host_device() -> jax.Device:
+    """This process's CPU device (JAX always has one unless `JAX_PLATFORMS`
+    leaves it out; then the default device)."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return jax.local_devices()[0]
 
 
 def ema_update(ema, params, step, decay: float):
