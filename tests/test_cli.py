@@ -307,3 +307,21 @@ def test_warnings_are_one_line_and_the_run_goes_on(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("dpax: warning: ") and needle in err
         assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("sharding,built_on", [("replicated", 0), ("full", 7)])
+def test_dpax_train_builds_a_split_layouts_model_in_host_memory(monkeypatch, sharding,
+                                                                built_on):
+    """A split layout exists for a state that does not fit one device: its
+    model is built on the host's CPU device, not whole on the first device
+    (device 7 stands in for the host here)."""
+    import jax
+    from flax import nnx
+
+    from dpax.cli import job
+
+    monkeypatch.setattr(job, "host_device", lambda: jax.devices()[7])
+    config = dpax.TrainConfig.from_flags(model="mlp", devices=2, sharding=sharding)
+    t = job.make_trainer(config, "classification", (64,), 10, total=10)
+    placed = {d for x in jax.tree.leaves(nnx.state(t._user_model)) for d in x.devices()}
+    assert placed == {jax.devices()[built_on]}

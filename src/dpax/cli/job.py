@@ -4,6 +4,7 @@ Trainer; and a Trainer holding a checkpoint's state."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -23,6 +24,7 @@ from dpax.parallel.backends import DEFAULT_BACKEND, check_backend
 from dpax.parallel.distributed import DistributedConfig
 from dpax.training.checkpoint import CheckpointConfig, Checkpointer, locate
 from dpax.training.optim import OptimizerConfig
+from dpax.training.state import host_device
 from dpax.training.trainer import Trainer, TrainerConfig
 
 # The main job's length when neither --epochs nor --steps is given.
@@ -152,7 +154,12 @@ def make_trainer(config: TrainConfig, task: str, input_shape: tuple[int, ...], n
     tx, schedule = config.optimizer.build(config.batch_size, total, config.model.lr)
     bpe = tok is not None and tok.hf is not None
     loss_fn, predict_fn = losses.for_task(task, tok.token_bytes if bpe else None)
-    model = config.model.build(input_shape, n_out, config.seed, task)
+    # Split layouts exist for states that do not fit one device: their model
+    # is built in host memory, not whole on the first device.
+    where = (jax.default_device(host_device()) if config.trainer.sharding != "replicated"
+             else contextlib.nullcontext())
+    with where:
+        model = config.model.build(input_shape, n_out, config.seed, task)
     return Trainer(model, loss_fn, tx, predict_fn=predict_fn, schedule=schedule,
                    seed=config.seed, **dataclasses.asdict(config.trainer))
 

@@ -279,13 +279,16 @@ def logical(layout: Layout, state):
 
 
 def host_logical(split: Split, leaf, mesh) -> Any:
-    """A stored leaf in its logical shape, outside the step: on the host with
-    one process (one copy, not one per device); else replicated over the mesh."""
+    """A split leaf in its logical shape, outside the step, on the host (one
+    copy, not one per device; a leaf that is not split is returned as it is).
+    With several processes it is gathered over the mesh first, whole on
+    every device until its host copy is made: one leaf at a time, as a split
+    state may not fit one device whole."""
     if split.dim is None:
         return leaf
     if jax.process_count() == 1:
         return split.unpad(np.asarray(leaf))
-    return _replicated_unpad(split, mesh)(leaf)
+    return np.asarray(_replicated_unpad(split, mesh)(leaf))
 
 
 @functools.cache
@@ -301,12 +304,7 @@ def state_dict(layout: Layout, state, mesh=None) -> dict[str, Any]:
     for (path, leaf), split in zip(paths, jax.tree.leaves(layout.splits)):
         if is_key(leaf):  # saved as raw data; from_state_dict wraps it again
             leaf = jax.random.key_data(leaf)
-        value = host_logical(split, leaf, mesh)
-        if split.dim is not None and jax.process_count() > 1:
-            # To the host one leaf at a time: a split state may not fit one
-            # device whole, and each leaf is gathered whole on every device.
-            value = np.asarray(value)
-        out[_key(path)] = value
+        out[_key(path)] = host_logical(split, leaf, mesh)
     return out
 
 

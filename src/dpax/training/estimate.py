@@ -167,8 +167,9 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
         state["gradients"] += p
     # The model as built: the user's model object keeps its arrays on the
     # device it was made on (the first), and `fit` leaves the trained state in
-    # it. On one H100 that device's peak was XLA's need plus this.
-    built = p + sum(x.nbytes for x in jax.tree.leaves(rest))
+    # it. On one H100 that device's peak was XLA's need plus this. `dpax train`
+    # builds a split layout's model in host memory (`cli.job.make_trainer`).
+    built = p + sum(x.nbytes for x in jax.tree.leaves(rest)) if layout == "replicated" else 0
     memory = {"model": built, **state, "activations": acts + recompute,
               "batch": _bytes(batch_of(micro * k))}
     memory["total"] = sum(memory.values())
