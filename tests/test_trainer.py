@@ -131,6 +131,12 @@ def test_a_checkpoint_is_restored_to_the_host_and_placed_once(tmp_path):
     from dpax.training.checkpoint import Checkpointer
 
     t = mlp_trainer(4, optax.adam(1e-3), sharding="full")
+    # Leaves split evenly are saved as they are stored, a quarter per device:
+    # only a padded leaf is gathered to be cut to its logical shape.
+    split = [v for v in t.state_dict().values() if getattr(v, "is_fully_replicated", True)
+             is False]
+    assert split and all({s.data.size * 4 for s in v.addressable_shards} == {v.size}
+                         for v in split)
     saved = {k: np.asarray(v) for k, v in t.state_dict().items()}
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(7, t.state_dict(), None, {})

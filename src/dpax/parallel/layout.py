@@ -304,7 +304,12 @@ def state_dict(layout: Layout, state, mesh=None) -> dict[str, Any]:
     for (path, leaf), split in zip(paths, jax.tree.leaves(layout.splits)):
         if is_key(leaf):  # saved as raw data; from_state_dict wraps it again
             leaf = jax.random.key_data(leaf)
-        out[_key(path)] = host_logical(split, leaf, mesh)
+        if split.dim is not None and split.padded_shape == split.shape:
+            # Split evenly: the stored array is the logical one, sharded.
+            # Orbax writes each process's shards; nothing is gathered.
+            out[_key(path)] = leaf
+        else:
+            out[_key(path)] = host_logical(split, leaf, mesh)
     return out
 
 
