@@ -203,9 +203,9 @@ class Trainer:
             backward=self.platform.backward, pack=self.platform.pack_collectives)
         ema = config.ema_decay is not None
         self._graphdef, state = init_state(model, optimizer, seed, ema=ema)
-        # To the host before it is placed: the optimizer state `tx.init` made on
-        # the model's device (Adam's: twice the params) and the EMA's copy would
-        # otherwise stay there next to the placed state, the peak of a run.
+        # Copied to numpy before it is placed, so that no device array made for
+        # it outlives the placing: on one H100, Adam's moments made on the
+        # model's device and kept until here were the run's peak.
         state = _on_host(state)
         check_optimizer(optimizer, state)
         self.layout = make_layout(config.sharding, self.backend, state, config.grad_accum)
@@ -229,7 +229,7 @@ class Trainer:
     def _field(self, name: str) -> Any:
         """One field of the state, rebuilt from its own leaves: unflattening the
         whole state makes an NNX Variable per leaf of the optimizer state too
-        (~25 us each: 15 ms a `fit` call for the bench's GPT)."""
+        (the bench's GPT on the CPU: 0.22 ms for the whole, 0.06 ms for params)."""
         start, stop, treedef = self._fields[name]
         return treedef.unflatten(self._leaves[start:stop])
 
@@ -501,14 +501,15 @@ class Trainer:
 
     def state_template(self) -> dict[str, Any]:
         """Host arrays (not filled) of `state_dict()`'s shapes and dtypes: the
-        restore target. A checkpoint is read into host memory, and
-        `load_state_dict` places it on any mesh: restored replicated onto the
-        devices, a state split because it does not fit one device was whole on
-        each of them."""
+        restore target. A checkpoint is read into host memory and
+        `load_state_dict` places it on any mesh, so a state split because it
+        does not fit one device is never whole on one."""
         return {k: np.empty(np.shape(v), v.dtype) for k, v in self.state_dict().items()}
 
     def load_state_dict(self, flat: dict[str, Any]) -> None:
-        """Replace the state with one from `state_dict()` (of any device count)."""
+        """Replace the state with one from `state_dict()` (of any device count).
+        The current state is dropped before the new one is placed: if placing
+        fails (out of memory), this Trainer holds none."""
         state = layouts.from_state_dict(self.layout, flat, self.backend.logical(self.state))
         # `state` is on the host now: the current device arrays go before the
         # placed ones come, or a resume held the state three times on the
