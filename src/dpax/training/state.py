@@ -47,9 +47,9 @@ def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 
     copy, in the model's shapes; `dpax.parallel.layout` lays it out); `ema`: with an
     EMA of the params, which starts as a copy of them."""
     graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-    # Made on the host: whole on the model's device, the optimizer state
-    # (Adam's moments: twice the params) and the EMA would need room there
-    # that a layout which splits them never gives back before they are placed.
+    # Made on the host: on the model's device the optimizer state (Adam's
+    # moments: twice the params) and the EMA would be whole there, before a
+    # layout splits them over the devices.
     host = host_device()
     with jax.default_device(host):
         on_host = jax.device_put(params, host)
