@@ -28,10 +28,10 @@ import optax
 from flax import nnx
 
 from dpax.bench.baselines import step_memory
+from dpax.cli.estimate import estimate_model
 from dpax.models import losses
 from dpax.models.registry import make_model
-from dpax.training.estimate import estimate
-from dpax.training.trainer import PRECISIONS, Trainer
+from dpax.training.trainer import Trainer
 
 # name: (model, options, example shape, task, n_out, global batch, precision)
 CASES = {
@@ -51,17 +51,11 @@ CASES = {
 def memory(case: str) -> None:
     name, options, shape, task, n_out, batch, precision = CASES[case]
     loss = losses.for_task(task)[0]
-
-    def build(**changes):
-        return lambda: make_model(name, shape, n_out, 0, task, **{**options, **changes})
-
-    remat = options.get("remat", "none") != "none"
     dtype = jnp.uint8 if task == "lm" else jnp.float32
     example = {"x": jax.ShapeDtypeStruct(shape, dtype), "y": jax.ShapeDtypeStruct((), jnp.int32)}
-    est = estimate(build(), loss, optax.adam(1e-3), example, batch, 1, "replicated", 1,
-                   PRECISIONS[precision], without_remat=build(remat="none") if remat else None,
-                   blocks=options.get("layers", 1))
-    model = build()()
+    est = estimate_model(name, options, example, n_out, task, optax.adam(1e-3), batch, 1,
+                         precision=precision)
+    model = make_model(name, shape, n_out, 0, task, **options)
     t = Trainer(model, loss, optax.adam(1e-3), devices=1, precision=precision)
     rng = np.random.default_rng(0)
     hi = 256 if task == "lm" else n_out

@@ -14,11 +14,10 @@ from flax import nnx
 
 from dpax.bench.baselines import step_comms, step_memory
 from dpax.cli import main
-from dpax.cli.estimate import EstimateConfig, estimate_config
+from dpax.cli.estimate import EstimateConfig, estimate_config, estimate_model
 from dpax.models import gpt, losses
 from dpax.models.registry import make_model
-from dpax.training.estimate import estimate
-from dpax.training.trainer import PRECISIONS, Trainer
+from dpax.training.trainer import Trainer
 
 CASES = [  # model, options, example shape, task, n_out, batch, devices, layout, accum, precision
     ("deep-mlp", {}, (784,), "classification", 10, 256, 8, "replicated", 1, "fp32"),
@@ -39,17 +38,11 @@ CASES = [  # model, options, example shape, task, n_out, batch, devices, layout,
 def test_estimate_is_an_upper_bound_close_to_xla_and_moves_what_the_hlo_moves(case):
     name, options, shape, task, n_out, batch, n, layout, k, precision = case
     loss = losses.for_task(task)[0]
-
-    def build(**changes):
-        return lambda: make_model(name, shape, n_out, 0, task, **{**options, **changes})
-
-    remat = options.get("remat", "none") != "none"
     dtype = jnp.uint8 if task == "lm" else jnp.float32
     example = {"x": jax.ShapeDtypeStruct(shape, dtype), "y": jax.ShapeDtypeStruct((), jnp.int32)}
-    est = estimate(build(), loss, optax.adam(1e-3), example, batch, n, layout, k,
-                   PRECISIONS[precision], without_remat=build(remat="none") if remat else None,
-                   blocks=options.get("layers", 1))
-    model = build()()
+    est = estimate_model(name, options, example, n_out, task, optax.adam(1e-3), batch, n,
+                         layout, k, precision)
+    model = make_model(name, shape, n_out, 0, task, **options)
     t = Trainer(model, loss, optax.adam(1e-3), devices=n, sharding=layout, grad_accum=k,
                 precision=precision)
     size = t.padded(batch)

@@ -98,24 +98,35 @@ def _shapes(config: EstimateConfig):
 
 def estimate_config(config: EstimateConfig, **changes) -> Estimate:
     """The estimate of `config`, with `changes` (sharding, grad_accum, remat) applied."""
-    sharding = changes.get("sharding", config.sharding)
-    grad_accum = changes.get("grad_accum", config.grad_accum)
     model_cfg = dataclasses.replace(config.model, remat=changes.get("remat", config.model.remat),
                                     init_from=None)  # its shape is what the flags say
     task, example, n_out, tokens = _shapes(config)
+    tx, _ = config.optimizer.build(config.batch_size, 1000, model_cfg.lr)
+    return estimate_model(model_cfg.name, model_cfg.options(), example, n_out, task, tx,
+                          config.batch_size, config.devices,
+                          changes.get("sharding", config.sharding),
+                          changes.get("grad_accum", config.grad_accum), config.precision,
+                          config.ema_decay is not None, tokens, config.hardware)
+
+
+def estimate_model(name: str, options: dict, example: dict, n_out: int, task: str, tx,
+                   batch_size: int, devices: int, layout: str = "replicated",
+                   grad_accum: int = 1, precision: str = "fp32", ema: bool = False,
+                   tokens_per_example: int = 1, hardware: Hardware | None = None) -> Estimate:
+    """The estimate of the registered model `name` (`options`: `make_model`'s,
+    `remat` among them) on `example`'s shapes, with its built-in loss. With
+    remat, the same model without it gives the one block recomputed at a time."""
     in_shape = tuple(example["x"].shape)
 
-    def build(remat):
-        options = {**model_cfg.options(), "remat": remat} if model_cfg.takes_text else {}
-        return lambda: make_model(model_cfg.name, in_shape, n_out, 0, task, **options)
+    def build(**change):
+        return lambda: make_model(name, in_shape, n_out, 0, task, **{**options, **change})
 
-    remat = model_cfg.takes_text and model_cfg.remat != "none"
-    tx, _ = config.optimizer.build(config.batch_size, 1000, model_cfg.lr)
-    return estimate(build(model_cfg.remat), losses.for_task(task)[0], tx, example,
-                    config.batch_size, config.devices, sharding, grad_accum,
-                    PRECISIONS[config.precision], config.ema_decay is not None, tokens,
-                    config.hardware, without_remat=build("none") if remat else None,
-                    blocks=model_cfg.layers if remat else 1)
+    remat = options.get("remat", "none") != "none"
+    return estimate(build(), losses.for_task(task)[0], tx, example, batch_size, devices, layout,
+                    grad_accum, PRECISIONS[precision], ema, tokens_per_example,
+                    hardware or Hardware(),
+                    without_remat=build(remat="none") if remat else None,
+                    blocks=options.get("layers", 1) if remat else 1)
 
 
 def _size(b: float) -> str:
