@@ -197,7 +197,7 @@ def all_finite(state: dict, step: int | None = None) -> bool:
     answer, so all of them save or none), numpy for host ones (pmap's copy).
 
     Reading the answer waits on every process: the state may be split over
-    them, and a split layout's copy is gathered (`state_dict`) just before.
+    them (`state_dict` gathers only a padded split leaf, just before).
     A peer that stopped hangs it, so the watchdog times that read; the
     compile (the first save's only) stays outside the timer."""
     floats = [v for v in state.values() if jnp.issubdtype(v.dtype, jnp.inexact)]
