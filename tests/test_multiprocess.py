@@ -39,7 +39,7 @@ def test_launch_2x2_equals_1x4_equals_1x1_and_its_checkpoint_resumes_on_2(tmp_pa
     them, the index batches split over both) and its Adam state fully sharded
     over both processes; the in-process ones, and the resume of its step-5
     checkpoint (one logical copy) replicated in one process on 2 devices,
-    make host batches."""
+    make host batches; it resumes fully sharded on 2 processes of 1 device too."""
     run = [*RUN, "--optimizer", "adam", "--lr", "0.01"]  # the later --optimizer wins
     ck = str(tmp_path / "ck")
     r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *run, "--data-on-device",
@@ -67,6 +67,13 @@ def test_launch_2x2_equals_1x4_equals_1x1_and_its_checkpoint_resumes_on_2(tmp_pa
     assert main(["train", *run, "--devices", "2", "--resume", f"{ck}/5",
                  "--out", str(tmp_path / "resumed")]) == 0
     refs["resumed"] = dict(np.load(tmp_path / "resumed" / "params.npz"))
+    # Resumed by 2 processes of 1 device, still fully sharded: each reads its
+    # own halves of the split leaves straight onto its device.
+    r = launch("--nprocs", "2", "--devices-per-process", "1", "--", *run, "--sharding", "full",
+               "--resume", f"{ck}/5", "--out", str(tmp_path / "relaunched"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "resumed at step 5" in r.stdout
+    refs["resumed by 2 x 1"] = dict(np.load(tmp_path / "relaunched" / "params.npz"))
     capsys.readouterr()
     for name, ref in refs.items():
         diff = max(float(np.max(np.abs(launched[k] - ref[k]))) for k in ref)

@@ -123,35 +123,60 @@ def test_loading_a_state_frees_the_current_one_before_placing_it(monkeypatch):
     assert all(np.array_equal(loaded[k], v) for k, v in restored.items())
 
 
-def test_a_checkpoint_is_restored_to_the_host_and_placed_once(tmp_path):
-    """A fully sharded state is read into host memory, not replicated onto
-    every device first (4 whole copies on 4 devices: a state split because it
-    does not fit one device did not fit), and placed as the layout splits it."""
+def test_a_checkpoint_is_read_as_the_layout_splits_it_after_the_state_is_freed(
+        tmp_path, monkeypatch):
+    """A fully sharded state is read straight onto the devices a quarter per
+    device (each process its own shards: never whole in one process's memory,
+    nor replicated onto every device first), after the Trainer's own state is
+    freed; a state dict of device arrays is copied, not taken: the step
+    donates the state's buffers."""
+    import jax
 
     from dpax.training.checkpoint import Checkpointer
 
     t = mlp_trainer(4, optax.adam(1e-3), sharding="full")
     # Leaves split evenly are saved as they are stored, a quarter per device:
     # only a padded leaf is gathered to be cut to its logical shape.
-    split = [v for v in t.state_dict().values() if getattr(v, "is_fully_replicated", True)
-             is False]
+    split = {k for k, v in t.state_dict().items()
+             if getattr(v, "is_fully_replicated", True) is False}
     assert split and all({s.data.size * 4 for s in v.addressable_shards} == {v.size}
-                         for v in split)
+                         for k, v in t.state_dict().items() if k in split)
     saved = {k: np.asarray(v) for k, v in t.state_dict().items()}
     ckpt = Checkpointer(str(tmp_path))
     ckpt.save(7, t.state_dict(), None, {})
     ckpt.manager.wait_until_finished()
+
     fresh = mlp_trainer(4, optax.adam(1e-3), sharding="full")
     template = fresh.state_template()
+    assert {k for k, v in template.items() if isinstance(v, jax.ShapeDtypeStruct)} == split
+    assert all(isinstance(v, np.ndarray) for k, v in template.items() if k not in split)
+    held = sum(s.data.nbytes for x in fresh._leaves for s in x.addressable_shards)
+    split_bytes = sum(saved[k].nbytes for k in split)
+    seen, read = [], ckpt.restore
+
+    def counting(*args, **kwargs):
+        seen.append(device_bytes())
+        out = read(*args, **kwargs)
+        seen.append(device_bytes())
+        return out
+
+    monkeypatch.setattr(ckpt, "restore", counting)
     before = device_bytes()
-    step, state, _ = ckpt.restore(template, None)
+    step, _ = fresh.restore(ckpt)
     ckpt.close()
-    assert step == 7 and all(isinstance(v, np.ndarray) for v in state.values())
-    assert device_bytes() == before
-    fresh.load_state_dict(state)
+    assert step == 7
+    assert before - seen[0] > 0.95 * held  # the current state went first
+    assert seen[1] - seen[0] == split_bytes  # the read: split leaves, one copy over 4 devices
+    assert device_bytes() - before < 0.05 * held  # taken as read, not copied
     assert all(np.array_equal(v, saved[k]) for k, v in fresh.state_dict().items())
     kernel = fresh._field("params")["layers"][0]["kernel"].get_value()
     assert {s.data.size * 4 for s in kernel.addressable_shards} == {kernel.size}  # 1/4 each
+
+    other = mlp_trainer(4, optax.adam(1e-3), sharding="full")
+    other.load_state_dict(fresh.state_dict())
+    ds = digits()
+    other.fit(ds.x_train[:8], ds.y_train[:8], batch_size=8, until_step=1)
+    assert all(np.array_equal(v, saved[k]) for k, v in fresh.state_dict().items())
 
 
 def test_the_optimizer_state_and_ema_start_on_the_host_not_the_models_device(monkeypatch):

@@ -224,7 +224,6 @@ def load_checkpoint(path: str, devices: int | None = None,
            if meta["task"] == "lm" else None)
     trainer = make_trainer(config, meta["task"], tuple(meta["input_shape"]), meta["n_out"],
                            meta.get("total", 1), tok)
-    _, state, _ = ckpt.restore(trainer.state_template(), None, step)
-    trainer.load_state_dict(state)
+    trainer.restore(ckpt, step=step)
     ckpt.close()
     return Loaded(trainer, config, meta, tok)

@@ -252,9 +252,7 @@ def _resume(resume: str, config: TrainConfig, ckpt: Checkpointer | None, trainer
     else:
         directory, step = locate(resume)
     source = ckpt if ckpt is not None and ckpt.directory == directory else Checkpointer(directory)
-    step, state, meta = source.restore(
-        trainer.state_template(), data_iter, step,
-        check=lambda meta: check_same_meaning(meta["config"], config))
-    trainer.load_state_dict(state)
+    step, meta = trainer.restore(source, data_iter, step,
+                                 check=lambda meta: check_same_meaning(meta["config"], config))
     restored = meta["data_restored"] and data_iter.next_step == step
     return step, restored  # else the caller starts the batches at `step`

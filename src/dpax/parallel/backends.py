@@ -36,10 +36,13 @@ def check_backend(name: str, processes: int) -> None:
 
 
 def _global(x: Any, sharding: NamedSharding) -> jax.Array:
-    """A global array from a value every process holds in full."""
+    """A global array from a value every process holds in full (or the array
+    itself, when it is one already laid out by `sharding`)."""
     if is_key(x):  # typed PRNG keys: place the raw data, wrap it on the devices
         data = _global(np.asarray(jax.random.key_data(x)), sharding)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x  # already placed: a checkpoint's leaf, read onto the devices as split
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 

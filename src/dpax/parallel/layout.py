@@ -304,7 +304,7 @@ def state_dict(layout: Layout, state, mesh=None) -> dict[str, Any]:
     for (path, leaf), split in zip(paths, jax.tree.leaves(layout.splits)):
         if is_key(leaf):  # saved as raw data; from_state_dict wraps it again
             leaf = jax.random.key_data(leaf)
-        if split.dim is not None and split.padded_shape == split.shape:
+        if _split_evenly(split):
             # Split evenly: the stored array is the logical one, sharded.
             # Orbax writes each process's shards; nothing is gathered.
             out[_key(path)] = leaf
@@ -313,9 +313,42 @@ def state_dict(layout: Layout, state, mesh=None) -> dict[str, Any]:
     return out
 
 
-def from_state_dict(layout: Layout, flat: dict[str, Any], template):
-    """A stored state shaped like `template` from a `state_dict` (of any device
-    count and layout)."""
+def template(layout: Layout, state) -> dict[str, Any]:
+    """`state_dict`'s restore target for a stored `state`, from shapes alone
+    (nothing is copied or gathered): an unfilled host array per path, or for
+    a leaf split evenly a `jax.ShapeDtypeStruct` with its sharding, which
+    Orbax reads straight onto the devices, each process its own shards. So no
+    process holds such a leaf whole, in host memory or on a device."""
+    out = {}
+    paths = jax.tree_util.tree_flatten_with_path(state)[0]
+    for (path, leaf), split in zip(paths, jax.tree.leaves(layout.splits)):
+        if is_key(leaf):  # saved as raw data
+            like = jax.eval_shape(jax.random.key_data,
+                                  jax.ShapeDtypeStruct(split.shape, leaf.dtype))
+            out[_key(path)] = np.empty(like.shape, like.dtype)
+        elif _split_evenly(split):
+            out[_key(path)] = jax.ShapeDtypeStruct(split.shape, leaf.dtype,
+                                                   sharding=leaf.sharding)
+        else:
+            out[_key(path)] = np.empty(split.shape, leaf.dtype)
+    return out
+
+
+def _split_evenly(split: Split) -> bool:
+    """Split, and its stored leaf is its logical one (no padding)."""
+    return split.dim is not None and split.padded_shape == split.shape
+
+
+def from_state_dict(layout: Layout, flat: dict[str, Any], template, adopt: bool = False):
+    """A stored state shaped like `template` (arrays, or `jax.ShapeDtypeStruct`s
+    with their shardings) from a `state_dict` of any device count and layout.
+
+    A leaf split evenly that is already a device array of its template's
+    sharding stays on the devices (a multi-process state cannot be read
+    whole into one process): taken as it is when `adopt` (a checkpoint's
+    fresh arrays), else copied there, since the step donates the state's
+    buffers and the caller's arrays must outlive it. Any other value goes
+    through the host and is placed by the caller."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(template)
     missing = [_key(p) for p, _ in paths if _key(p) not in flat]
     if missing:
@@ -326,6 +359,9 @@ def from_state_dict(layout: Layout, flat: dict[str, Any], template):
         value = flat[_key(path)]
         if is_key(like):
             return jax.random.wrap_key_data(np.asarray(value), impl=jax.random.key_impl(like))
+        if (isinstance(value, jax.Array) and _split_evenly(split)
+                and value.sharding == like.sharding):
+            return value if adopt else jax.device_put(value, like.sharding, may_alias=False)
         return split.pad(np.asarray(value))
 
     return jax.tree.unflatten(treedef, [leaf(p, t, s) for (p, t), s in

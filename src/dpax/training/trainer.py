@@ -500,21 +500,51 @@ class Trainer:
                                   self.backend.mesh)
 
     def state_template(self) -> dict[str, Any]:
-        """Host arrays (not filled) of `state_dict()`'s shapes and dtypes: the
-        restore target. A checkpoint is read into host memory and
-        `load_state_dict` places it on any mesh, so a state split because it
-        does not fit one device is never whole on one."""
-        return {k: np.empty(np.shape(v), v.dtype) for k, v in self.state_dict().items()}
+        """The restore target of `state_dict()`, from shapes alone: unfilled host
+        arrays, and for each leaf the layout splits evenly a
+        `jax.ShapeDtypeStruct` with its sharding, which Orbax reads onto the
+        devices, each process its own shards (`layout.template`). So a state
+        split because it does not fit one device, or one host, never is whole
+        on one."""
+        return layouts.template(self.layout, self.state)
 
     def load_state_dict(self, flat: dict[str, Any]) -> None:
         """Replace the state with one from `state_dict()` (of any device count).
         The current state is dropped before the new one is placed: if placing
         fails (out of memory), this Trainer holds none."""
-        state = layouts.from_state_dict(self.layout, flat, self.backend.logical(self.state))
-        # `state` is on the host now: the current device arrays go before the
-        # placed ones come, or a resume held the state three times on the
-        # devices (this one, the restored `flat`, the placed one).
+        self._load(flat, self._skeleton(), adopt=False)
+
+    def restore(self, checkpointer, data=None, step: int | None = None,
+                check: Callable[[dict], None] | None = None) -> tuple[int, dict]:
+        """Replace the state with a checkpoint's (`Checkpointer.restore`: `step`,
+        else the newest readable one; `data`: a `train_input` to restore too;
+        `check`: called with its meta first). Returns (step, meta).
+
+        The current state is freed before the checkpoint is read, since its
+        evenly split leaves are read straight onto the devices: a resume never
+        holds two states there. If no checkpoint can be read, this Trainer
+        holds none."""
+        template, skeleton = self.state_template(), self._skeleton()
         del self._leaves
+        step, flat, meta = checkpointer.restore(template, data, step, check=check)
+        self._load(flat, skeleton, adopt=True)
+        return step, meta
+
+    def _skeleton(self) -> TrainState:
+        """The stored state's tree of shapes, dtypes and shardings (a PRNG key
+        kept itself: its implementation is part of its dtype)."""
+        return jax.tree.unflatten(self._state_def, [
+            x if is_key(x) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            for x in self._leaves])
+
+    def _load(self, flat: dict[str, Any], skeleton: TrainState, adopt: bool) -> None:
+        state = layouts.from_state_dict(self.layout, flat, skeleton, adopt)
+        # The split leaves are placed now, the others on the host: the current
+        # device arrays go before the placed ones come, or a resume held the
+        # state three times on the devices (this one, the restored `flat`, the
+        # placed one).
+        if hasattr(self, "_leaves"):
+            del self._leaves
         self.state = self.backend.put_state(state, self._specs)
 
     # -- results ---------------------------------------------------------------------
