@@ -128,8 +128,8 @@ def test_a_checkpoint_is_read_as_the_layout_splits_it_after_the_state_is_freed(
     """A fully sharded state is read straight onto the devices a quarter per
     device (each process its own shards: never whole in one process's memory,
     nor replicated onto every device first), after the Trainer's own state is
-    freed; a state dict of device arrays is copied, not taken: the step
-    donates the state's buffers."""
+    freed (a refused checkpoint leaves it); a state dict of device arrays is
+    copied, not taken: the step donates the state's buffers."""
     import jax
 
     from dpax.training.checkpoint import Checkpointer
@@ -151,16 +151,25 @@ def test_a_checkpoint_is_read_as_the_layout_splits_it_after_the_state_is_freed(
     assert {k for k, v in template.items() if isinstance(v, jax.ShapeDtypeStruct)} == split
     assert all(isinstance(v, np.ndarray) for k, v in template.items() if k not in split)
     held = sum(s.data.nbytes for x in fresh._leaves for s in x.addressable_shards)
-    split_bytes = sum(saved[k].nbytes for k in split)
-    seen, read = [], ckpt.restore
 
-    def counting(*args, **kwargs):
+    def refuse(meta):
+        raise dpax.DpaxError("refused")
+
+    with pytest.raises(dpax.DpaxError, match="refused"):
+        fresh.restore(ckpt, check=refuse)
+    assert all(np.isfinite(v).all() for v in fresh.state_dict().values())  # still its own
+    split_bytes = sum(saved[k].nbytes for k in split)
+    seen, read = [], ckpt.manager.restore
+
+    def counting(step, args):
+        if "state" not in args:  # the meta
+            return read(step, args=args)
         seen.append(device_bytes())
-        out = read(*args, **kwargs)
+        out = read(step, args=args)
         seen.append(device_bytes())
         return out
 
-    monkeypatch.setattr(ckpt, "restore", counting)
+    monkeypatch.setattr(ckpt.manager, "restore", counting)
     before = device_bytes()
     step, _ = fresh.restore(ckpt)
     ckpt.close()

@@ -130,7 +130,8 @@ class Checkpointer:
             meta=ocp.args.JsonRestore())).meta
 
     def restore(self, template: dict, data: Any, step: int | None = None, warn=None,
-                check: Callable[[dict], None] | None = None) -> tuple[int, dict, dict]:
+                check: Callable[[dict], None] | None = None,
+                before_read: Callable[[], None] | None = None) -> tuple[int, dict, dict]:
         """Restore `step`, or the newest readable step, falling back past
         unreadable ones with a one-line warning each.
 
@@ -140,6 +141,8 @@ class Checkpointer:
             which is a `DpaxError`, not damage.
           check: called with the checkpoint's meta before its state is read; it
             raises to refuse (e.g. a resume that changes what is trained).
+          before_read: called once the checkpoint is accepted, just before its
+            state is read (e.g. to free the state it replaces).
 
         Returns:
           (step, state dict, meta).
@@ -165,6 +168,8 @@ class Checkpointer:
             # the caller rebuilds it from the step (batches depend on the step only).
             if data is not None and self._saved_processes(s) == jax.process_count():
                 args["data"] = grain.checkpoint.CheckpointRestore(data)
+            if before_read is not None:
+                before_read()
             try:
                 restored = self.manager.restore(s, args=ocp.args.Composite(**args))
             except Exception as e:

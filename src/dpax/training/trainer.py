@@ -520,13 +520,19 @@ class Trainer:
         else the newest readable one; `data`: a `train_input` to restore too;
         `check`: called with its meta first). Returns (step, meta).
 
-        The current state is freed before the checkpoint is read, since its
-        evenly split leaves are read straight onto the devices: a resume never
-        holds two states there. If no checkpoint can be read, this Trainer
-        holds none."""
+        The current state is freed once the checkpoint is accepted (`check`,
+        the shapes), before it is read: its evenly split leaves are read
+        straight onto the devices, and a resume never holds two states there.
+        A refused checkpoint leaves this Trainer as it was; if an accepted one
+        cannot be read, nor any older one, it holds no state."""
         template, skeleton = self.state_template(), self._skeleton()
-        del self._leaves
-        step, flat, meta = checkpointer.restore(template, data, step, check=check)
+
+        def free():
+            if hasattr(self, "_leaves"):
+                del self._leaves
+
+        step, flat, meta = checkpointer.restore(template, data, step, check=check,
+                                                before_read=free)
         self._load(flat, skeleton, adopt=True)
         return step, meta
 
