@@ -235,26 +235,40 @@ def test_a_finite_loss_with_an_inf_gradient(skip):
         assert not all(np.isfinite(np.asarray(a)).all() for a in leaves(t))
         assert int(t.state.bad_in_a_row) == 1
 
-def weight_norm_reductions(t, batch_size=24):
-    """The step's reductions of a whole 2-D weight-shaped array to a scalar:
-    the gradient's sum of squares (no loss or metric reduces such a shape)."""
+def gradient_reductions(t, batch_size=24):
+    """The step's reductions to a scalar of the gradient's leaves: a large
+    weight's own shape, or the one vector the small leaves are summed as
+    (`sum_of_squares`; no loss or metric reduces such shapes)."""
+    from dpax.training.update import SMALL_LEAF
+
     x, y = plan_batches(batch_size, steps=1)[0]
     text = t.lower_train_step({"x": x, "y": y, "mask": np.ones(batch_size, bool)}).as_text()
-    shapes = {"x".join(map(str, p.shape)) for p in leaves(t) if p.ndim == 2}
+    params = leaves(t)
+    small = sum(p.size for p in params if p.size <= SMALL_LEAF)
+    shapes = {"x".join(map(str, p.shape)) for p in params if p.size > SMALL_LEAF}
+    shapes |= {str(small)} if small else set()
     found = re.findall(r"stablehlo\.reduce.*: \(tensor<([\dx]+)xf32>, tensor<f32>\) -> "
                        r"tensor<f32>", text)
-    return [s for s in found if s in shapes]
+    return sorted(s for s in found if s in shapes), sorted(shapes)
 
 
 def test_without_the_guard_or_clipping_the_step_makes_no_pass_over_the_gradient():
     """`skip_nonfinite=False` does a hand loop's work: no sum of squares of
     the gradient (4-6% of the mlp's step on one CPU device), so no grad_norm.
-    The guard, or clipping alone, computes it once per weight."""
-    n_weights = sum(p.ndim == 2 for p in leaves(mlp_trainer(1)))
-    assert weight_norm_reductions(mlp_trainer(1, skip_nonfinite=False)) == []
-    assert len(weight_norm_reductions(mlp_trainer(1))) == n_weights
+    The guard, or clipping alone, computes it once: a reduction per large
+    weight, one for the small leaves together."""
+    assert gradient_reductions(mlp_trainer(1, skip_nonfinite=False))[0] == []
+    found, expected = gradient_reductions(mlp_trainer(1))
+    assert found == expected
     clipped = mlp_trainer(1, skip_nonfinite=False, clip_norm=1.0)
-    assert len(weight_norm_reductions(clipped)) == n_weights
+    assert gradient_reductions(clipped)[0] == expected
+    ds = digits()  # layers of 64 x 1100 and more > SMALL_LEAF: each reduced on its own
+    wide = dpax.Trainer(dpax.models.MLP(ds.input_shape, ds.n_out, hidden=1100,
+                                        rngs=nnx.Rngs(0)), dpax.classification_loss,
+                        optax.sgd(0.1), devices=1)
+    found, expected = gradient_reductions(wide)
+    assert found == expected and "64x1100" in expected and len(expected) >= 2
+
 
 @pytest.mark.slow
 def test_too_many_bad_steps_exit_3_and_keep_the_last_good_params(tmp_path):

@@ -192,7 +192,7 @@ def make_train_step(
     grad_step = jax.jit(make_grad_step(graphdef, loss_fn, layout, options))
     update = make_update(tx, schedule, UpdateOptions(
         skip_nonfinite=options.skip_nonfinite, clip_norm=options.clip_norm,
-        ema_decay=options.ema_decay))
+        ema_decay=options.ema_decay, whole_leaves=layout.per_device_update))
     if layout.per_device_update:
         return lambda state, batch: update(state, grad_step(state, batch))
 
