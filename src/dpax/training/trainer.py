@@ -526,13 +526,8 @@ class Trainer:
         A refused checkpoint leaves this Trainer as it was; if an accepted one
         cannot be read, nor any older one, it holds no state."""
         template, skeleton = self.state_template(), self._skeleton()
-
-        def free():
-            if hasattr(self, "_leaves"):
-                del self._leaves
-
         step, flat, meta = checkpointer.restore(template, data, step, check=check,
-                                                before_read=free)
+                                                before_read=self._drop_state)
         self._load(flat, skeleton, adopt=True)
         return step, meta
 
@@ -549,9 +544,12 @@ class Trainer:
         # device arrays go before the placed ones come, or a resume held the
         # state three times on the devices (this one, the restored `flat`, the
         # placed one).
-        if hasattr(self, "_leaves"):
-            del self._leaves
+        self._drop_state()
         self.state = self.backend.put_state(state, self._specs)
+
+    def _drop_state(self) -> None:
+        """Free the state's device arrays (once: a restore frees it before reading)."""
+        self.__dict__.pop("_leaves", None)
 
     # -- results ---------------------------------------------------------------------
     @property
