@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import dpax
 from conftest import max_diff
@@ -40,18 +41,23 @@ def test_gradients_come_back_untransposed_and_transpose_to_jaxs(dtype):
     loss, grads = jax.jit(reorder.wrap(grad_fn))(ws)
     want_loss, want = jax.jit(grad_fn)(ws)
     # The two 3-D layers' gradients come back [out, in], in the params' dtype
-    # (a bf16 gradient's conversion kept); the head's ([batch, features]) as JAX gives it.
-    assert [g.shape for g in grads] == [(48, 24), (16, 48), (16, 3)]
+    # (a bf16 gradient's conversion kept); so does the narrow 2-D head's.
+    assert [g.shape for g in grads] == [(48, 24), (16, 48), (3, 16)]
     assert [g.dtype for g in grads] == [jnp.float32] * 3
-    assert [m is not None for m in reorder.moved] == [True, True, False]
+    assert [m is not None for m in reorder.moved] == [True, True, True]
     assert float(loss) == float(want_loss)
+    # bf16: the moved head's dot feeds its conversion to f32 directly, and XLA
+    # may then skip the bf16 rounding (`xla_allow_excess_precision`): within
+    # one bf16 step of JAX's.
+    rtol = 1e-5 if dtype == jnp.float32 else 2.0**-8
     for got, ref in zip(reorder.transposes(grads), want, strict=True):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=rtol, atol=1e-6)
 
 
 def test_nothing_to_move_runs_the_function_as_it_is():
     ws, x = _inputs()
-    flat = x.reshape(-1, 24)  # 2-D only: folded into a plain matmul, left alone
+    # 2-D and wider than NARROW (48 outputs): folded into a plain matmul, left alone.
+    flat = x.reshape(-1, 24)
     grad_fn = jax.grad(lambda w: jnp.tanh(flat @ w[0]).sum())
     reorder, first = ReduceBeforeTranspose(), ws[:1]
     assert str(jax.make_jaxpr(reorder.wrap(grad_fn))(first)) == str(
@@ -91,6 +97,35 @@ def test_the_generic_step_has_no_folded_weight_gradient(monkeypatch):
     monkeypatch.setattr(untransposed, "_untransposed",
                         lambda jaxpr, n: (list(jaxpr.outvars), [None] * n))
     assert _folded_dots(_transformer_step_hlo()) >= 4
+
+
+@pytest.mark.parametrize("outputs, moved", [(untransposed.NARROW, True),
+                                             (untransposed.NARROW + 1, False)])
+def test_a_2d_layer_is_moved_only_when_narrow(outputs, moved):
+    x = jax.random.normal(jax.random.key(1), (8, 24))
+    w = [jax.random.normal(jax.random.key(2), (24, outputs))]
+    reorder = ReduceBeforeTranspose()
+    _, grads = jax.jit(reorder.wrap(jax.value_and_grad(lambda w: jnp.tanh(x @ w[0]).sum())))(w)
+    assert (reorder.moved[0] is not None) == moved
+    assert grads[0].shape == ((outputs, 24) if moved else (24, outputs))
+
+
+def _dot_shapes(hlo: str) -> list[str]:
+    return re.findall(r"= f32\[([0-9,]+)\]\S* dot\(", hlo)
+
+
+def test_the_generic_step_sums_a_narrow_head_before_its_transpose():
+    """A classifier's head (48 -> 10) on 2 devices: its weight gradient is
+    the [10, 48] dot, summed, then transposed (jit's partitioner's form), not
+    the folded [48, 10] dot; the wide hidden layer (64 -> 48) stays folded."""
+    t = dpax.Trainer(dpax.models.MLP((64,), 10, hidden=(48,), rngs=nnx.Rngs(0)),
+                     dpax.models.losses.classification_loss, optax.adam(1e-3), devices=2,
+                     xla_cpu_tuning=False)
+    x = np.random.default_rng(0).normal(size=(8, 64)).astype(np.float32)
+    host = {"x": x, "y": np.arange(8, dtype=np.int32) % 10, "mask": np.ones(8, bool)}
+    shapes = _dot_shapes(t.lower_train_step(host, 8).compile().as_text())
+    assert "10,48" in shapes and "48,10" not in shapes
+    assert "64,48" in shapes  # folded: the param's own shape
 
 
 def test_grad_accumulation_moves_every_micro_batch_alike():

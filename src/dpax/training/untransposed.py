@@ -16,10 +16,18 @@ layout sums it so, and `transposes` puts it back after the sum. A transpose
 only moves elements and a dtype conversion acts on each one: every element
 is summed from the same terms as before.
 
-Only dots that contract several dimensions: a 2-D dense layer's gradient
-([batch, features]) folds into a plain matmul with one operand transposed,
-which is what the pmap loop runs, and on XLA:CPU the faster form of the mlp
-(2 devices, one run: 84.2 steps/s folded, 67.1 with the sum moved).
+A 2-D dense layer's gradient ([batch, features]) folds into a plain matmul
+with one operand transposed, which is what the pmap loop runs: it stays so,
+unless the layer is narrow. On XLA:CPU the folded form is the faster one for
+wide layers (the mlp's 1024 -> 1024, 2 devices, one run: 84.2 steps/s
+folded, 67.1 with every 2-D sum moved), and 1.8-4.6x slower for a layer of
+at most `NARROW` outputs, a classifier's head ([64, 4096] -> 10 alone: 279
+us folded, 78 us apart): its folded result is `NARROW` columns wide. jit
+with a sharded batch sums such a head before the transpose, and beat the
+generic step on a strided CNN by 4%; with the head moved too the two run
+alike (benchmarks/README.md, "The classifier head's sum before its
+transpose"). Either form is one all-reduce of the same bytes: other
+platforms take the move as jit's partitioner gives it to them.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Var, jaxpr_as_fun
 # Per gradient leaf: None (returned as it is), or the permutation left out
 # and the dtype the leaf is converted to (None: the dot's own).
 Moved = tuple[tuple[int, ...], Any] | None
+
+# A 2-D gradient whose last dimension (its folded dot's columns) is at most
+# this is summed before the transpose too (see the module's docstring).
+NARROW = 32
 
 
 class ReduceBeforeTranspose:
@@ -74,7 +86,8 @@ class ReduceBeforeTranspose:
 
 def _untransposed(jaxpr: Jaxpr, n_grads: int) -> tuple[list, list[Moved]]:
     """The outputs, each of the last `n_grads` (the gradients) that is a
-    transpose of a dot contracting several dimensions replaced by the dot."""
+    transpose of a dot contracting several dimensions, or of a narrow 2-D one,
+    replaced by the dot."""
     made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
     outvars = list(jaxpr.outvars)
     moved: list[Moved] = []
@@ -86,7 +99,8 @@ def _untransposed(jaxpr: Jaxpr, n_grads: int) -> tuple[list, list[Moved]]:
             var, dtype = eqn.invars[0], eqn.params["new_dtype"]
             eqn = _made_by(var, made_by)
         dot = None if eqn is None else transposed_dot(eqn, made_by)
-        if dot is None or len(dot.params["dimension_numbers"][0][0]) < 2:
+        if dot is None or not (len(dot.params["dimension_numbers"][0][0]) >= 2
+                               or var.aval.ndim == 2 and var.aval.shape[1] <= NARROW):
             moved.append(None)
             continue
         outvars[i] = eqn.invars[0]
