@@ -5,8 +5,9 @@ collectives on the named axis `AXIS`; a backend (`pmap` or `jit(shard_map)`)
 only wraps them. The training step sums masked per-example losses and
 gradients (`dpax.training.sums`), all-reduces the sums and the example count
 together, and divides once in the update (`dpax.training.update`). On the
-generic path a transformer's weight gradients are all-reduced before their
-last transpose, as jit's partitioner does (`dpax.training.untransposed`).
+generic path a transformer's weight gradients, and a narrow head's, are
+all-reduced before their last transpose, as jit's partitioner does
+(`dpax.training.untransposed`).
 
 Where the update runs is the layout's (`dpax.parallel.layout`): per device for a
 replicated state, or on the logical state under jit for a sharded one (then
