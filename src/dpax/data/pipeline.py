@@ -155,7 +155,7 @@ def train_batches(
 
     def chunks(first: int):
         ds = grain.MapDataset.range(first, stop, per_chunk).map(
-            functools.partial(_chunk, data, plan, rows, stop, per_chunk, augment))
+            _Chunk(data, plan, rows, stop, per_chunk, augment))
         ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=threads,
                                                   prefetch_buffer_size=threads * 2))
         if workers:
@@ -181,11 +181,20 @@ def _exit_with(parent: int, *_) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _chunk(data: dict, plan: BatchPlan, rows: tuple[int, int], stop: int, per_chunk: int,
-           augment: Augment | None, first: int) -> list[Batch]:
-    """The batches of steps first..first+per_chunk-1 (a module-level function:
-    Grain workers get it pickled)."""
-    return local_parts(data, plan, rows, range(first, min(first + per_chunk, stop)), augment)
+class _Chunk(grain.transforms.Map):
+    """The batches of steps first..first+per_chunk-1 (a module-level class:
+    Grain workers get it pickled). A `Map`, so that Grain names it by its
+    class: it named a `functools.partial` by its repr, which printed the
+    examples it holds, 0.7 ms of every `fit` call's start."""
+
+    def __init__(self, data: dict, plan: BatchPlan, rows: tuple[int, int], stop: int,
+                 per_chunk: int, augment: Augment | None):
+        self.data, self.plan, self.rows, self.stop = data, plan, rows, stop
+        self.per_chunk, self.augment = per_chunk, augment
+
+    def map(self, first: int) -> list[Batch]:
+        steps = range(first, min(first + self.per_chunk, self.stop))
+        return local_parts(self.data, self.plan, self.rows, steps, self.augment)
 
 
 def local_parts(data: dict, plan: BatchPlan, rows: tuple[int, int], steps: range,
