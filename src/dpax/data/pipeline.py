@@ -185,7 +185,8 @@ class _Chunk(grain.transforms.Map):
     """The batches of steps first..first+per_chunk-1 (a module-level class:
     Grain workers get it pickled). A `Map`, so that Grain names it by its
     class: it named a `functools.partial` by its repr, which printed the
-    examples it holds, 0.7 ms of every `fit` call's start."""
+    examples it holds (the pipeline's start and first batch: 0.285 ms, now
+    0.107 ms for the mlp's data, once per `fit` call and restore)."""
 
     def __init__(self, data: dict, plan: BatchPlan, rows: tuple[int, int], stop: int,
                  per_chunk: int, augment: Augment | None):

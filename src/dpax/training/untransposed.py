@@ -22,11 +22,11 @@ unless the layer is narrow. On XLA:CPU the folded form is the faster one
 for wide layers (the mlp's 1024 -> 1024, 2 devices, one run: 84.2 steps/s
 folded, 67.1 with every 2-D sum moved). For a layer of at most `NARROW`
 outputs, a classifier's head, the folded dot writes a result only that many
-columns wide. Alone it ran 3.2x and 3.6x slower than the unfolded dot
-and its transpose on the mlp's and the CNNs' heads ([256, 1024] -> 10,
-[64, 4096] -> 10), though 0.73x on [128, 784] -> 10. jit with a sharded batch sums such a
-head before the transpose, and beat the generic step of a strided CNN on 2
-devices by 4%; with the head moved too the two run alike
+columns wide. Alone it ran 3.2x and 3.6x slower than the unfolded dot and
+its transpose on the mlp's and the CNNs' heads ([256, 1024] -> 10, [64,
+4096] -> 10), though 0.73x on [128, 784] -> 10. jit with a sharded batch
+sums such a head before the transpose, and beat the generic step of a
+strided CNN on 2 devices by 4%; with the head moved too the two run alike
 (benchmarks/README.md, "The classifier head's sum before its transpose").
 Either form is one all-reduce of the same bytes: other platforms get the
 placement jit's partitioner gives them.
