@@ -44,6 +44,7 @@ from dpax.parallel.layout import check_sharding, make_layout
 from dpax.parallel.mesh import MAX_SIMULATED_DEVICES, select_devices
 from dpax.training import loop, metrics
 from dpax.training.compiled import CompiledSteps
+from dpax.training.handback import ModelHandback
 from dpax.training.state import TrainState, field_spans, init_state
 from dpax.training.step import StepOptions
 from dpax.training.sums import LossFn
@@ -189,6 +190,7 @@ class Trainer:
         self.max_bad_steps = config.max_bad_steps
         self.steps_per_call = config.steps_per_call
         self._user_model = model
+        self._handback = ModelHandback(model)
         # dpax's own copy, its BatchNorm and Dropout layers made N-independent:
         # the user's model keeps its classes (and gets the trained state after `fit`).
         model = nnx.clone(model)
@@ -363,13 +365,11 @@ class Trainer:
 
     def _update_model(self) -> None:
         """Leave the trained params and state in the model the user gave (NNX's
-        in-place convention), each array where the user's was.
+        in-place convention), each array where the user's was (`handback`).
 
         Copied from device to device, never through the host: a host copy
         waits for every step in flight and then for each leaf, which made a
-        `fit` call cost 29-89 ms more on a GPU (benchmarks/README.md). The
-        copies are the model's own (`may_alias=False`): the next step donates
-        the Trainer's buffers."""
+        `fit` call cost 29-89 ms more on a GPU (benchmarks/README.md)."""
         failing = sys.exc_info()[0] is not None
         try:
             params = self.backend.local(self._logical(self._field("params")))
@@ -378,15 +378,7 @@ class Trainer:
             if failing:
                 return  # the step's own error is the one to see
             raise
-        old, treedef = jax.tree.flatten(nnx.state(self._user_model))
-        new = treedef.flatten_up_to(nnx.merge_state(params, rest))
-        arrays = [i for i, o in enumerate(old) if isinstance(o, jax.Array)]
-        # One call for every leaf: a call per leaf cost ~0.1 ms of Python each.
-        for i, x in zip(arrays, jax.device_put([new[i] for i in arrays],
-                                               [old[i].sharding for i in arrays],
-                                               may_alias=False)):
-            new[i] = x
-        nnx.update(self._user_model, treedef.unflatten(new))
+        self._handback.write(nnx.merge_state(params, rest))
 
     def _in_flight(self) -> int | None:
         """Calls that may queue before the host waits (`dpax.parallel.platform`)."""
