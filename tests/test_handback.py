@@ -133,3 +133,15 @@ def test_a_variable_of_several_arrays_is_left_to_nnx_update(monkeypatch):
         assert all(np.array_equal(a, np.asarray(b))
                    for a, b in zip(_values(model), jax.tree.leaves(state)))
     assert len(walks) == 1 + 3  # one walk to find out, then NNX's update each call
+
+
+def test_host_arrays_are_placed_where_the_models_were():
+    """With several processes a split layout's params arrive as host arrays."""
+    model = Net(nnx.Rngs(0))
+    sink = ModelHandback(model)
+    for call in range(3):
+        state = jax.tree.map(np.asarray, _trained(model, call + 1))
+        sink.write(state)
+        for mine, given in zip(jax.tree.leaves(_state(model)), jax.tree.leaves(state)):
+            assert isinstance(mine, jax.Array) and mine.devices() == {jax.devices()[0]}
+            np.testing.assert_array_equal(mine, given)

@@ -101,7 +101,8 @@ def _copy(arrays: list[jax.Array], shardings: list, compiled: bool) -> list[jax.
     handback: a run that calls `fit` once does not compile it (~20 ms)."""
     if not arrays:
         return []
-    if compiled and all(a.sharding == s for a, s in zip(arrays, shardings)):
+    if compiled and all(isinstance(a, jax.Array) and a.sharding == s  # not host arrays
+                        for a, s in zip(arrays, shardings)):
         return _copies(arrays)
     return jax.device_put(arrays, shardings, may_alias=False)
 
