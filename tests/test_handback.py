@@ -5,6 +5,7 @@ NNX's walk once and reused only while the model holds the same Variables."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from dpax.training import handback
@@ -35,6 +36,12 @@ def _trained(model, shift, device=None):
 
 def _values(model):
     return [np.asarray(x) for x in jax.tree.leaves(_state(model))]
+
+
+def _holds(model, state):
+    """The model's arrays hold `state`'s values."""
+    return all(np.array_equal(a, np.asarray(b))
+               for a, b in zip(_values(model), jax.tree.leaves(state)))
 
 
 def _walks(monkeypatch):
@@ -90,18 +97,6 @@ def test_a_replaced_layer_or_variable_gets_the_state_as_nnx_update_gives_it(monk
     np.testing.assert_array_equal(model.a.bias.get_value(), state["a"]["bias"].get_value())
 
 
-def test_a_model_jax_cannot_walk_is_updated_by_nnx_every_call(monkeypatch):
-    model = Opaque(nnx.Rngs(0))
-    sink = ModelHandback(model)
-    walks = _walks(monkeypatch)
-    for call in range(3):
-        state = _trained(model, call + 1)
-        sink.write(state)
-        np.testing.assert_array_equal(model.a.kernel.get_value(),
-                                      state["a"]["kernel"].get_value())
-    assert len(walks) == 3  # NNX's walk and update each call
-
-
 def test_the_models_arrays_stay_where_they_were():
     """Trained on other devices (the state arrives on device 0), a model kept
     on device 3 keeps its arrays there, on the compiled copy's calls too."""
@@ -123,16 +118,19 @@ class Pairs(nnx.Module):
         self.pair = nnx.Variable({"x": jnp.zeros(2), "y": jnp.ones(2)})  # two leaves
 
 
-def test_a_variable_of_several_arrays_is_left_to_nnx_update(monkeypatch):
-    model = Pairs(nnx.Rngs(0))
+@pytest.mark.parametrize("make, walks_made", [
+    (Opaque, 3),  # JAX cannot walk it: NNX's walk and update each call
+    (Pairs, 1 + 3),  # one walk to find out, then NNX's update each call
+])
+def test_models_the_quick_walk_cannot_serve_are_updated_by_nnx(monkeypatch, make, walks_made):
+    model = make(nnx.Rngs(0))
     sink = ModelHandback(model)
     walks = _walks(monkeypatch)
     for call in range(3):
         state = _trained(model, call + 1)
         sink.write(state)
-        assert all(np.array_equal(a, np.asarray(b))
-                   for a, b in zip(_values(model), jax.tree.leaves(state)))
-    assert len(walks) == 1 + 3  # one walk to find out, then NNX's update each call
+        assert _holds(model, state)
+    assert len(walks) == walks_made
 
 
 def test_host_arrays_are_placed_where_the_models_were():

@@ -67,13 +67,8 @@ class ModelHandback:
             self._walk(quick)
         if self._treedef is None:
             return _write_by_nnx(self.model, state)
-        new = self._treedef.flatten_up_to(state)
-        old = [v.get_value() for v in self._targets]
-        arrays = [i for i, o in enumerate(old) if isinstance(o, jax.Array)]
-        for i, x in zip(arrays, _copy([new[i] for i in arrays],
-                                      [old[i].sharding for i in arrays],
-                                      compiled=self._calls > 1)):
-            new[i] = x
+        new = _own_copies(self._treedef.flatten_up_to(state),
+                          [v.get_value() for v in self._targets], compiled=self._calls > 1)
         for v, x in zip(self._targets, new):
             v.set_value(x)
 
@@ -95,26 +90,28 @@ def _same(a: list, b: list | None) -> bool:
     return b is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
-def _copy(arrays: list[jax.Array], shardings: list, compiled: bool) -> list[jax.Array]:
-    """Copies of `arrays` placed on `shardings`. One compiled program where
-    every array is already in place and this is not the model's first
-    handback: a run that calls `fit` once does not compile it (~20 ms)."""
+def _own_copies(new: list, old: list, compiled: bool = False) -> list:
+    """`new`, with each leaf whose `old` value is a device array replaced by a
+    copy placed as that one is. One compiled program where every array is
+    already in place and this is not the model's first handback (a run that
+    calls `fit` once does not compile it, ~20 ms); else one `device_put` for
+    every leaf (a call per leaf cost ~0.1 ms of Python each)."""
+    new = list(new)
+    at = [i for i, o in enumerate(old) if isinstance(o, jax.Array)]
+    arrays, shardings = [new[i] for i in at], [old[i].sharding for i in at]
     if not arrays:
-        return []
+        return new
     if compiled and all(isinstance(a, jax.Array) and a.sharding == s  # not host arrays
                         for a, s in zip(arrays, shardings)):
-        return _copies(arrays)
-    return jax.device_put(arrays, shardings, may_alias=False)
+        copies = _copies(arrays)
+    else:
+        copies = jax.device_put(arrays, shardings, may_alias=False)
+    for i, x in zip(at, copies):
+        new[i] = x
+    return new
 
 
 def _write_by_nnx(model: nnx.Module, state: nnx.State) -> None:
     """NNX's own walk and update, for any model."""
     old, treedef = jax.tree.flatten(nnx.state(model))
-    new = treedef.flatten_up_to(state)
-    arrays = [i for i, o in enumerate(old) if isinstance(o, jax.Array)]
-    # One call for every leaf: a call per leaf cost ~0.1 ms of Python each.
-    for i, x in zip(arrays, jax.device_put([new[i] for i in arrays],
-                                           [old[i].sharding for i in arrays],
-                                           may_alias=False)):
-        new[i] = x
-    nnx.update(model, treedef.unflatten(new))
+    nnx.update(model, treedef.unflatten(_own_copies(treedef.flatten_up_to(state), old)))
