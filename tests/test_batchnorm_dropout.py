@@ -132,6 +132,16 @@ USER_MODELS = textwrap.dedent('''
         def __call__(self, x):
             return self.out(nnx.relu(self.bn(self.dense(x.reshape(x.shape[0], -1)))))
 
+    class RunningMean(nnx.Module):
+        """Its own running mean of the rows it sees: per device, not a BatchNorm."""
+        def __init__(self, in_shape, n_out, *, rngs):
+            self.mean = nnx.BatchStat(jnp.zeros(64))
+            self.out = nnx.Linear(64, n_out, rngs=rngs)
+        def __call__(self, x):
+            x = x.reshape(x.shape[0], -1)
+            self.mean[...] = 0.9 * self.mean[...] + 0.1 * x.mean(0)
+            return self.out(x - self.mean[...])
+
     class KeyPerDevice(nnx.Module):
         """Draws its dropout mask from its own key: the same key on every device."""
         def __init__(self, in_shape, n_out, *, rngs):
@@ -177,6 +187,7 @@ def test_check_passes_for_every_built_in_model(model, capsys):
 
 @pytest.mark.parametrize("flags,cause", [
     (["--factory", "usermodels:BNNet"], "unsynchronized batch statistics: bn"),
+    (["--factory", "usermodels:RunningMean"], "per-device model state: mean.value"),
     (["--factory", "usermodels:mlp", "--loss", "usermodels:mean_loss"],
      "the loss averages per device"),
     (["--factory", "usermodels:mlp", "--loss", "usermodels:scaled_loss"],

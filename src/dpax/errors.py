@@ -28,6 +28,15 @@ class DpaxError(DpaxException, ValueError):
     """Bad input or environment; the message names the problem and the fix."""
 
 
+class PerDeviceState(DpaxError):
+    """A model's state would be computed from each device's own rows by a
+    layer dpax does not synchronize; `paths` names it (`dpax.training.step`)."""
+
+    def __init__(self, message: str, paths: list[str]):
+        super().__init__(message)
+        self.paths = paths
+
+
 class DpaxWarning(UserWarning):
     """Input that is legal but almost surely not what was meant (the CLI
     prints it as one `dpax: warning:` line)."""

@@ -204,8 +204,9 @@ def synchronize(model: nnx.Module, batchnorm: bool = True, dropout: bool = True)
 
 def has_per_device_state(model: nnx.Module) -> bool:
     """True when the model holds float state (not params) that no synchronized
-    layer owns, e.g. a BatchNorm subclass or a custom running mean: it differs
-    per device, so the step averages it to keep the replicas identical."""
+    layer owns, e.g. a BatchNorm subclass, a custom running mean or a constant
+    buffer: the step then reads which of it differs per device
+    (`dpax.training.step`)."""
     synced = {tuple(path) for path, m in nnx.iter_modules(model)
               if isinstance(m, SyncBatchNorm)}
     _, _, rest = nnx.split(model, nnx.Param, ...)

@@ -28,6 +28,7 @@ from flax import nnx
 
 from dpax.data.batches import batch_rows
 from dpax.data.pipeline import examples
+from dpax.errors import PerDeviceState
 from dpax.models.bridge import LinenModel
 from dpax.models.layers import SyncBatchNorm
 from dpax.parallel.backends import DEFAULT_BACKEND
@@ -44,6 +45,9 @@ CAUSES = {
     "batchnorm-off": "unsynchronized batch statistics: {layers} normalize with per-device "
                      "statistics because synchronization is off (`sync_batchnorm=False`); "
                      "drop that (`sync_batchnorm=True` is the default) for one device's numbers",
+    "state": "per-device model state: {paths} is computed from each device's own rows by a "
+             "layer dpax does not synchronize; compute it with nnx.BatchNorm (which dpax "
+             "synchronizes) or with collectives over the devices",
     "rng": "per-device RNG: the model draws random numbers from its own key on every "
            "device; use nnx.Dropout (dpax derives each example's key from seed, step and index)",
     "loss-mixes": "the loss mixes examples across the batch (e.g. a per-device mean or "
@@ -154,6 +158,11 @@ def check_equivalence(
         try:
             row1, rown = (t.fit(data, batch_size=batch_size, until_step=step, log_every=1)[-1]
                           for t in (t1, tn))
+        except PerDeviceState as e:  # refused before the step on N devices ran
+            unsynced = _per_device_batchnorm(tn.model(), sync_batchnorm)
+            cause = "batchnorm" if unsynced else "state"
+            detail = CAUSES[cause].format(layers=", ".join(unsynced), paths=", ".join(e.paths))
+            return CheckResult(devices, batch_size, steps, None, None, None, cause, detail)
         except ValueError as e:
             if "one loss per example" in str(e):
                 return CheckResult(devices, batch_size, steps, None, None, None, "loss-mean")

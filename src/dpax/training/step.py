@@ -26,11 +26,13 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from dpax.errors import PerDeviceState
 from dpax.models.layers import BatchContext, batch_context
 from dpax.parallel import layout as layouts
 from dpax.parallel.collectives import pmean_tree, psum_tree
 from dpax.parallel.layout import Layout
 from dpax.parallel.mesh import AXIS
+from dpax.parallel.varying import typed_varying, varies
 from dpax.training.state import TrainState, eval_params
 from dpax.training.sums import LossFn, example_metrics, shard_sums
 from dpax.training.untransposed import ReduceBeforeTranspose
@@ -47,7 +49,9 @@ class StepOptions:
     compute_dtype: Any = None  # e.g. jnp.bfloat16 for forward/backward; params stay f32
     allreduce_dtype: Any = None  # e.g. jnp.bfloat16 halves the gradient bytes reduced
     skip_nonfinite: bool = True  # a NaN/inf loss or gradient leaves the state unchanged
-    average_state: bool = False  # pmean non-param model state (per-device batch stats)
+    # The model holds float state that no synchronized layer owns: the step finds
+    # which of it differs per device (refused unless sync_batchnorm is off, then averaged).
+    average_state: bool = False
     sync_batchnorm: bool = True  # Linen BatchNorm over the global batch (`dpax.models.bridge`)
     clip_norm: float | None = None  # clip the mean gradient to this global norm
     ema_decay: float | None = None  # keep an EMA of the params with this decay
@@ -55,6 +59,20 @@ class StepOptions:
     # function (XLA:CPU's backward rewrite), and packed all-reduce operands.
     backward: Callable[[Callable], Callable] | None = None
     pack: bool = False
+
+
+def _per_device_state(forward: Callable, params, model_state, micro) -> dict[int, str]:
+    """{leaf index: path} of the float model state that a training step on
+    `micro` (one device's rows) can leave different on each device."""
+    size = jax.lax.axis_size(AXIS)
+    if size == 1:
+        return {}
+    new_state = lambda p, s, m: forward(p, s, m)[1][2]  # noqa: E731
+    differs = varies(new_state, (params, model_state, micro), (False, False, True), AXIS, size)
+    paths = jax.tree_util.tree_flatten_with_path(model_state)[0]
+    return {i: jax.tree_util.keystr(path, simple=True, separator=".")
+            for i, ((path, leaf), d) in enumerate(zip(paths, differs))
+            if d and jnp.issubdtype(leaf.dtype, jnp.floating)}
 
 
 def _with_index(batch: dict) -> dict:
@@ -101,21 +119,23 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
         reorder = (ReduceBeforeTranspose()
                    if options.backward is None and layout.sums_elementwise else None)
 
+        def forward(params, model_state, micro):
+            # Fresh Variable objects at this trace level: NNX refuses to update
+            # (e.g. BatchNorm's running averages) Variables from an outer trace.
+            fresh = jax.tree.map(lambda a: a, model_state)
+            model = nnx.merge(graphdef, _cast_floats(use(params), options.compute_dtype), fresh)
+            model.train()  # batch statistics and dropout on
+            micro_in = _cast_inputs(micro, options.compute_dtype)
+            with batch_context(_context(micro_in, step_key, options)):
+                loss_sum, count, sums = shard_sums(loss_fn, model, micro_in)
+            _, _, new_state = nnx.split(model, nnx.Param, ...)
+            # Model state keeps its own dtype whatever the compute dtype was.
+            new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
+            return loss_sum, (count, sums, new_state)
+
         def sums_and_grads(model_state, micro):
             def local_loss_sum(params):
-                # Fresh Variable objects at this trace level: NNX refuses to update
-                # (e.g. BatchNorm's running averages) Variables from an outer trace.
-                fresh = jax.tree.map(lambda a: a, model_state)
-                model = nnx.merge(graphdef, _cast_floats(use(params), options.compute_dtype),
-                                  fresh)
-                model.train()  # batch statistics and dropout on
-                micro_in = _cast_inputs(micro, options.compute_dtype)
-                with batch_context(_context(micro_in, step_key, options)):
-                    loss_sum, count, sums = shard_sums(loss_fn, model, micro_in)
-                _, _, new_state = nnx.split(model, nnx.Param, ...)
-                # Model state keeps its own dtype whatever the compute dtype was.
-                new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
-                return loss_sum, (count, sums, new_state)
+                return forward(params, model_state, micro)
 
             grad_fn = jax.value_and_grad(local_loss_sum, has_aux=True)
             if options.backward is not None:
@@ -151,12 +171,33 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
             loss_sum, count, sums, grad_sums = acc
 
         if options.average_state:
-            # Per-device batch statistics: average them so replicas stay identical.
+            # Float state of a layer dpax does not synchronize (e.g. a custom
+            # running mean): what a device computes from its own rows is not
+            # what one device computes from the global batch; what it computes
+            # from what every device holds alike needs no average.
+            first = batch if n_micro == 1 else jax.tree.map(lambda v: v[0], micro)
+            per_device = _per_device_state(forward, wrt, state.model_state, first)
+            if per_device and options.sync_batchnorm:
+                raise PerDeviceState(
+                    f"the model's state {', '.join(per_device.values())} is computed from "
+                    "each device's own rows by a layer dpax does not synchronize, so "
+                    f"{jax.lax.axis_size(AXIS)} devices would not train what one device "
+                    "trains: use nnx.BatchNorm or Linen's nn.BatchNorm (dpax synchronizes "
+                    "them), or pass `sync_batchnorm=False` to average it across devices "
+                    "(not equivalent)", list(per_device.values()))
             leaves, treedef = jax.tree.flatten(model_state)
-            floats = [i for i, r in enumerate(leaves) if jnp.issubdtype(r.dtype, jnp.floating)]
-            for i, mean in zip(floats, pmean_tree([leaves[i] for i in floats], AXIS,
-                                                 options.pack)):
+            for i, mean in zip(per_device, pmean_tree([leaves[i] for i in per_device], AXIS,
+                                                      options.pack)):
                 leaves[i] = mean
+            # The same value everywhere, but typed per device where it came from
+            # the params as differentiated: a max of equal values types it as
+            # replicated and keeps its bits (a mean over 3 would not).
+            typed = [i for i, leaf in enumerate(leaves) if i not in per_device
+                     and jnp.issubdtype(leaf.dtype, jnp.floating)
+                     and typed_varying(leaf, AXIS)]
+            if typed:
+                for i, same in zip(typed, jax.lax.pmax([leaves[i] for i in typed], AXIS)):
+                    leaves[i] = same
             model_state = jax.tree.unflatten(treedef, leaves)
         if not layout.grads_in_backward:
             grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)

@@ -1,0 +1,97 @@
+"""Which outputs of a per-device function can differ between devices.
+
+A step's per-device function computes some values from its own rows of the
+batch (a loss, a BatchNorm's batch statistics) and others from what every
+device holds alike (the params, a constant buffer). A value of the second
+kind needs no all-reduce, and averaging one anyway is not free of rounding:
+three equal float32 values summed and divided by 3 give another value for
+about one element in seven. A value of the first kind that is not combined
+across devices makes N devices compute something one device does not.
+
+`varies` answers from the function's jaxpr: a value varies when it depends
+on a per-device input or on the device's index, unless a collective over the
+devices made it the same everywhere (`psum`, `pmax`, `pmin`, `all_gather`).
+The answer errs on the side of "varies": a loop (scan, while) whose input
+varies is taken to vary in every output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+# Collectives whose every device gets the same result.
+_SAME_EVERYWHERE = {"psum", "psum_invariant", "pmax", "pmin", "all_gather",
+                    "all_gather_invariant"}
+# Primitives whose result differs per device whatever their inputs.
+_PER_DEVICE = {"axis_index", "ppermute", "all_to_all", "reduce_scatter", "psum_scatter"}
+
+
+def varies(fn: Callable, args: Sequence[Any], per_device: Sequence[bool], axis: str,
+           size: int) -> list[bool]:
+    """For each leaf of `fn(*args)`'s output (in `jax.tree.leaves` order): can
+    it differ between the `size` devices of `axis`, when the arguments marked
+    in `per_device` do? `args` may be arrays, tracers or ShapeDtypeStructs;
+    nothing is computed (one trace of `fn`)."""
+    shapes = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg)
+              for arg in args]
+    closed = jax.make_jaxpr(fn, axis_env=[(axis, size)])(*shapes)
+    flags = [flag for arg, flag in zip(shapes, per_device)
+             for _ in jax.tree.leaves(arg)]
+    return _propagate(closed.jaxpr, flags, axis)
+
+
+def _propagate(jaxpr: jcore.Jaxpr, in_flags: list[bool], axis: str) -> list[bool]:
+    varying: set = {v for v, f in zip(jaxpr.invars, in_flags) if f}
+
+    def is_varying(atom) -> bool:
+        return not isinstance(atom, jcore.Literal) and atom in varying
+
+    for eqn in jaxpr.eqns:
+        ins = [is_varying(a) for a in eqn.invars]
+        outs = _eqn(eqn, ins, axis)
+        varying.update(v for v, f in zip(eqn.outvars, outs) if f)
+    return [is_varying(v) for v in jaxpr.outvars]
+
+
+def _eqn(eqn, ins: list[bool], axis: str) -> list[bool]:
+    name = eqn.primitive.name
+    n_out = len(eqn.outvars)
+    if name in _PER_DEVICE:
+        return [True] * n_out
+    if name in _SAME_EVERYWHERE and axis in _axes(eqn.params):
+        return [False] * n_out
+    inner = [p for p in eqn.params.values() if isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+    if name == "cond":  # the branch index, then the operands of every branch
+        branches = eqn.params["branches"]
+        per_branch = [_propagate(b.jaxpr, ins[1:], axis) for b in branches]
+        return [ins[0] or any(b[i] for b in per_branch) for i in range(n_out)]
+    if (name not in ("scan", "while") and len(inner) == 1
+            and len(_jaxpr(inner[0]).invars) == len(ins)
+            and len(_jaxpr(inner[0]).outvars) == n_out):
+        # A call (pjit, remat, custom_jvp/vjp): its body, argument for argument.
+        return _propagate(_jaxpr(inner[0]), ins, axis)
+    return [any(ins)] * n_out
+
+
+def _jaxpr(j) -> jcore.Jaxpr:
+    return j.jaxpr if isinstance(j, jcore.ClosedJaxpr) else j
+
+
+def _axes(params: dict) -> tuple:
+    axes = params.get("axes", params.get("axis_name", ()))
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def typed_varying(x, axis: str) -> bool:
+    """Does JAX type `x` as varying over `axis` (shard_map's `check_vma`)?
+    Such a value is returned as replicated only through a collective. Where
+    this JAX's types cannot be read, True: a collective is never wrong."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # JAX 0.7-0.9
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", None)  # JAX 0.10
+    return True if vma is None else axis in vma

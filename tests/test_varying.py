@@ -1,0 +1,156 @@
+"""Model state that a step can leave different on each device
+(`dpax.parallel.varying`): a layer dpax does not synchronize that computes
+state from each device's rows is refused before training, and state that every
+device computes alike is left as it is (averaging it over 3 devices rounds)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import dpax
+from dpax.errors import PerDeviceState
+from dpax.parallel.collectives import exact_sums
+from dpax.parallel.mesh import AXIS
+from dpax.parallel.varying import varies
+
+ROWS = 60  # 20 rows a device on 3 devices, 15 on 4: no padding
+
+
+def test_varies_follows_the_rows_through_calls_branches_loops_and_collectives():
+    def fn(params, batch):
+        m = batch.mean(0)
+        steps = jax.lax.scan(lambda c, r: (c + r, None), params, batch)[0]
+        return {
+            "params": params * 2,
+            "rows": m,
+            "psum": jax.lax.psum(m, AXIS),
+            "gathered": jax.lax.all_gather(m, AXIS),
+            "exact": exact_sums((batch,), AXIS),  # custom_vjp around psums of per-device slots
+            "index": params + jax.lax.axis_index(AXIS),
+            "jit": jax.jit(lambda a, b: (a + 1, b + 1))(params, m),
+            "remat": jax.checkpoint(lambda a, b: (a * 2, b * 2))(params, m),
+            "cond on rows": jax.lax.cond(m.sum() > 0, lambda p: p, lambda p: -p, params),
+            "cond on params": jax.lax.cond(params.sum() > 0, lambda p: p, lambda p: -p, params),
+            "branch of rows": jax.lax.cond(params.sum() > 0, lambda: params, lambda: m),
+            "scan over rows": steps,
+        }
+
+    result = {}
+
+    def per_device(params, batch):  # as in a step: traced inside shard_map
+        flags = varies(fn, (params, batch), (False, True), AXIS, 4)
+        paths = jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, params, batch))[0]
+        result.update({jax.tree_util.keystr(p): f for (p, _), f in zip(paths, flags)})
+        return params
+
+    mesh = Mesh(np.array(jax.devices()[:4]), (AXIS,))
+    jax.eval_shape(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P(),
+                                 check_vma=False),
+                   jnp.ones(3), jnp.ones((20, 3)))
+    want_varying = {"rows", "index", "jit'][1", "remat'][1", "cond on rows", "branch of rows",
+                    "scan over rows"}
+    assert len(result) == 15
+    for key, v in result.items():
+        assert v == any(f"['{w}" in key for w in want_varying), key
+
+
+class RunningMean(nnx.Module):
+    """A user's own normalizer: a running mean of the rows it sees."""
+
+    def __init__(self, d):
+        self.mean = nnx.BatchStat(jnp.zeros(d))
+
+    def __call__(self, x):
+        self.mean[...] = 0.9 * self.mean[...] + 0.1 * x.mean(0)
+        return x - self.mean[...]
+
+
+class Centered(nnx.Module):
+    def __init__(self, rngs):
+        self.norm = RunningMean(8)
+        self.out = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.norm(x))
+
+
+class Buffers(nnx.Module):
+    """Float state every device computes alike: a constant buffer, and an
+    average of the params (not of the rows)."""
+
+    def __init__(self, rngs):
+        self.scale = nnx.Variable(jax.random.uniform(jax.random.key(1), (8,), minval=0.5))
+        self.out = nnx.Linear(8, 3, rngs=rngs)
+        self.kernel_avg = nnx.BatchStat(jnp.zeros((8, 3)))
+
+    def __call__(self, x):
+        # Products by 0.5 are exact: 1 and 3 devices' programs round alike.
+        self.kernel_avg[...] = 0.5 * self.kernel_avg[...] + 0.5 * self.out.kernel[...]
+        return self.out(x * self.scale[...])
+
+
+class LinenBN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(16, use_bias=False)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.7)(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+def data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(ROWS, 8)).astype(np.float32) * np.linspace(0.5, 3, ROWS)[:, None]
+    return x, rng.integers(0, 3, ROWS)
+
+
+@pytest.mark.parametrize("options", [{}, {"backend": "pmap"}, {"sharding": "full"},
+                                     {"grad_accum": 3}])
+def test_state_from_each_devices_rows_is_refused_before_training(options):
+    x, y = data()
+    model = Centered(nnx.Rngs(0))
+    t = dpax.Trainer(model, dpax.classification_loss, optax.sgd(0.1), devices=4, **options)
+    with pytest.raises(PerDeviceState, match="sync_batchnorm=False") as e:
+        t.fit(x, y, batch_size=ROWS, epochs=1)
+    assert e.value.paths == ["norm.mean.value"] and len(str(e.value).splitlines()) == 1
+    assert t.step == 0 and np.array_equal(model.norm.mean[...], np.zeros(8))
+
+
+def test_such_state_trains_on_one_device_and_averaged_when_asked():
+    x, y = data()
+    one = Centered(nnx.Rngs(0))
+    dpax.Trainer(one, dpax.classification_loss, optax.sgd(0.1), devices=1).fit(
+        x, y, batch_size=ROWS, until_step=1)
+    np.testing.assert_allclose(one.norm.mean[...], 0.1 * x.mean(0), rtol=1e-6)
+    t = dpax.Trainer(Centered(nnx.Rngs(0)), dpax.classification_loss, optax.sgd(0.1),
+                     devices=4, sync_batchnorm=False)
+    t.fit(x, y, batch_size=ROWS, until_step=1)
+    mean = t.model().norm.mean[...]  # the average of 4 devices' running means
+    np.testing.assert_allclose(mean, 0.1 * x.reshape(4, -1, 8).mean(1).mean(0), atol=1e-7)
+    assert dpax.replicas_in_sync(t.state)
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("make", [
+    lambda: Buffers(nnx.Rngs(0)),
+    lambda: dpax.from_linen(LinenBN(), np.zeros((1, 8), np.float32), seed=0),
+], ids=["buffers", "linen-batchnorm"])
+def test_state_every_device_computes_alike_keeps_one_devices_bits_on_3(make):
+    """With params held still (lr 0), one device's model state after 8 steps,
+    bit for bit, on 3 devices: it is not averaged (a sum of 3 equal floats
+    divided by 3 changes the last bit of about one in seven)."""
+    x, y = data()
+    states = []
+    for n in (1, 3):
+        t = dpax.Trainer(make(), dpax.classification_loss, optax.sgd(0.0), devices=n)
+        t.fit(x, y, batch_size=ROWS, until_step=8)
+        states.append({k: np.asarray(v) for k, v in t.state_dict().items()
+                       if k.startswith("model_state")})
+    assert states[0].keys() == states[1].keys() and states[0]
+    for k in states[0]:
+        assert np.array_equal(states[0][k], states[1][k]), k
