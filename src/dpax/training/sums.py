@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dpax.errors import DpaxError
 from dpax.training.metrics import Count, Mean, Total
 
 # loss_fn(model, batch) -> per-example losses, or (losses, {name: per-example values}),
@@ -29,7 +30,7 @@ def losses_and_metrics(loss_fn: LossFn, model, batch):
     if not isinstance(out, tuple):
         out = (out,)
     if not 1 <= len(out) <= 3:
-        raise ValueError(f"loss_fn must return losses, (losses, metrics) or (losses, metrics, "
+        raise DpaxError(f"loss_fn must return losses, (losses, metrics) or (losses, metrics, "
                          f"weights), got a tuple of {len(out)}")
     losses, metrics, weights = out + ({}, None)[len(out) - 1:]
     return losses, dict(metrics), weights
@@ -54,9 +55,10 @@ def shard_sums(loss_fn: LossFn, model, batch):
     mask = batch["mask"]
     for name, v in (("loss", losses), ("weight", weights)):
         if v is not None and jnp.shape(v) != mask.shape:  # a mean would break exactness
-            raise ValueError(
-                f"loss_fn must return one {name} per example, shape {mask.shape}, got "
-                f"{jnp.shape(v)}; return per-example values before taking the mean")
+            raise DpaxError(
+                f"loss_fn must return one {name} per example (shape {mask.shape} for a "
+                f"device's rows), got {jnp.shape(v)}; return per-example values before "
+                "taking the mean")
     ones = jnp.ones(mask.shape, jnp.float32)
     w = None if weights is None else weights.astype(jnp.float32)
 
