@@ -121,6 +121,33 @@ def test_state_from_each_devices_rows_is_refused_before_training(options):
     assert t.step == 0 and np.array_equal(model.norm.mean[...], np.zeros(8))
 
 
+class Positives(nnx.Module):
+    """Counts the positive first features it has seen: an integer per device."""
+
+    def __init__(self, rngs):
+        self.seen = nnx.Variable(jnp.zeros((), jnp.int32))
+        self.out = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        self.seen[...] += (x[:, 0] > 0).sum().astype(jnp.int32)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+def test_a_count_from_each_devices_rows_is_refused_even_when_averaging(backend):
+    """Before, shard_map failed on its out_specs and pmap kept replica 0's count."""
+    x, y = data()
+    one = Positives(nnx.Rngs(0))
+    dpax.Trainer(one, dpax.classification_loss, optax.sgd(0.1), devices=1).fit(
+        x, y, batch_size=ROWS, until_step=2)
+    assert int(one.seen[...]) == 2 * int((x[:, 0] > 0).sum())
+    t = dpax.Trainer(Positives(nnx.Rngs(0)), dpax.classification_loss, optax.sgd(0.1),
+                     devices=4, backend=backend, sync_batchnorm=False)
+    with pytest.raises(PerDeviceState, match="seen.value") as e:
+        t.fit(x, y, batch_size=ROWS, until_step=2)
+    assert "sync_batchnorm" not in str(e.value)
+
+
 def test_such_state_trains_on_one_device_and_averaged_when_asked():
     x, y = data()
     one = Centered(nnx.Rngs(0))

@@ -203,16 +203,18 @@ def synchronize(model: nnx.Module, batchnorm: bool = True, dropout: bool = True)
 
 
 def has_per_device_state(model: nnx.Module) -> bool:
-    """True when the model holds float state (not params) that no synchronized
-    layer owns, e.g. a BatchNorm subclass, a custom running mean or a constant
-    buffer: the step then reads which of it differs per device
-    (`dpax.training.step`)."""
+    """True when the model holds numeric state (not params, not RNG streams)
+    that no synchronized layer owns, e.g. a BatchNorm subclass, a custom
+    running mean or counter, a constant buffer: the step then reads which of
+    it differs per device (`dpax.training.step`)."""
     synced = {tuple(path) for path, m in nnx.iter_modules(model)
               if isinstance(m, SyncBatchNorm)}
     _, _, rest = nnx.split(model, nnx.Param, ...)
     for path, var in nnx.to_flat_state(rest):
+        if isinstance(var, nnx.RngState):  # advanced alike on every device
+            continue
         value = var[...] if isinstance(var, nnx.Variable) else var
-        floating = jnp.issubdtype(getattr(value, "dtype", jnp.int32), jnp.floating)
-        if floating and tuple(path[:-1]) not in synced:
+        numeric = jnp.issubdtype(getattr(value, "dtype", jnp.bool_), jnp.number)
+        if numeric and tuple(path[:-1]) not in synced:
             return True
     return False

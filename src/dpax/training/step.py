@@ -49,7 +49,7 @@ class StepOptions:
     compute_dtype: Any = None  # e.g. jnp.bfloat16 for forward/backward; params stay f32
     allreduce_dtype: Any = None  # e.g. jnp.bfloat16 halves the gradient bytes reduced
     skip_nonfinite: bool = True  # a NaN/inf loss or gradient leaves the state unchanged
-    # The model holds float state that no synchronized layer owns: the step finds
+    # The model holds numeric state that no synchronized layer owns: the step finds
     # which of it differs per device (refused unless sync_batchnorm is off, then averaged).
     average_state: bool = False
     sync_batchnorm: bool = True  # Linen BatchNorm over the global batch (`dpax.models.bridge`)
@@ -62,7 +62,7 @@ class StepOptions:
 
 
 def _per_device_state(forward: Callable, params, model_state, micro) -> dict[int, str]:
-    """{leaf index: path} of the float model state that a training step on
+    """{leaf index: path} of the numeric model state that a training step on
     `micro` (one device's rows) can leave different on each device."""
     size = jax.lax.axis_size(AXIS)
     if size == 1:
@@ -72,7 +72,11 @@ def _per_device_state(forward: Callable, params, model_state, micro) -> dict[int
     paths = jax.tree_util.tree_flatten_with_path(model_state)[0]
     return {i: jax.tree_util.keystr(path, simple=True, separator=".")
             for i, ((path, leaf), d) in enumerate(zip(paths, differs))
-            if d and jnp.issubdtype(leaf.dtype, jnp.floating)}
+            if d and _numeric(leaf)}
+
+
+def _numeric(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.number)
 
 
 def _with_index(batch: dict) -> dict:
@@ -171,21 +175,25 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
             loss_sum, count, sums, grad_sums = acc
 
         if options.average_state:
-            # Float state of a layer dpax does not synchronize (e.g. a custom
-            # running mean): what a device computes from its own rows is not
+            # State of a layer dpax does not synchronize (e.g. a custom running
+            # mean or counter): what a device computes from its own rows is not
             # what one device computes from the global batch; what it computes
             # from what every device holds alike needs no average.
             first = batch if n_micro == 1 else jax.tree.map(lambda v: v[0], micro)
             per_device = _per_device_state(forward, wrt, state.model_state, first)
-            if per_device and options.sync_batchnorm:
+            leaves, treedef = jax.tree.flatten(model_state)
+            # Counts and other integers: an average of them means nothing.
+            whole = any(not jnp.issubdtype(leaves[i].dtype, jnp.floating) for i in per_device)
+            if per_device and (options.sync_batchnorm or whole):
+                hint = ("" if whole else ", or pass `sync_batchnorm=False` to average it "
+                        "across devices (not equivalent)")
                 raise PerDeviceState(
                     f"the model's state {', '.join(per_device.values())} is computed from "
                     "each device's own rows by a layer dpax does not synchronize, so "
                     f"{jax.lax.axis_size(AXIS)} devices would not train what one device "
-                    "trains: use nnx.BatchNorm or Linen's nn.BatchNorm (dpax synchronizes "
-                    "them), or pass `sync_batchnorm=False` to average it across devices "
-                    "(not equivalent)", list(per_device.values()))
-            leaves, treedef = jax.tree.flatten(model_state)
+                    "trains: for batch statistics use nnx.BatchNorm or Linen's nn.BatchNorm "
+                    f"(dpax synchronizes them){hint}",
+                    list(per_device.values()))
             for i, mean in zip(per_device, pmean_tree([leaves[i] for i in per_device], AXIS,
                                                       options.pack)):
                 leaves[i] = mean
@@ -193,8 +201,7 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
             # the params as differentiated: a max of equal values types it as
             # replicated and keeps its bits (a mean over 3 would not).
             typed = [i for i, leaf in enumerate(leaves) if i not in per_device
-                     and jnp.issubdtype(leaf.dtype, jnp.floating)
-                     and typed_varying(leaf, AXIS)]
+                     and _numeric(leaf) and typed_varying(leaf, AXIS)]
             if typed:
                 for i, same in zip(typed, jax.lax.pmax([leaves[i] for i in typed], AXIS)):
                     leaves[i] = same
