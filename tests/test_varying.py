@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import dpax
-from dpax.errors import PerDeviceState
+from dpax.errors import PerDeviceRandom, PerDeviceState
 from dpax.parallel.collectives import exact_sums
 from dpax.parallel.mesh import AXIS
 from dpax.parallel.varying import varies
@@ -181,3 +181,60 @@ def test_state_every_device_computes_alike_keeps_one_devices_bits_on_3(make):
     assert states[0].keys() == states[1].keys() and states[0]
     for k in states[0]:
         assert np.array_equal(states[0][k], states[1][k]), k
+
+
+class DropPath(nnx.Module):
+    """Stochastic depth as often written: a mask per row from the layer's own
+    key, which is the same on every device."""
+
+    def __init__(self, rate, per_example=False):
+        self.rate, self.per_example = rate, per_example
+        self.rngs = nnx.Rngs(droppath=1)
+
+    def __call__(self, x):
+        if self.per_example:  # dpax's: each example's mask from its own index
+            return dpax.models.layers.example_dropout(x, self.rate, broadcast_dims=(1,))
+        keep = jax.random.bernoulli(self.rngs.droppath(), 1 - self.rate, (x.shape[0], 1))
+        return jnp.where(keep, x / (1 - self.rate), 0.0)
+
+
+class Residual(nnx.Module):
+    def __init__(self, rngs, per_example=False, noise=False):
+        self.hidden = nnx.Linear(8, 8, rngs=rngs)
+        self.drop = DropPath(0.5, per_example)
+        self.out = nnx.Linear(8, 3, rngs=rngs)
+        self.noise = nnx.Rngs(noise=2) if noise else None
+
+    def __call__(self, x):
+        if self.noise is not None:  # one draw for every row: the same on 1 or N devices
+            x = x + 0.1 * jax.random.normal(self.noise.noise(), (8,))
+        return self.out(x + self.drop(nnx.relu(self.hidden(x))))
+
+
+def train_residual(n, **kw):
+    x, y = data()
+    t = dpax.Trainer(Residual(nnx.Rngs(0), **kw), dpax.classification_loss, optax.sgd(0.1),
+                     devices=n)
+    t.fit(x, y, batch_size=ROWS, until_step=4)
+    return t
+
+
+def test_a_mask_per_row_from_the_models_own_key_is_refused_before_training():
+    with pytest.raises(PerDeviceRandom, match=r"shaped \(15, 1\).*example_dropout"):
+        train_residual(4)
+    train_residual(1)  # one device draws what it draws
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_per_example_masks_and_draws_shared_by_every_row_train_as_on_one_device(seed):
+    """Not refused: masks from each example's index (dpax's), and a draw whose
+    shape does not follow the rows; 4 devices then train one device's params."""
+    def params(n):
+        x, y = data(seed)
+        t = dpax.Trainer(Residual(nnx.Rngs(seed), per_example=True, noise=True),
+                         dpax.classification_loss, optax.sgd(0.1), devices=n, seed=seed)
+        t.fit(x, y, batch_size=ROWS, until_step=4)
+        return jax.tree.leaves(t.params)
+
+    one, four = params(1), params(4)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(one, four)) <= 1e-6

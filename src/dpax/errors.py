@@ -37,6 +37,11 @@ class PerDeviceState(DpaxError):
         self.paths = paths
 
 
+class PerDeviceRandom(DpaxError):
+    """A model would draw the same random numbers for other examples on each
+    device, from a key of its own (`dpax.training.step`)."""
+
+
 class DpaxWarning(UserWarning):
     """Input that is legal but almost surely not what was meant (the CLI
     prints it as one `dpax: warning:` line)."""

@@ -202,6 +202,17 @@ def synchronize(model: nnx.Module, batchnorm: bool = True, dropout: bool = True)
     return counts
 
 
+def draws_own_random(model: nnx.Module) -> bool:
+    """True when the model holds RNG streams outside dpax's dropout layers:
+    it may draw from a key that every device holds alike."""
+    dropouts = [tuple(path) for path, m in nnx.iter_modules(model)
+                if isinstance(m, ExampleDropout)]
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    return any(isinstance(var, nnx.RngState)
+               and not any(tuple(path[:len(d)]) == d for d in dropouts)
+               for path, var in nnx.to_flat_state(rest))
+
+
 def has_per_device_state(model: nnx.Module) -> bool:
     """True when the model holds numeric state (not params, not RNG streams)
     that no synchronized layer owns, e.g. a BatchNorm subclass, a custom

@@ -11,8 +11,14 @@ across devices makes N devices compute something one device does not.
 `varies` answers from the function's jaxpr: a value varies when it depends
 on a per-device input or on the device's index, unless a collective over the
 devices made it the same everywhere (`psum`, `pmax`, `pmin`, `all_gather`).
-The answer errs on the side of "varies": a loop (scan, while) whose input
-varies is taken to vary in every output.
+The answer errs on the side of "varies": a while loop whose input varies
+is taken to vary in every output.
+
+`shared_key_draws` finds the other way a device computes what one device
+does not: random numbers drawn from a key every device holds alike, in a
+shape that follows the device's rows (a drop-path mask drawn from the
+model's own `nnx.Rngs`): each device then draws the same numbers for other
+examples, and one device draws other numbers altogether.
 """
 
 from __future__ import annotations
@@ -38,13 +44,47 @@ def varies(fn: Callable, args: Sequence[Any], per_device: Sequence[bool], axis: 
     nothing is computed (one trace of `fn`)."""
     shapes = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg)
               for arg in args]
-    closed = jax.make_jaxpr(fn, axis_env=[(axis, size)])(*shapes)
-    flags = [flag for arg, flag in zip(shapes, per_device)
-             for _ in jax.tree.leaves(arg)]
-    return _propagate(closed.jaxpr, flags, axis)
+    return _propagate(_trace(fn, shapes, axis, size), _flags(shapes, per_device), axis)
 
 
-def _propagate(jaxpr: jcore.Jaxpr, in_flags: list[bool], axis: str) -> list[bool]:
+def shared_key_draws(fn: Callable, args: Sequence[Any], per_device: Sequence[bool],
+                     axis: str, size: int) -> list[tuple]:
+    """The shapes of the random draws of `fn(*args)` whose key is the same on
+    every device and whose shape follows the rows of the per-device
+    arguments (their leading axis): two traces, the second with twice the
+    rows. A function that cannot take twice the rows is not judged."""
+    shapes = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg)
+              for arg in args]
+    more = [jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * a.shape[0],) + a.shape[1:], a.dtype)
+                         if a.ndim else a, arg) if flag else arg
+            for arg, flag in zip(shapes, per_device)]
+    draws, draws_more = [], []
+    _propagate(_trace(fn, shapes, axis, size), _flags(shapes, per_device), axis, draws)
+    if all(keyed for _, keyed in draws):
+        return []
+    try:
+        doubled = _trace(fn, more, axis, size)
+    except Exception:  # e.g. a reshape to a fixed batch size: no answer either way
+        return []
+    _propagate(doubled, _flags(more, per_device), axis, draws_more)
+    if len(draws) != len(draws_more):  # not the same program: cannot pair them
+        return []
+    return [shape for (shape, keyed), (other, _) in zip(draws, draws_more)
+            if not keyed and shape != other]
+
+
+def _trace(fn: Callable, shapes: list, axis: str, size: int) -> jcore.Jaxpr:
+    return jax.make_jaxpr(fn, axis_env=[(axis, size)])(*shapes).jaxpr
+
+
+def _flags(shapes: list, per_device: Sequence[bool]) -> list[bool]:
+    return [flag for arg, flag in zip(shapes, per_device) for _ in jax.tree.leaves(arg)]
+
+
+def _propagate(jaxpr: jcore.Jaxpr, in_flags: list[bool], axis: str,
+               draws: list | None = None) -> list[bool]:
+    """The varying flags of `jaxpr`'s outputs; appends each random draw's
+    (shape, whether its key varies) to `draws`, in program order."""
     varying: set = {v for v, f in zip(jaxpr.invars, in_flags) if f}
 
     def is_varying(atom) -> bool:
@@ -52,12 +92,14 @@ def _propagate(jaxpr: jcore.Jaxpr, in_flags: list[bool], axis: str) -> list[bool
 
     for eqn in jaxpr.eqns:
         ins = [is_varying(a) for a in eqn.invars]
-        outs = _eqn(eqn, ins, axis)
+        if eqn.primitive.name == "random_bits" and draws is not None:
+            draws.append((tuple(eqn.params["shape"]), ins[0]))
+        outs = _eqn(eqn, ins, axis, draws)
         varying.update(v for v, f in zip(eqn.outvars, outs) if f)
     return [is_varying(v) for v in jaxpr.outvars]
 
 
-def _eqn(eqn, ins: list[bool], axis: str) -> list[bool]:
+def _eqn(eqn, ins: list[bool], axis: str, draws: list | None) -> list[bool]:
     name = eqn.primitive.name
     n_out = len(eqn.outvars)
     if name in _PER_DEVICE:
@@ -67,13 +109,23 @@ def _eqn(eqn, ins: list[bool], axis: str) -> list[bool]:
     inner = [p for p in eqn.params.values() if isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr))]
     if name == "cond":  # the branch index, then the operands of every branch
         branches = eqn.params["branches"]
-        per_branch = [_propagate(b.jaxpr, ins[1:], axis) for b in branches]
+        per_branch = [_propagate(b.jaxpr, ins[1:], axis, draws) for b in branches]
         return [ins[0] or any(b[i] for b in per_branch) for i in range(n_out)]
-    if (name not in ("scan", "while") and len(inner) == 1
+    if name == "scan":  # consts, carry, xs -> carry, ys: until the carry's flags settle
+        body, n_consts, n_carry = eqn.params["jaxpr"].jaxpr, eqn.params["num_consts"], \
+            eqn.params["num_carry"]
+        flags = list(ins)
+        while True:
+            outs = _propagate(body, flags, axis)
+            carry = [a or b for a, b in zip(flags[n_consts:n_consts + n_carry], outs[:n_carry])]
+            if carry == flags[n_consts:n_consts + n_carry]:
+                return _propagate(body, flags, axis, draws)
+            flags[n_consts:n_consts + n_carry] = carry
+    if (name != "while" and len(inner) == 1
             and len(_jaxpr(inner[0]).invars) == len(ins)
             and len(_jaxpr(inner[0]).outvars) == n_out):
         # A call (pjit, remat, custom_jvp/vjp): its body, argument for argument.
-        return _propagate(_jaxpr(inner[0]), ins, axis)
+        return _propagate(_jaxpr(inner[0]), ins, axis, draws)
     return [any(ins)] * n_out
 
 

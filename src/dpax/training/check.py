@@ -28,7 +28,7 @@ from flax import nnx
 
 from dpax.data.batches import batch_rows
 from dpax.data.pipeline import examples
-from dpax.errors import PerDeviceState
+from dpax.errors import PerDeviceRandom, PerDeviceState
 from dpax.models.bridge import LinenModel
 from dpax.models.layers import SyncBatchNorm
 from dpax.parallel.backends import DEFAULT_BACKEND
@@ -158,6 +158,8 @@ def check_equivalence(
         try:
             row1, rown = (t.fit(data, batch_size=batch_size, until_step=step, log_every=1)[-1]
                           for t in (t1, tn))
+        except PerDeviceRandom:  # refused before the step on N devices ran
+            return CheckResult(devices, batch_size, steps, None, None, None, "rng")
         except PerDeviceState as e:  # refused before the step on N devices ran
             unsynced = _per_device_batchnorm(tn.model(), sync_batchnorm)
             cause = "batchnorm" if unsynced else "state"

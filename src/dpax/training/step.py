@@ -26,13 +26,13 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dpax.errors import PerDeviceState
+from dpax.errors import PerDeviceRandom, PerDeviceState
 from dpax.models.layers import BatchContext, batch_context
 from dpax.parallel import layout as layouts
 from dpax.parallel.collectives import pmean_tree, psum_tree
 from dpax.parallel.layout import Layout
 from dpax.parallel.mesh import AXIS
-from dpax.parallel.varying import typed_varying, varies
+from dpax.parallel.varying import shared_key_draws, typed_varying, varies
 from dpax.training.state import TrainState, eval_params
 from dpax.training.sums import LossFn, example_metrics, shard_sums
 from dpax.training.untransposed import ReduceBeforeTranspose
@@ -52,6 +52,9 @@ class StepOptions:
     # The model holds numeric state that no synchronized layer owns: the step finds
     # which of it differs per device (refused unless sync_batchnorm is off, then averaged).
     average_state: bool = False
+    # The model draws from RNG streams of its own (not dpax's dropout): the step
+    # refuses draws from a key every device holds alike, shaped by the rows.
+    own_random: bool = False
     sync_batchnorm: bool = True  # Linen BatchNorm over the global batch (`dpax.models.bridge`)
     clip_norm: float | None = None  # clip the mean gradient to this global norm
     ema_decay: float | None = None  # keep an EMA of the params with this decay
@@ -174,6 +177,18 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
                 accumulate, (acc, model_state), jax.tree.map(lambda v: v[1:], micro))
             loss_sum, count, sums, grad_sums = acc
 
+        if options.own_random and jax.lax.axis_size(AXIS) > 1:
+            first = batch if n_micro == 1 else jax.tree.map(lambda v: v[0], micro)
+            shared = shared_key_draws(forward, (wrt, state.model_state, first),
+                                      (False, False, True), AXIS, jax.lax.axis_size(AXIS))
+            if shared:
+                raise PerDeviceRandom(
+                    f"the model draws random numbers shaped {shared[0]} by a device's rows "
+                    "from a key of its own, the same on every device, so "
+                    f"{jax.lax.axis_size(AXIS)} devices would not train what one device "
+                    "trains: use nnx.Dropout or dpax.models.layers.example_dropout "
+                    "(`broadcast_dims` for a drop-path mask), whose masks follow each "
+                    "example's index")
         if options.average_state:
             # State of a layer dpax does not synchronize (e.g. a custom running
             # mean or counter): what a device computes from its own rows is not

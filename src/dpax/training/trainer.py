@@ -35,7 +35,7 @@ from dpax.data.pipeline import (
     train_input,
 )
 from dpax.errors import DpaxError, DpaxWarning, TooManyBadSteps
-from dpax.models.layers import has_per_device_state, synchronize
+from dpax.models.layers import draws_own_random, has_per_device_state, synchronize
 from dpax.parallel import layout as layouts
 from dpax.parallel import platform, watchdog
 from dpax.parallel.arrays import is_key
@@ -203,7 +203,8 @@ class Trainer:
         step_options = StepOptions(
             grad_accum=config.grad_accum, compute_dtype=PRECISIONS[config.precision],
             allreduce_dtype=PRECISIONS[config.allreduce_dtype],
-            average_state=has_per_device_state(model), sync_batchnorm=config.sync_batchnorm,
+            average_state=has_per_device_state(model), own_random=draws_own_random(model),
+            sync_batchnorm=config.sync_batchnorm,
             clip_norm=config.clip_norm, ema_decay=config.ema_decay,
             skip_nonfinite=config.skip_nonfinite,
             backward=self.platform.backward, pack=self.platform.pack_collectives)
