@@ -39,11 +39,11 @@ def examples(data: Any, y: Any = None) -> dict:
     elif y is not None:
         raise DpaxError("give `y` only with an array of inputs; a dict of examples holds "
                         "its targets under a key of its own")
-    for key in (MASK, INDEX):
+    for key, what, other in ((MASK, "the real rows", "attention_mask"),
+                             (INDEX, "the global positions", "position")):
         if key in data:
             raise DpaxError(f"the examples have a key {key!r}, which dpax adds to every batch "
-                            f"(the {'real rows' if key == MASK else 'global positions'}); "
-                            "rename yours, e.g. 'attention_mask'")
+                            f"({what}); rename yours, e.g. {other!r}")
     if not data:
         raise DpaxError("the examples are an empty dict; give at least one array")
     lengths = {jax.tree_util.keystr(p): len(v)
