@@ -154,7 +154,8 @@ def test_streamed_columns_train_as_the_same_arrays_in_memory(tmp_path, reference
 
 
 @pytest.mark.parametrize("bad,message", [
-    ({"x": np.ones((4, 2)), "mask": np.ones(4, bool)}, "rename yours"),
+    ({"x": np.ones((4, 2)), "mask": np.ones(4, bool)}, "rename yours, e.g. 'attention_mask'"),
+    ({"x": np.ones((4, 2)), "index": np.arange(4)}, "rename yours, e.g. 'position'"),
     ({"x": np.ones((4, 2)), "y": np.ones(3)}, "differ in length"),
     ({}, "empty dict")])
 def test_bad_examples_are_one_line_errors(bad, message):
