@@ -17,7 +17,7 @@ import dpax
 from dpax.errors import PerDeviceRandom, PerDeviceState
 from dpax.parallel.collectives import exact_sums
 from dpax.parallel.mesh import AXIS
-from dpax.parallel.varying import varies
+from dpax.parallel.varying import analyze
 
 ROWS = 60  # 20 rows a device on 3 devices, 15 on 4: no padding
 
@@ -44,7 +44,7 @@ def test_varies_follows_the_rows_through_calls_branches_loops_and_collectives():
     result = {}
 
     def per_device(params, batch):  # as in a step: traced inside shard_map
-        flags = varies(fn, (params, batch), (False, True), AXIS, 4)
+        flags, _ = analyze(fn, (params, batch), (False, True), AXIS, 4)
         paths = jax.tree_util.tree_flatten_with_path(jax.eval_shape(fn, params, batch))[0]
         result.update({jax.tree_util.keystr(p): f for (p, _), f in zip(paths, flags)})
         return params

@@ -8,13 +8,13 @@ three equal float32 values summed and divided by 3 give another value for
 about one element in seven. A value of the first kind that is not combined
 across devices makes N devices compute something one device does not.
 
-`varies` answers from the function's jaxpr: a value varies when it depends
+`analyze` answers from the function's jaxpr: a value varies when it depends
 on a per-device input or on the device's index, unless a collective over the
 devices made it the same everywhere (`psum`, `pmax`, `pmin`, `all_gather`).
 The answer errs on the side of "varies": a while loop whose input varies
 is taken to vary in every output.
 
-`shared_key_draws` finds the other way a device computes what one device
+It also finds the other way a device computes what one device
 does not: random numbers drawn from a key every device holds alike, in a
 shape that follows the device's rows (a drop-path mask drawn from the
 model's own `nnx.Rngs`): each device then draws the same numbers for other
@@ -36,41 +36,35 @@ _SAME_EVERYWHERE = {"psum", "psum_invariant", "pmax", "pmin", "all_gather",
 _PER_DEVICE = {"axis_index", "ppermute", "all_to_all", "reduce_scatter", "psum_scatter"}
 
 
-def varies(fn: Callable, args: Sequence[Any], per_device: Sequence[bool], axis: str,
-           size: int) -> list[bool]:
-    """For each leaf of `fn(*args)`'s output (in `jax.tree.leaves` order): can
-    it differ between the `size` devices of `axis`, when the arguments marked
-    in `per_device` do? `args` may be arrays, tracers or ShapeDtypeStructs;
-    nothing is computed (one trace of `fn`)."""
+def analyze(fn: Callable, args: Sequence[Any], per_device: Sequence[bool], axis: str,
+            size: int, *, draws: bool = False) -> tuple[list[bool], list[tuple]]:
+    """What of `fn(*args)` can differ between the `size` devices of `axis`
+    when the arguments marked in `per_device` do (their leading axis: the
+    device's rows). Returns, for each output leaf (`jax.tree.leaves` order),
+    whether it can, and with `draws` the shapes of the random draws from a
+    key that is the same on every device whose shape follows the rows: those
+    of a second trace, with twice the rows, that differ (a function that
+    cannot take twice the rows is not judged). `args` may be arrays, tracers
+    or ShapeDtypeStructs; nothing is computed."""
     shapes = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg)
               for arg in args]
-    return _propagate(_trace(fn, shapes, axis, size), _flags(shapes, per_device), axis)
-
-
-def shared_key_draws(fn: Callable, args: Sequence[Any], per_device: Sequence[bool],
-                     axis: str, size: int) -> list[tuple]:
-    """The shapes of the random draws of `fn(*args)` whose key is the same on
-    every device and whose shape follows the rows of the per-device
-    arguments (their leading axis): two traces, the second with twice the
-    rows. A function that cannot take twice the rows is not judged."""
-    shapes = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg)
-              for arg in args]
+    found: list = []
+    flags = _propagate(_trace(fn, shapes, axis, size), _flags(shapes, per_device), axis, found)
+    if not draws or all(keyed for _, keyed in found):
+        return flags, []
     more = [jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * a.shape[0],) + a.shape[1:], a.dtype)
                          if a.ndim else a, arg) if flag else arg
             for arg, flag in zip(shapes, per_device)]
-    draws, draws_more = [], []
-    _propagate(_trace(fn, shapes, axis, size), _flags(shapes, per_device), axis, draws)
-    if all(keyed for _, keyed in draws):
-        return []
     try:
         doubled = _trace(fn, more, axis, size)
     except Exception:  # e.g. a reshape to a fixed batch size: no answer either way
-        return []
-    _propagate(doubled, _flags(more, per_device), axis, draws_more)
-    if len(draws) != len(draws_more):  # not the same program: cannot pair them
-        return []
-    return [shape for (shape, keyed), (other, _) in zip(draws, draws_more)
-            if not keyed and shape != other]
+        return flags, []
+    found_more: list = []
+    _propagate(doubled, _flags(more, per_device), axis, found_more)
+    if len(found) != len(found_more):  # not the same program: cannot pair them
+        return flags, []
+    return flags, [shape for (shape, keyed), (other, _) in zip(found, found_more)
+                   if not keyed and shape != other]
 
 
 def _trace(fn: Callable, shapes: list, axis: str, size: int) -> jcore.Jaxpr:

@@ -32,7 +32,7 @@ from dpax.parallel import layout as layouts
 from dpax.parallel.collectives import pmean_tree, psum_tree
 from dpax.parallel.layout import Layout
 from dpax.parallel.mesh import AXIS
-from dpax.parallel.varying import shared_key_draws, typed_varying, varies
+from dpax.parallel.varying import analyze, typed_varying
 from dpax.training.state import TrainState, eval_params
 from dpax.training.sums import LossFn, example_metrics, shard_sums
 from dpax.training.untransposed import ReduceBeforeTranspose
@@ -64,18 +64,44 @@ class StepOptions:
     pack: bool = False
 
 
-def _per_device_state(forward: Callable, params, model_state, micro) -> dict[int, str]:
+def _per_device_state(forward: Callable, params, model_state, micro,
+                      options: StepOptions) -> dict[int, str]:
     """{leaf index: path} of the numeric model state that a training step on
-    `micro` (one device's rows) can leave different on each device."""
+    `micro` (one device's rows) leaves different on each device, from one
+    trace of `forward`. Refuses, before training, what no average mends: a
+    random draw shaped by the rows from a key every device holds alike, and
+    such state while `sync_batchnorm` asks for one device's numbers (or when
+    it is a count)."""
     size = jax.lax.axis_size(AXIS)
     if size == 1:
         return {}
-    new_state = lambda p, s, m: forward(p, s, m)[1][2]  # noqa: E731
-    differs = varies(new_state, (params, model_state, micro), (False, False, True), AXIS, size)
+    flags, shared = analyze(forward, (params, model_state, micro), (False, False, True), AXIS,
+                            size, draws=options.own_random)
+    if shared:
+        raise PerDeviceRandom(
+            f"the model draws random numbers shaped {shared[0]} by a device's rows from a key "
+            f"of its own, the same on every device, so {size} devices would not train what "
+            "one device trains: use nnx.Dropout or dpax.models.layers.example_dropout "
+            "(`broadcast_dims` for a drop-path mask), whose masks follow each example's index")
+    if not options.average_state:
+        return {}
     paths = jax.tree_util.tree_flatten_with_path(model_state)[0]
-    return {i: jax.tree_util.keystr(path, simple=True, separator=".")
-            for i, ((path, leaf), d) in enumerate(zip(paths, differs))
-            if d and _numeric(leaf)}
+    # The new state's leaves are the last of forward's outputs.
+    per_device = {i: jax.tree_util.keystr(path, simple=True, separator=".")
+                  for i, ((path, leaf), d) in enumerate(zip(paths, flags[-len(paths):]))
+                  if d and _numeric(leaf)}
+    # Counts and other integers: an average of them means nothing.
+    whole = any(not jnp.issubdtype(paths[i][1].dtype, jnp.floating) for i in per_device)
+    if per_device and (options.sync_batchnorm or whole):
+        hint = ("" if whole else ", or pass `sync_batchnorm=False` to average it across "
+                "devices (not equivalent)")
+        raise PerDeviceState(
+            f"the model's state {', '.join(per_device.values())} is computed from each "
+            f"device's own rows by a layer dpax does not synchronize, so {size} devices "
+            "would not train what one device trains: for batch statistics use nnx.BatchNorm "
+            f"or Linen's nn.BatchNorm (dpax synchronizes them){hint}",
+            list(per_device.values()))
+    return per_device
 
 
 def _numeric(x) -> bool:
@@ -177,38 +203,15 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
                 accumulate, (acc, model_state), jax.tree.map(lambda v: v[1:], micro))
             loss_sum, count, sums, grad_sums = acc
 
-        if options.own_random and jax.lax.axis_size(AXIS) > 1:
+        if options.own_random or options.average_state:
             first = batch if n_micro == 1 else jax.tree.map(lambda v: v[0], micro)
-            shared = shared_key_draws(forward, (wrt, state.model_state, first),
-                                      (False, False, True), AXIS, jax.lax.axis_size(AXIS))
-            if shared:
-                raise PerDeviceRandom(
-                    f"the model draws random numbers shaped {shared[0]} by a device's rows "
-                    "from a key of its own, the same on every device, so "
-                    f"{jax.lax.axis_size(AXIS)} devices would not train what one device "
-                    "trains: use nnx.Dropout or dpax.models.layers.example_dropout "
-                    "(`broadcast_dims` for a drop-path mask), whose masks follow each "
-                    "example's index")
+            per_device = _per_device_state(forward, wrt, state.model_state, first, options)
         if options.average_state:
             # State of a layer dpax does not synchronize (e.g. a custom running
-            # mean or counter): what a device computes from its own rows is not
-            # what one device computes from the global batch; what it computes
-            # from what every device holds alike needs no average.
-            first = batch if n_micro == 1 else jax.tree.map(lambda v: v[0], micro)
-            per_device = _per_device_state(forward, wrt, state.model_state, first)
+            # mean): what a device computes from its own rows is averaged (only
+            # with sync_batchnorm off); what it computes from what every device
+            # holds alike needs no average.
             leaves, treedef = jax.tree.flatten(model_state)
-            # Counts and other integers: an average of them means nothing.
-            whole = any(not jnp.issubdtype(leaves[i].dtype, jnp.floating) for i in per_device)
-            if per_device and (options.sync_batchnorm or whole):
-                hint = ("" if whole else ", or pass `sync_batchnorm=False` to average it "
-                        "across devices (not equivalent)")
-                raise PerDeviceState(
-                    f"the model's state {', '.join(per_device.values())} is computed from "
-                    "each device's own rows by a layer dpax does not synchronize, so "
-                    f"{jax.lax.axis_size(AXIS)} devices would not train what one device "
-                    "trains: for batch statistics use nnx.BatchNorm or Linen's nn.BatchNorm "
-                    f"(dpax synchronizes them){hint}",
-                    list(per_device.values()))
             for i, mean in zip(per_device, pmean_tree([leaves[i] for i in per_device], AXIS,
                                                       options.pack)):
                 leaves[i] = mean
