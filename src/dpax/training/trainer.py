@@ -142,10 +142,10 @@ class Trainer:
         compute Linen `nn.BatchNorm` layers (`dpax.from_linen`) the same way
         (global masked statistics). False keeps per-device statistics (the
         running averages are then averaged across devices): not equivalent.
-        With True, any other layer that computes float state from each
-        device's rows (a BatchNorm subclass, a custom running mean) is
+        With True, any other layer that computes state from each device's
+        rows (a BatchNorm subclass, a custom running mean or count) is
         refused before training on several devices (`PerDeviceState`); False
-        averages it too.
+        averages such float state too (a count is refused either way).
       sharding: where the state lives (`dpax.parallel.layout`): "replicated" (every
         device holds all of it), "optimizer" (ZeRO-1: the optimizer state 1/N
         per device) or "full" (FSDP: params, gradients and optimizer state 1/N
