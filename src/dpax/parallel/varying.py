@@ -37,7 +37,8 @@ _PER_DEVICE = {"axis_index", "ppermute", "all_to_all", "reduce_scatter", "psum_s
 
 
 def analyze(fn: Callable, args: Sequence[Any], per_device: Sequence[bool], axis: str,
-            size: int, *, draws: bool = False) -> tuple[list[bool], list[tuple]]:
+            size: int, *, draws: bool = False, jaxpr: jcore.Jaxpr | None = None
+            ) -> tuple[list[bool], list[tuple]]:
     """What of `fn(*args)` can differ between the `size` devices of `axis`
     when the arguments marked in `per_device` do (their leading axis: the
     device's rows). Returns, for each output leaf (`jax.tree.leaves` order),
@@ -45,34 +46,41 @@ def analyze(fn: Callable, args: Sequence[Any], per_device: Sequence[bool], axis:
     key that is the same on every device whose shape follows the rows: those
     of a second trace, with twice the rows, that differ (a function that
     cannot take twice the rows is not judged). `args` may be arrays, tracers
-    or ShapeDtypeStructs; nothing is computed."""
-    shapes = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg)
-              for arg in args]
+    or ShapeDtypeStructs; nothing is computed. `jaxpr`: `trace(fn, args,
+    axis, size)`, where the caller has it already."""
+    shapes = _shapes(args)
     found: list = []
-    flags = _propagate(_trace(fn, shapes, axis, size), _flags(shapes, per_device), axis, found)
+    jaxpr = trace(fn, args, axis, size) if jaxpr is None else jaxpr
+    flags = _propagate(jaxpr, leaf_flags(args, per_device), axis, found)
     if not draws or all(keyed for _, keyed in found):
         return flags, []
     more = [jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * a.shape[0],) + a.shape[1:], a.dtype)
                          if a.ndim else a, arg) if flag else arg
             for arg, flag in zip(shapes, per_device)]
     try:
-        doubled = _trace(fn, more, axis, size)
+        doubled = trace(fn, more, axis, size)
     except Exception:  # e.g. a reshape to a fixed batch size: no answer either way
         return flags, []
     found_more: list = []
-    _propagate(doubled, _flags(more, per_device), axis, found_more)
+    _propagate(doubled, leaf_flags(more, per_device), axis, found_more)
     if len(found) != len(found_more):  # not the same program: cannot pair them
         return flags, []
     return flags, [shape for (shape, keyed), (other, _) in zip(found, found_more)
                    if not keyed and shape != other]
 
 
-def _trace(fn: Callable, shapes: list, axis: str, size: int) -> jcore.Jaxpr:
-    return jax.make_jaxpr(fn, axis_env=[(axis, size)])(*shapes).jaxpr
+def _shapes(args: Sequence[Any]) -> list:
+    return [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg) for arg in args]
 
 
-def _flags(shapes: list, per_device: Sequence[bool]) -> list[bool]:
-    return [flag for arg, flag in zip(shapes, per_device) for _ in jax.tree.leaves(arg)]
+def trace(fn: Callable, args: Sequence[Any], axis: str, size: int) -> jcore.Jaxpr:
+    """`fn`'s jaxpr on the shapes of `args`, inside `size` devices of `axis`."""
+    return jax.make_jaxpr(fn, axis_env=[(axis, size)])(*_shapes(args)).jaxpr
+
+
+def leaf_flags(args: Sequence[Any], flags: Sequence[bool]) -> list[bool]:
+    """Each argument's flag, once per leaf: the jaxpr's inputs."""
+    return [flag for arg, flag in zip(args, flags) for _ in jax.tree.leaves(arg)]
 
 
 def _propagate(jaxpr: jcore.Jaxpr, in_flags: list[bool], axis: str,
