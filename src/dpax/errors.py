@@ -42,6 +42,15 @@ class PerDeviceRandom(DpaxError):
     device, from a key of its own (`dpax.training.step`)."""
 
 
+class MixesExamples(DpaxError):
+    """An example's loss would depend on the other examples a device holds
+    (`dpax.parallel.rows`); `where` names the operation that mixes them."""
+
+    def __init__(self, message: str, where: str):
+        super().__init__(message)
+        self.where = where
+
+
 class DpaxWarning(UserWarning):
     """Input that is legal but almost surely not what was meant (the CLI
     prints it as one `dpax: warning:` line)."""

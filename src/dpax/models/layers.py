@@ -172,6 +172,25 @@ def example_dropout(inputs: jax.Array, rate: float, broadcast_dims=(),
     return jnp.where(mask, inputs / (1.0 - rate), jnp.zeros_like(inputs))
 
 
+def global_rows(x: jax.Array, ctx: BatchContext | None = None) -> tuple[jax.Array, jax.Array]:
+    """`x` (one value per row of this device's batch) for every row of the
+    global batch, in its order, and the mask of those rows: what a loss over
+    the whole batch (a contrastive loss's other examples) needs to compute on
+    N devices what it computes on one. Row i of this device is row
+    `batch["index"][i]` of the result; padded rows are masked out. Outside a
+    dpax step, or on one device, `x` and its batch's mask as they are.
+
+    The gradient flows back to the device that holds each row (the
+    all-gather's transpose), so the step stays equal to one device's."""
+    ctx = current() if ctx is None else ctx
+    if ctx is None:
+        return x, jnp.ones(x.shape[:1], bool)
+    if ctx.axis is None:
+        return x, ctx.mask
+    return (jax.lax.all_gather(x, ctx.axis, tiled=True),
+            jax.lax.all_gather(ctx.mask, ctx.axis, tiled=True))
+
+
 class ExampleDropout(nnx.Dropout):
     """`nnx.Dropout` with `example_dropout`'s masks inside a dpax step.
 

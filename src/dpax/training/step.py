@@ -26,13 +26,14 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dpax.errors import PerDeviceRandom, PerDeviceState
+from dpax.errors import MixesExamples, PerDeviceRandom, PerDeviceState
 from dpax.models.layers import BatchContext, batch_context
 from dpax.parallel import layout as layouts
 from dpax.parallel.collectives import pmean_tree, psum_tree
 from dpax.parallel.layout import Layout
 from dpax.parallel.mesh import AXIS
-from dpax.parallel.varying import analyze, typed_varying
+from dpax.parallel.rows import first_mixed, mixing
+from dpax.parallel.varying import analyze, leaf_flags, trace, typed_varying
 from dpax.training.state import TrainState, eval_params
 from dpax.training.sums import LossFn, example_metrics, shard_sums
 from dpax.training.untransposed import ReduceBeforeTranspose
@@ -69,14 +70,33 @@ def _per_device_state(forward: Callable, params, model_state, micro,
     """{leaf index: path} of the numeric model state that a training step on
     `micro` (one device's rows) leaves different on each device, from one
     trace of `forward`. Refuses, before training, what no average mends: a
-    random draw shaped by the rows from a key every device holds alike, and
-    such state while `sync_batchnorm` asks for one device's numbers (or when
-    it is a count)."""
+    random draw shaped by the rows from a key every device holds alike, such
+    state while `sync_batchnorm` asks for one device's numbers (or when it is
+    a count), and a loss or layer that mixes the examples a device holds."""
     size = jax.lax.axis_size(AXIS)
     if size == 1:
         return {}
-    flags, shared = analyze(forward, (params, model_state, micro), (False, False, True), AXIS,
-                            size, draws=options.own_random)
+    args, on_rows = (params, model_state, micro), (False, False, True)
+    jaxpr = trace(forward, args, AXIS, size)
+    per_device = {}
+    if options.own_random or options.average_state:
+        per_device = _state_per_device(forward, args, jaxpr, size, options)
+    # With sync_batchnorm off the user asked for per-device batch statistics.
+    mixed = options.sync_batchnorm and first_mixed(mixing(jaxpr, leaf_flags(args, on_rows)))
+    if mixed:
+        raise MixesExamples(
+            f"an example's loss depends on the other examples in its batch ({mixed.where}), "
+            f"so {size} devices, each holding only its own rows, would not train what one "
+            "device trains: compute each example's loss from that example alone; for batch "
+            "statistics use nnx.BatchNorm or Linen's nn.BatchNorm (dpax synchronizes them); "
+            "for a loss over the whole batch (contrastive) take the other examples from "
+            "dpax.models.layers.global_rows", mixed.where)
+    return per_device
+
+
+def _state_per_device(forward, args, jaxpr, size, options: StepOptions) -> dict[int, str]:
+    flags, shared = analyze(forward, args, (False, False, True), AXIS, size,
+                            draws=options.own_random, jaxpr=jaxpr)
     if shared:
         raise PerDeviceRandom(
             f"the model draws random numbers shaped {shared[0]} by a device's rows from a key "
@@ -85,6 +105,7 @@ def _per_device_state(forward: Callable, params, model_state, micro,
             "(`broadcast_dims` for a drop-path mask), whose masks follow each example's index")
     if not options.average_state:
         return {}
+    model_state = args[1]
     paths = jax.tree_util.tree_flatten_with_path(model_state)[0]
     # The new state's leaves are the last of forward's outputs.
     per_device = {i: jax.tree_util.keystr(path, simple=True, separator=".")
@@ -203,9 +224,8 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
                 accumulate, (acc, model_state), jax.tree.map(lambda v: v[1:], micro))
             loss_sum, count, sums, grad_sums = acc
 
-        if options.own_random or options.average_state:
-            first = batch if n_micro == 1 else jax.tree.map(lambda v: v[0], micro)
-            per_device = _per_device_state(forward, wrt, state.model_state, first, options)
+        first = batch if n_micro == 1 else jax.tree.map(lambda v: v[0], micro)
+        per_device = _per_device_state(forward, wrt, state.model_state, first, options)
         if options.average_state:
             # State of a layer dpax does not synchronize (e.g. a custom running
             # mean): what a device computes from its own rows is averaged (only

@@ -1,0 +1,469 @@
+"""Does a per-device function mix the examples of its device's rows?
+
+Data parallelism is exact when each example's loss depends on that example
+alone (and on what every device holds alike): the global batch's loss is then
+the same sum however its rows are split. A loss or a layer that combines the
+rows a device holds (a contrastive loss over the batch, a normalization by the
+batch's mean that dpax does not synchronize, a sort over the batch) computes
+on N devices something one device does not, silently.
+
+`mixing` answers from the function's jaxpr. Every value gets a kind:
+
+- `CONST`: depends on no row (the params, constants, a collective's result);
+- `Row(axis, group)`: slice i along `axis` (or the i-th run of `group`
+  slices, after a reshape that merges the rows with another axis) depends on
+  row i alone;
+- `SUMMARY`: depends on all of the device's rows together (a sum over them);
+- `Mixed(where)`: an example's value depends on other examples; `where` names
+  the first operation that mixed them;
+- `UNKNOWN`: an operation this analysis does not read.
+
+Only what is certain mixes: an elementwise combination of a row's value with
+a summary of the rows, a product of two values' row axes that are not paired,
+a cumulative sum, sort or reversal along the rows. What it cannot read it
+does not judge (`UNKNOWN`), so it never refuses a model it does not
+understand. A collective over the devices (`psum`, `all_gather`) makes its
+operand `CONST`: it combines every device's rows, as one device would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+from jax.extend import core as jcore
+
+CONST, SUMMARY, UNKNOWN = "const", "summary", "unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    axis: int
+    group: int = 1  # consecutive indices along `axis` that hold one row
+
+
+@dataclasses.dataclass(frozen=True)
+class Mixed:
+    where: str  # the operation that first mixed rows, and its source line
+
+
+# Collectives whose result combines every device's values.
+_COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "all_gather",
+                "all_gather_invariant"}
+# Same shape in and out, but along an axis: on the rows' axis they mix them.
+_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "rev"}
+_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+               "reduce_or", "reduce_xor", "argmax", "argmin", "reduce"}
+
+
+def mixing(jaxpr: jcore.Jaxpr, rows: Sequence[bool]) -> list:
+    """The kind of each output of `jaxpr` when the inputs marked in `rows`
+    hold one row each along their leading axis (all others `CONST`)."""
+    ins = [Row(0) if r and len(getattr(v.aval, "shape", ())) else CONST
+           for v, r in zip(jaxpr.invars, rows)]
+    return _propagate(jaxpr, ins)
+
+
+def first_mixed(kinds: Sequence) -> Mixed | None:
+    return next((k for k in kinds if isinstance(k, Mixed)), None)
+
+
+def _propagate(jaxpr: jcore.Jaxpr, ins: list) -> list:
+    env = dict(zip(jaxpr.invars, ins))
+
+    def kind(atom):
+        return CONST if isinstance(atom, jcore.Literal) else env.get(atom, CONST)
+
+    for eqn in jaxpr.eqns:
+        kinds = [kind(a) for a in eqn.invars]
+        if all(k == CONST for k in kinds):  # nothing from a row, whatever the op
+            outs = [CONST] * len(eqn.outvars)
+        else:
+            outs = _eqn(eqn, kinds)
+        env.update(zip(eqn.outvars, outs))
+    return [kind(v) for v in jaxpr.outvars]
+
+
+def _inner(eqn):
+    """The body of a call (pjit, remat, custom_jvp/vjp), argument for argument."""
+    inner = [p for p in eqn.params.values() if isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+    if eqn.primitive.name in ("while", "scan", "cond") or len(inner) != 1:
+        return None
+    body = inner[0].jaxpr if isinstance(inner[0], jcore.ClosedJaxpr) else inner[0]
+    if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
+        return None
+    return body
+
+
+def _line(eqn) -> str:
+    try:  # a private module: the line is a courtesy, the verdict does not need it
+        from jax._src import source_info_util
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:
+        return ""
+
+
+def _where(eqn) -> str:
+    line = _line(eqn)
+    return f"{eqn.primitive.name} at {line}" if line else eqn.primitive.name
+
+
+def _located(kinds: list, eqn) -> list:
+    """A call's mixing, at the caller's line where jnp's own jit hid it."""
+    line = _line(eqn)
+    return [Mixed(f"{k.where} at {line}") if isinstance(k, Mixed) and " at " not in k.where
+            and line else k for k in kinds]
+
+
+def _shape(atom) -> tuple:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def _eqn(eqn, kinds: list) -> list:
+    name, n_out = eqn.primitive.name, len(eqn.outvars)
+    mixed = first_mixed(kinds)
+    if mixed is not None:
+        return [mixed] * n_out
+    if name in _COLLECTIVES:  # every device's rows combined, as one device has them
+        return [CONST] * n_out
+    body = _inner(eqn)
+    if body is not None:
+        return _located(_propagate(body, kinds), eqn)
+    if UNKNOWN in kinds:
+        return [UNKNOWN] * n_out
+    rule = _RULES.get(name)
+    if rule is not None:
+        out = rule(eqn, kinds)
+    else:
+        out = _elementwise(eqn, kinds)
+    if isinstance(out, Mixed) or out == "mix":
+        out = Mixed(_where(eqn))
+    return out if isinstance(out, list) else [out] * n_out
+
+
+def _elementwise(eqn, kinds: list):
+    """An op whose operands are its output's shape (or scalars, or size 1
+    along an axis), one element from the same element of each: rows stay
+    rows, a summary added to a row mixes. Ops that work along an axis are
+    read by their own rules."""
+    out_shapes = {_shape(v) for v in eqn.outvars}
+    if len(out_shapes) != 1:
+        return UNKNOWN
+    (shape,) = out_shapes
+    for a, k in zip(eqn.invars, kinds):  # an operand's size-1 axes are broadcast
+        s = _shape(a)
+        if s and (len(s) != len(shape) or any(d not in (1, o) for d, o in zip(s, shape))):
+            return UNKNOWN
+        if isinstance(k, Row) and s[k.axis] != shape[k.axis]:
+            return UNKNOWN  # one row's value for every row
+    axis_params = [eqn.params.get(p) for p in ("axis", "axes", "dimension", "dimensions")]
+    if any(p is not None for p in axis_params):  # works along an axis: not elementwise
+        return UNKNOWN
+    return _combine(kinds)
+
+
+def _combine(kinds: list):
+    """The kind of elementwise f(a, b, ...) from the kinds of a, b, ..."""
+    rows = {k for k in kinds if isinstance(k, Row)}
+    if len(rows) > 1:
+        axes = {r.axis for r in rows}
+        return "mix" if len(axes) > 1 else UNKNOWN  # two row axes: pairs of examples
+    if rows and SUMMARY in kinds:
+        return "mix"  # a row's value with the batch's: e.g. x - mean(x)
+    if rows:
+        return rows.pop()
+    return SUMMARY if SUMMARY in kinds else CONST
+
+
+# -- ops that move, keep or remove axes -------------------------------------------------------
+def _broadcast_in_dim(eqn, kinds):
+    k = kinds[0]
+    if not isinstance(k, Row):
+        return _combine(kinds)
+    dims, shape = eqn.params["broadcast_dimensions"], eqn.params["shape"]
+    if _shape(eqn.invars[0])[k.axis] != shape[dims[k.axis]]:
+        return UNKNOWN
+    return Row(dims[k.axis], k.group)
+
+
+def _transpose(eqn, kinds):
+    k = kinds[0]
+    return Row(list(eqn.params["permutation"]).index(k.axis), k.group) if isinstance(k, Row) \
+        else k
+
+
+def _squeeze(eqn, kinds):
+    k = kinds[0]
+    if not isinstance(k, Row):
+        return k
+    dims = [d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"]]
+    if k.axis in dims:
+        return UNKNOWN
+    return Row(k.axis - sum(d < k.axis for d in dims), k.group)
+
+
+def _reshape(eqn, kinds):
+    k = kinds[0]
+    if not isinstance(k, Row):
+        return k
+    old, new = _shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
+    if eqn.params.get("dimensions") is not None:
+        return UNKNOWN
+    if old[:k.axis + 1] == new[:k.axis + 1]:  # the axes up to the rows' unchanged
+        return k
+    if int(np.prod(old[:k.axis])) != 1:  # rows interleaved with an outer axis
+        return UNKNOWN
+    # Each row is a contiguous run of `per_row` elements, in row-major order.
+    per_row = int(np.prod(old[k.axis:])) * k.group // old[k.axis]
+    axis = next((i for i, s in enumerate(new) if s != 1), None)
+    if axis is None:
+        return UNKNOWN
+    inner = int(np.prod(new[axis + 1:]))
+    if per_row % inner:
+        return UNKNOWN  # a slice along the new axis holds parts of several rows
+    return Row(axis, per_row // inner)
+
+
+def _reduce(eqn, kinds):
+    k = _combine(kinds[:len(eqn.outvars)])  # a variadic reduce: operands, then inits
+    if not isinstance(k, Row):
+        return k
+    axes = eqn.params.get("axes", eqn.params.get("dimensions", ()))
+    axes = [a % len(_shape(eqn.invars[0])) for a in axes]
+    if k.axis in axes:
+        return SUMMARY
+    return Row(k.axis - sum(a < k.axis for a in axes), k.group)
+
+
+def _along_axis(eqn, kinds):
+    """cumsum & co., sort, rev: along their axis; on the rows' axis they mix."""
+    p = eqn.params
+    axes = p.get("dimensions", (p.get("axis", p.get("dimension")),))
+    rank = len(_shape(eqn.invars[0]))
+    axes = {a % rank for a in axes}
+    out = _combine(kinds)
+    if isinstance(out, Row) and out.axis in axes:
+        return "mix"
+    return out
+
+
+def _dot_general(eqn, kinds):
+    lhs, rhs = kinds
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lrank, rrank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
+    lfree = [d for d in range(lrank) if d not in lc and d not in lb]
+    rfree = [d for d in range(rrank) if d not in rc and d not in rb]
+
+    def out_axis(side, k):  # (where the row axis lands, or SUMMARY if contracted)
+        contract, batch, free = (lc, lb, lfree) if side == 0 else (rc, rb, rfree)
+        if k.axis in contract:
+            return SUMMARY
+        if k.axis in batch:
+            return batch.index(k.axis)
+        offset = len(lb) + (0 if side == 0 else len(lfree))
+        return offset + free.index(k.axis)
+
+    if isinstance(lhs, Row) and isinstance(rhs, Row):
+        if lhs.group != rhs.group:
+            return UNKNOWN
+        paired = (lhs.axis in lb and rhs.axis in rb and lb.index(lhs.axis) == rb.index(rhs.axis))
+        paired_contract = (lhs.axis in lc and rhs.axis in rc
+                           and lc.index(lhs.axis) == rc.index(rhs.axis))
+        if paired:
+            return Row(lb.index(lhs.axis), lhs.group)
+        if paired_contract:
+            return SUMMARY  # e.g. x.T @ y over the rows: a sum over them
+        return "mix"  # e.g. x @ y.T: every row with every other (a contrastive loss)
+    if SUMMARY in kinds:
+        other = rhs if lhs == SUMMARY else lhs
+        return "mix" if isinstance(other, Row) else SUMMARY
+    side, k = (0, lhs) if isinstance(lhs, Row) else (1, rhs)
+    where = out_axis(side, k)
+    return SUMMARY if where == SUMMARY else Row(where, k.group)
+
+
+def _conv(eqn, kinds):
+    lhs, rhs = kinds[0], kinds[1]
+    if rhs != CONST or not isinstance(lhs, Row) or eqn.params.get("batch_group_count", 1) != 1:
+        return UNKNOWN if lhs != SUMMARY else SUMMARY
+    dn = eqn.params["dimension_numbers"]
+    if lhs.axis != dn.lhs_spec[0]:
+        return UNKNOWN
+    return Row(dn.out_spec[0], lhs.group)
+
+
+def _keeps_rows(full_on_rows):
+    """An op that keeps the rows' axis when `full_on_rows(eqn, axis)`: a
+    slice, pad or window that spans it whole (otherwise not read)."""
+    def rule(eqn, kinds):
+        out = _combine(kinds)
+        if not isinstance(out, Row):
+            return out if out != "mix" else UNKNOWN
+        return out if full_on_rows(eqn, out.axis) else UNKNOWN
+    return rule
+
+
+def _slice_full(eqn, axis):
+    p, shape = eqn.params, _shape(eqn.invars[0])
+    strides = p.get("strides") or (1,) * len(shape)
+    return p["start_indices"][axis] == 0 and p["limit_indices"][axis] == shape[axis] \
+        and strides[axis] == 1
+
+
+def _dynamic_slice_full(eqn, axis):
+    return eqn.params["slice_sizes"][axis] == _shape(eqn.invars[0])[axis]
+
+
+def _pad_full(eqn, axis):
+    return tuple(eqn.params["padding_config"][axis]) == (0, 0, 0)
+
+
+def _window_one(eqn, axis):
+    p = eqn.params
+    return (p["window_dimensions"][axis] == 1 and p["window_strides"][axis] == 1
+            and tuple(p["padding"][axis]) == (0, 0)
+            and p["base_dilation"][axis] == 1 and p["window_dilation"][axis] == 1)
+
+
+def _concatenate(eqn, kinds):
+    out = _combine(kinds)
+    if isinstance(out, Row) and out.axis == eqn.params["dimension"]:
+        return UNKNOWN
+    return out if out != "mix" else UNKNOWN
+
+
+def _stack(eqn, kinds):  # a new axis at `axis`
+    out = _combine(kinds)
+    if not isinstance(out, Row):
+        return out if out != "mix" else UNKNOWN
+    if any(isinstance(k, Row) and k != out for k in kinds):
+        return UNKNOWN
+    return Row(out.axis + (eqn.params["axis"] <= out.axis), out.group)
+
+
+def _split(eqn, kinds):
+    k = kinds[0]
+    if isinstance(k, Row) and k.axis == eqn.params["axis"]:
+        return UNKNOWN
+    return k
+
+
+def _dynamic_update_slice(eqn, kinds):
+    operand, update, *starts = kinds
+    if any(s != CONST for s in starts):
+        return UNKNOWN
+    if isinstance(operand, Row) or isinstance(update, Row):
+        k = operand if isinstance(operand, Row) else update
+        if _shape(eqn.invars[1])[k.axis] != _shape(eqn.invars[0])[k.axis]:
+            return UNKNOWN
+    return _combine([operand, update])
+
+
+def _gather(eqn, kinds):
+    operand, indices = kinds[0], kinds[1]
+    dn = eqn.params["dimension_numbers"]
+    out_rank = len(_shape(eqn.outvars[0]))
+    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]  # indices' dims
+
+    def from_indices(k):  # a row axis of the indices (not the index vector)
+        if k.axis == len(_shape(eqn.invars[1])) - 1:
+            return UNKNOWN
+        return Row(batch_out[k.axis], k.group)
+
+    if operand == SUMMARY or indices == SUMMARY:
+        other = indices if operand == SUMMARY else operand
+        return "mix" if isinstance(other, Row) else SUMMARY
+    if operand == CONST:  # an embedding table looked up by each row's ids
+        return from_indices(indices)
+    # The operand holds rows: kept only where each row gathers from itself.
+    if operand.axis in dn.operand_batching_dims:
+        j = dn.operand_batching_dims.index(operand.axis)
+        paired = dn.start_indices_batching_dims[j]
+        if indices != CONST and indices != Row(paired, operand.group):
+            return UNKNOWN
+        return from_indices(Row(paired, operand.group))
+    if indices != CONST or operand.axis in dn.start_index_map \
+            or operand.axis in dn.collapsed_slice_dims \
+            or eqn.params["slice_sizes"][operand.axis] != _shape(eqn.invars[0])[operand.axis]:
+        return UNKNOWN  # rows picked by index: not read (mixup would mix them)
+    kept = [d for d in range(len(_shape(eqn.invars[0])))
+            if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    return Row(dn.offset_dims[kept.index(operand.axis)], operand.group)
+
+
+def _first(eqn, kinds):
+    """random_bits (the key's shape, then the draw's), and the casts of a
+    value's type over the devices (`pcast`, `pvary`): the operand's kind."""
+    return kinds[0]
+
+
+def _key_scalar_ok(eqn, kinds):
+    """random_fold_in / random_split / random_wrap / unwrap: a key array's
+    leading axes are its rows' (a trailing one added or removed)."""
+    out = _combine(kinds)
+    if isinstance(out, Row) and out.axis >= len(_shape(eqn.outvars[0])):
+        return UNKNOWN
+    return out if out != "mix" else UNKNOWN
+
+
+def _cond(eqn, kinds):
+    index, *ops = kinds
+    if index != CONST:
+        return [UNKNOWN] * len(eqn.outvars)
+    branches = [_propagate(b.jaxpr, list(ops)) for b in eqn.params["branches"]]
+    return [_join([b[i] for b in branches]) for i in range(len(eqn.outvars))]
+
+
+def _join(kinds: list):
+    mixed = first_mixed(kinds)
+    if mixed is not None:
+        return mixed
+    found = {k for k in kinds if k != CONST}
+    if not found:
+        return CONST
+    return found.pop() if len(found) == 1 else UNKNOWN
+
+
+def _scan(eqn, kinds):
+    p = eqn.params
+    body, n_consts, n_carry = p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"]
+    xs = kinds[n_consts + n_carry:]
+    # The body sees one slice of each xs along its axis 0.
+    sliced = [UNKNOWN if isinstance(k, Row) and k.axis == 0
+              else Row(k.axis - 1, k.group) if isinstance(k, Row) else k for k in xs]
+    carry = list(kinds[n_consts:n_consts + n_carry])
+    for _ in range(8):  # the carry's kinds settle in a step or two
+        outs = _propagate(body, kinds[:n_consts] + carry + sliced)
+        joined = [_join([a, b]) for a, b in zip(carry, outs[:n_carry])]
+        if joined == carry:
+            ys = [Row(k.axis + 1, k.group) if isinstance(k, Row) else k
+                  for k in outs[n_carry:]]
+            return carry + ys
+        carry = joined
+    return [UNKNOWN] * len(eqn.outvars)
+
+
+def _while(eqn, kinds):
+    return [UNKNOWN] * len(eqn.outvars)
+
+
+def _iota(eqn, kinds):
+    return CONST
+
+
+_RULES = {
+    "broadcast_in_dim": _broadcast_in_dim, "transpose": _transpose, "squeeze": _squeeze,
+    "reshape": _reshape, "dot_general": _dot_general, "conv_general_dilated": _conv,
+    "slice": _keeps_rows(_slice_full), "dynamic_slice": _keeps_rows(_dynamic_slice_full),
+    "pad": _keeps_rows(_pad_full), "concatenate": _concatenate, "stack": _stack, "split": _split,
+    "dynamic_update_slice": _dynamic_update_slice, "gather": _gather,
+    "random_bits": _first, "pcast": _first, "pvary": _first, "random_fold_in": _key_scalar_ok,
+    "random_split": _key_scalar_ok, "random_wrap": _key_scalar_ok,
+    "random_unwrap": _key_scalar_ok, "cond": _cond, "scan": _scan, "while": _while,
+    "iota": _iota,
+    **{n: _reduce for n in _REDUCTIONS},
+    **{n: _along_axis for n in _ALONG_AXIS},
+    **{n: _keeps_rows(_window_one) for n in ("reduce_window_sum", "reduce_window_max",
+                                              "reduce_window_min", "reduce_window")},
+}

@@ -1,0 +1,162 @@
+"""A loss or layer that mixes the examples a device holds is refused before
+training (`dpax.parallel.rows`); a loss over the whole batch written with
+`global_rows` trains on N devices what it trains on one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dpax
+from dpax.errors import MixesExamples
+from dpax.models.layers import global_rows
+from dpax.parallel.rows import CONST, SUMMARY, UNKNOWN, Mixed, Row, mixing
+
+R = 6  # a device's rows
+
+
+def kinds(fn, *shapes, rows=None, axis_size=2):
+    """The kinds of fn's outputs; the first argument holds rows unless `rows` says."""
+    rows = rows or [True] + [False] * (len(shapes) - 1)
+    args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    jaxpr = jax.make_jaxpr(fn, axis_env=[("d", axis_size)])(*args).jaxpr
+    return mixing(jaxpr, rows)
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("x - mean over the batch", lambda x: x - x.mean(0)),
+    ("x @ x.T (pairs of examples)", lambda x: (x @ x.T).sum(1)),
+    ("cumsum over the rows", lambda x: jnp.cumsum(x, 0)),
+    ("sort over the rows", lambda x: jnp.sort(x, 0)),
+    ("reversed rows", lambda x: x[::-1]),
+    ("scaled by the batch's loss", lambda x: x.sum(1) * x.sum()),
+])
+def test_mixing_ops_are_found(name, fn):
+    (kind, *_) = kinds(fn, (R, 4))
+    assert isinstance(kind, Mixed), (name, kind)
+    assert "test_rows.py" in kind.where  # the user's line is named
+
+
+@pytest.mark.parametrize("name,fn,expected", [
+    ("per-example mse", lambda x, w: jnp.mean((x @ w) ** 2, -1), Row(0)),
+    ("a sum over the rows", lambda x, w: (x @ w).sum(0), SUMMARY),
+    ("synchronized centring", lambda x, w: x - jax.lax.psum(x.sum(0), "d") / 12, Row(0)),
+    ("all-gathered rows", lambda x, w: jax.lax.all_gather(x, "d", tiled=True), CONST),
+    ("tokens merged with the rows and back",
+     lambda x, w: jnp.tanh(x.reshape(R * 2, 2) @ w[:2]).reshape(R, 2, -1).sum((1, 2)), Row(0)),
+    ("transposed twice", lambda x, w: jnp.transpose(x.T * 2), Row(0)),
+    ("broadcast by a size-1 axis", lambda x, w: x + w.T[:1], Row(0)),
+    ("a while loop (not read)", lambda x, w: jax.lax.while_loop(
+        lambda c: c[1] < 3, lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0], UNKNOWN),
+])
+def test_row_local_math_keeps_its_rows(name, fn, expected):
+    assert kinds(fn, (R, 4), (4, 3))[0] == expected, name
+
+
+def test_lookups_convolutions_and_scans_keep_rows():
+    table = jnp.ones((10, 4))
+
+    def embed_conv_scan(ids, kernel):
+        h = jnp.take(table, ids.astype(jnp.int32), axis=0)  # (R, 5, 4)
+        h = jax.lax.conv_general_dilated(h, kernel, (1,), "SAME",
+                                         dimension_numbers=("NWC", "WIO", "NWC"))
+        h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c * w), None), h, jnp.ones((3, 4)))
+        logp = jax.nn.log_softmax(h.mean(1))
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logp, ids[:, 0].astype(jnp.int32))
+
+    assert kinds(embed_conv_scan, (R, 5), (3, 4, 4)) == [Row(0)]
+
+
+# -- in the Trainer ------------------------------------------------------------------------
+class Towers(nnx.Module):
+    """Two embeddings of one input, as a contrastive model has. No bias on the
+    second: the loss cannot see it (a softmax over one row is shift-free), so
+    its gradient is rounding that Adam would blow up."""
+
+    def __init__(self, rngs):
+        self.a = nnx.Linear(8, 16, rngs=rngs)
+        self.b = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.a(x), self.b(x)
+
+
+def in_batch(model, batch):
+    """A contrastive loss as written for one device: every other example of
+    the batch is a negative."""
+    za, zb = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(za @ zb.T, jnp.arange(len(za)))
+
+
+def whole_batch(model, batch):
+    """The same loss on N devices: the negatives are every device's rows."""
+    za, zb = model(batch["x"])
+    others, real = global_rows(zb)
+    logits = jnp.where(real, za @ others.T, -jnp.inf)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["index"])
+
+
+def data(seed):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(45, 8)).astype(np.float32), np.zeros(45, np.int32)
+
+
+def train(loss, n, seed, steps=4, **options):
+    x, y = data(seed)
+    t = dpax.Trainer(Towers(nnx.Rngs(seed)), loss, optax.adam(1e-2), devices=n, **options)
+    t.fit(x, y, batch_size=15, until_step=steps, log_every=10**9)
+    return t
+
+
+def test_a_loss_over_the_batch_is_refused_on_several_devices():
+    one = train(in_batch, 1, 0, steps=1)  # one device: the loss means what it says
+    assert int(one.state.step) == 1
+    x, y = data(0)
+    t = dpax.Trainer(Towers(nnx.Rngs(0)), in_batch, optax.adam(1e-2), devices=2)
+    before = t.params
+    with pytest.raises(MixesExamples, match="depends on the other examples") as e:
+        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
+    assert "\n" not in str(e.value) and "test_rows.py" in e.value.where
+    assert "global_rows" in str(e.value)
+    assert int(t.state.step) == 0  # nothing trained, nothing changed
+    jax.tree.map(np.testing.assert_array_equal, before, t.params)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_loss_over_the_global_batch_equals_one_device(seed):
+    """15 rows: 16 on 4 devices, one padded row each step that `global_rows`
+    masks out of every example's negatives."""
+    one = train(whole_batch, 1, seed).params
+    for n, layout in ((2, "replicated"), (4, "replicated"), (4, "full")):
+        params = train(whole_batch, n, seed, sharding=layout).params
+        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                   for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(params)))
+        assert diff < 2e-6, (n, layout, diff)
+
+
+def test_per_device_statistics_asked_for_are_not_refused():
+    """`sync_batchnorm=False` asks for each device's batch statistics: a layer
+    that centres on the device's rows then trains (not equivalent, as asked)."""
+
+    class Centred(nnx.Module):
+        def __init__(self, rngs):
+            self.l = nnx.Linear(8, 4, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.l(x)
+            return h - h.mean(0)
+
+    def loss(model, batch):
+        return jnp.sum(model(batch["x"]) ** 2, -1)
+
+    x, y = data(0)
+    with pytest.raises(MixesExamples, match=r"sub at .*test_rows.py"):
+        dpax.Trainer(Centred(nnx.Rngs(0)), loss, optax.sgd(0.1), devices=2).fit(
+            x, y, batch_size=15, until_step=1, log_every=10**9)
+    t = dpax.Trainer(Centred(nnx.Rngs(0)), loss, optax.sgd(0.1), devices=2,
+                     sync_batchnorm=False)
+    t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
+    assert int(t.state.step) == 1
