@@ -1,8 +1,11 @@
 """Backends (`dpax.parallel.backends`): where each puts the state and a batch's rows,
 and the rules they keep in one place."""
 
+import jax
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 import dpax
 from dpax.errors import DpaxError
@@ -52,3 +55,34 @@ def test_backend_rules_live_in_one_place(name, processes, needle):
     with pytest.raises(DpaxError, match=needle):
         dpax.config.validate(dpax.TrainConfig.from_flags(
             backend=name, num_processes=processes, coordinator="h:1", process_id=0))
+
+
+class LSTMNet(nnx.Module):
+    """nnx.RNN starts its carry from zeros, the same on every device."""
+
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(20, 8, rngs=rngs)
+        self.rnn = nnx.RNN(nnx.LSTMCell(8, 8, rngs=rngs))
+        self.out = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.rnn(self.emb(x))[:, -1])
+
+
+def test_a_recurrent_model_names_the_backend_that_trains_it():
+    """shard_map's type check refuses nnx.RNN's carry in one line that names
+    pmap; pmap then trains what one device trains."""
+    rng = np.random.default_rng(0)
+    ids, y = rng.integers(0, 20, (21, 5)).astype(np.int32), rng.integers(0, 3, 21)
+
+    def train(n, backend):
+        t = dpax.Trainer(LSTMNet(nnx.Rngs(0)), dpax.classification_loss, optax.adam(1e-2),
+                         devices=n, backend=backend)
+        t.fit(ids, y, batch_size=7, until_step=3, log_every=10**9)
+        return t.params
+
+    with pytest.raises(DpaxError, match=r"backend='pmap'") as e:
+        train(2, "shard_map")
+    assert "\n" not in str(e.value)
+    for a, b in zip(jax.tree.leaves(train(1, "shard_map")), jax.tree.leaves(train(2, "pmap"))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from dpax.errors import MixesExamples, PerDeviceRandom, PerDeviceState
+from dpax.errors import DpaxError, MixesExamples, PerDeviceRandom, PerDeviceState
 from dpax.models.layers import BatchContext, batch_context
 from dpax.parallel import layout as layouts
 from dpax.parallel.collectives import pmean_tree, psum_tree
@@ -251,7 +251,22 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
             grads = reorder.transposes(grads)
         return Reduced(loss_sum, count, sums, grads, model_state)
 
-    return grad_step
+    def checked(state: TrainState, batch: dict) -> Reduced:
+        try:
+            return grad_step(state, batch)
+        except TypeError as e:
+            # shard_map's type check: a loop's carry that starts alike on every
+            # device (zeros) and comes back computed from the device's rows.
+            if "manual axis types do not match" not in str(e):
+                raise
+            raise DpaxError(
+                "the model loops (a scan, e.g. nnx.RNN) with a carry that starts the same on "
+                "every device and comes back computed from each device's rows, which "
+                "jax.shard_map's type check refuses: pass backend='pmap' (`--backend pmap`), "
+                "or start the carry from the inputs (e.g. jnp.zeros_like of a row's slice)"
+            ) from None
+
+    return checked
 
 
 def make_train_step(
