@@ -448,10 +448,6 @@ def _while(eqn, kinds):
     return [UNKNOWN] * len(eqn.outvars)
 
 
-def _iota(eqn, kinds):
-    return CONST
-
-
 _RULES = {
     "broadcast_in_dim": _broadcast_in_dim, "transpose": _transpose, "squeeze": _squeeze,
     "reshape": _reshape, "dot_general": _dot_general, "conv_general_dilated": _conv,
@@ -461,7 +457,6 @@ _RULES = {
     "random_bits": _first, "pcast": _first, "pvary": _first, "random_fold_in": _key_scalar_ok,
     "random_split": _key_scalar_ok, "random_wrap": _key_scalar_ok,
     "random_unwrap": _key_scalar_ok, "cond": _cond, "scan": _scan, "while": _while,
-    "iota": _iota,
     **{n: _reduce for n in _REDUCTIONS},
     **{n: _along_axis for n in _ALONG_AXIS},
     **{n: _keeps_rows(_window_one) for n in ("reduce_window_sum", "reduce_window_max",
