@@ -95,7 +95,7 @@ def test_the_generic_step_has_no_folded_weight_gradient(monkeypatch):
     assert _folded_dots(_transformer_step_hlo()) == 0
     # The step as it was: every gradient summed as JAX gives it.
     monkeypatch.setattr(untransposed, "_untransposed",
-                        lambda jaxpr, n: (list(jaxpr.outvars), [None] * n))
+                        lambda jaxpr, n: (list(jaxpr.outvars), [None] * n, [False] * n))
     assert _folded_dots(_transformer_step_hlo()) >= 4
 
 
@@ -114,18 +114,61 @@ def _dot_shapes(hlo: str) -> list[str]:
     return re.findall(r"= f32\[([0-9,]+)\]\S* dot\(", hlo)
 
 
+def _head_dot_shapes(devices: int, hidden: int = 48, rows: int = 8, **options) -> list[str]:
+    t = dpax.Trainer(dpax.models.MLP((64,), 10, hidden=(hidden,), rngs=nnx.Rngs(0)),
+                     dpax.models.losses.classification_loss, optax.adam(1e-3),
+                     devices=devices, xla_cpu_tuning=False, **options)
+    x = np.random.default_rng(0).normal(size=(rows, 64)).astype(np.float32)
+    host = {"x": x, "y": np.arange(rows, dtype=np.int32) % 10, "mask": np.ones(rows, bool)}
+    return _dot_shapes(t.lower_train_step(host, rows).compile().as_text())
+
+
 def test_the_generic_step_sums_a_narrow_head_before_its_transpose():
     """A classifier's head (48 -> 10) on 2 devices: its weight gradient is
     the [10, 48] dot, summed, then transposed (jit's partitioner's form), not
     the folded [48, 10] dot; the wide hidden layer (64 -> 48) stays folded."""
-    t = dpax.Trainer(dpax.models.MLP((64,), 10, hidden=(48,), rngs=nnx.Rngs(0)),
-                     dpax.models.losses.classification_loss, optax.adam(1e-3), devices=2,
-                     xla_cpu_tuning=False)
-    x = np.random.default_rng(0).normal(size=(8, 64)).astype(np.float32)
-    host = {"x": x, "y": np.arange(8, dtype=np.int32) % 10, "mask": np.ones(8, bool)}
-    shapes = _dot_shapes(t.lower_train_step(host, 8).compile().as_text())
+    shapes = _head_dot_shapes(2)
     assert "10,48" in shapes and "48,10" not in shapes
     assert "64,48" in shapes  # folded: the param's own shape
+
+
+def test_on_one_device_the_guards_norm_keeps_a_large_head_unfolded():
+    """One device, no all-reduce between the head's dot and its transpose:
+    the guard's norm reads the [10, 1024] dot itself (128 x 1024 x 10
+    multiply-adds, >= HEAD_MACS), so XLA cannot fold the two. Without the
+    guard nothing reads it, and XLA folds them as in a jit loop; a head below
+    HEAD_MACS is left folded too. The wide layer is folded either way."""
+    assert 128 * 1024 * 10 >= untransposed.HEAD_MACS > 8 * 48 * 10
+    shapes = _head_dot_shapes(1, hidden=1024, rows=128)
+    assert "10,1024" in shapes and "1024,10" not in shapes and "64,1024" in shapes
+    shapes = _head_dot_shapes(1, hidden=1024, rows=128, skip_nonfinite=False)
+    assert "1024,10" in shapes and "10,1024" not in shapes
+    shapes = _head_dot_shapes(1)
+    assert "48,10" in shapes and "10,48" not in shapes
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_the_clipped_norm_over_an_unfolded_head_is_optax_clip(devices):
+    """The norm that clips (and guards) reads a large head's gradient
+    untransposed on one device (61 x 2048 x 10 multiply-adds >= HEAD_MACS):
+    the same global norm, so the same params as optax's own
+    clip_by_global_norm in a jit loop, on 1 and 4 devices."""
+    import reference
+    from conftest import STEPS, digits, fit_digits, leaves, plan_batches
+
+    assert 61 * 2048 * 10 >= untransposed.HEAD_MACS
+    ds = digits()
+
+    def model():
+        return dpax.models.MLP(ds.input_shape, ds.n_out, hidden=2048, rngs=nnx.Rngs(0))
+
+    t = dpax.Trainer(model(), dpax.classification_loss, optax.sgd(0.1), devices=devices,
+                     clip_norm=0.05, xla_cpu_tuning=False)
+    rows = fit_digits(t, 61)
+    assert min(r["grad_norm"] for r in rows) > 0.05  # the clip acted every step
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1))
+    ref = reference.plain_jit_params(model(), tx, plan_batches(61, STEPS))
+    assert max_diff(leaves(t), ref) <= 1e-5
 
 
 def test_grad_accumulation_moves_every_micro_batch_alike():

@@ -247,9 +247,13 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
         if not layout.grads_in_backward:
             grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
         loss_sum, count, sums, grads = layout.reduce(loss_sum, count, sums, grad_sums)
+        for_norm = None
         if reorder is not None:
+            # A sharded layout's norm runs under jit, on the logical gradient.
+            if layout.per_device_update:
+                for_norm = reorder.for_norm(grads)
             grads = reorder.transposes(grads)
-        return Reduced(loss_sum, count, sums, grads, model_state)
+        return Reduced(loss_sum, count, sums, grads, model_state, for_norm)
 
     def checked(state: TrainState, batch: dict) -> Reduced:
         try:

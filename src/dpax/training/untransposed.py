@@ -34,6 +34,7 @@ placement jit's partitioner gives them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,9 @@ Moved = tuple[tuple[int, ...], Any] | None
 # A 2-D gradient whose last dimension (its folded dot's columns) is at most
 # this is summed before the transpose too (see the module's docstring).
 NARROW = 32
+# ... and one of at least this many multiply-adds is read untransposed by the
+# guard's norm on one device (`ReduceBeforeTranspose.for_norm`).
+HEAD_MACS = 1 << 20
 
 
 class ReduceBeforeTranspose:
@@ -56,15 +60,16 @@ class ReduceBeforeTranspose:
 
     def __init__(self):
         self.moved: list[Moved] | None = None  # known once a wrapped function is traced
+        self.heads: list[bool] = []  # per gradient: a large narrow head's (`for_norm`)
 
     def wrap(self, grad_fn: Callable) -> Callable:
         def wrapped(wrt):
             closed, out_shape = jax.make_jaxpr(grad_fn, return_shape=True)(wrt)
-            outvars, moved = _untransposed(closed.jaxpr, len(jax.tree.leaves(wrt)))
+            outvars, moved, heads = _untransposed(closed.jaxpr, len(jax.tree.leaves(wrt)))
             # Micro-batches trace the same function: they must agree.
             if self.moved is not None and moved != self.moved:
                 raise AssertionError("micro-batch gradients traced differently")
-            self.moved = moved
+            self.moved, self.heads = moved, heads
             if not any(moved):
                 return grad_fn(wrt)
             outs = jaxpr_as_fun(ClosedJaxpr(closed.jaxpr.replace(outvars=outvars),
@@ -86,13 +91,39 @@ class ReduceBeforeTranspose:
             for g, m in zip(leaves, self.moved, strict=True)])
 
 
-def _untransposed(jaxpr: Jaxpr, n_grads: int) -> tuple[list, list[Moved]]:
+    def for_norm(self, summed):
+        """The summed gradients as a norm over them reads them (None: as
+        `transposes` gives them): a large narrow head's as its dot gave it.
+
+        On N > 1 devices the all-reduce keeps such a dot apart from its
+        transpose; on one device nothing does, and XLA folds the two. A dot
+        whose own result is read cannot be folded, and the guard's norm reads
+        every gradient: reading the head's there keeps its dot unfolded on one
+        device too, as on N (the result is a few thousand elements: nothing
+        to transpose on any platform; on XLA:CPU the folded [256, 1024] -> 10
+        dot ran 3.6x as long, and the mlp's guarded step 1.03x as fast with it
+        read). Only from `HEAD_MACS`: the tiny MLP's 0.04-0.07 M-MAC heads,
+        unfolded, ran on XLA:CPU's thread pool and doubled its 35 us step.
+        Wider dots are left to XLA: a transformer's, unfolded, ran 1.14x as
+        fast on the bench's GPT (2048 tokens a step) and 0.77x on a 12 x 768
+        one on 32 tokens (benchmarks/README.md)."""
+        if not any(self.heads):
+            return None
+        leaves, treedef = jax.tree.flatten(summed)
+        return jax.tree.unflatten(treedef, [
+            g if head or m is None else g.transpose(m[0])
+            for g, m, head in zip(leaves, self.moved, self.heads, strict=True)])
+
+
+def _untransposed(jaxpr: Jaxpr, n_grads: int) -> tuple[list, list[Moved], list[bool]]:
     """The outputs, each of the last `n_grads` (the gradients) that is a
     transpose of a dot contracting several dimensions, or of a narrow 2-D one,
-    replaced by the dot."""
+    replaced by the dot; and per gradient, whether it is such a narrow one of
+    at least `HEAD_MACS` multiply-adds."""
     made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
     outvars = list(jaxpr.outvars)
     moved: list[Moved] = []
+    heads: list[bool] = []
     for i in range(len(outvars) - n_grads, len(outvars)):
         var, dtype = outvars[i], None
         eqn = _made_by(var, made_by)
@@ -104,10 +135,15 @@ def _untransposed(jaxpr: Jaxpr, n_grads: int) -> tuple[list, list[Moved]]:
         if dot is None or not (len(dot.params["dimension_numbers"][0][0]) >= 2
                                or var.aval.ndim == 2 and var.aval.shape[1] <= NARROW):
             moved.append(None)
+            heads.append(False)
             continue
         outvars[i] = eqn.invars[0]
         moved.append((tuple(eqn.params["permutation"]), dtype))
-    return outvars, moved
+        (contracted, _), _ = dot.params["dimension_numbers"]
+        macs = math.prod(dot.outvars[0].aval.shape) * math.prod(
+            dot.invars[0].aval.shape[d] for d in contracted)
+        heads.append(var.aval.ndim == 2 and var.aval.shape[1] <= NARROW and macs >= HEAD_MACS)
+    return outvars, moved, heads
 
 
 def transposed_dot(eqn, made_by: dict):

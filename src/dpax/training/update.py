@@ -28,6 +28,9 @@ class Reduced:
     sums: dict  # {metric: sum}
     grads: Any  # gradient sums, laid out as the layout's update takes them
     model_state: Any  # the model's new non-param state (e.g. running averages)
+    # The same sums as the norm reads them, where not as `grads` (a narrow
+    # head's untransposed: `ReduceBeforeTranspose.for_norm`).
+    for_norm: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,11 +121,12 @@ def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | Non
         # test (a NaN or inf anywhere makes the sum of squares non-finite); the
         # division then fuses into the update instead of being stored and read
         # twice more. Without the guard or clipping nothing needs it: the step
-        # then does a hand-written loop's work, no more (that pass costs 4-6%
-        # of the mlp's step on one XLA:CPU device), and a non-finite gradient
-        # shows as the next step's non-finite loss.
+        # then does a hand-written loop's work, no more (the pass reads every
+        # gradient once more), and a non-finite gradient shows as the next
+        # step's non-finite loss.
         if options.skip_nonfinite or options.clip_norm is not None:
-            sq = sum_of_squares(r.grads, options.whole_leaves)
+            sq = sum_of_squares(r.grads if r.for_norm is None else r.for_norm,
+                                options.whole_leaves)
             norm = jnp.sqrt(sq) / r.count
             finite &= jnp.isfinite(sq)
 
