@@ -132,8 +132,8 @@ def _untransposed(jaxpr: Jaxpr, n_grads: int) -> tuple[list, list[Moved], list[b
             var, dtype = eqn.invars[0], eqn.params["new_dtype"]
             eqn = _made_by(var, made_by)
         dot = None if eqn is None else transposed_dot(eqn, made_by)
-        if dot is None or not (len(dot.params["dimension_numbers"][0][0]) >= 2
-                               or var.aval.ndim == 2 and var.aval.shape[1] <= NARROW):
+        narrow = var.aval.ndim == 2 and var.aval.shape[1] <= NARROW
+        if dot is None or not (len(dot.params["dimension_numbers"][0][0]) >= 2 or narrow):
             moved.append(None)
             heads.append(False)
             continue
@@ -142,7 +142,7 @@ def _untransposed(jaxpr: Jaxpr, n_grads: int) -> tuple[list, list[Moved], list[b
         (contracted, _), _ = dot.params["dimension_numbers"]
         macs = math.prod(dot.outvars[0].aval.shape) * math.prod(
             dot.invars[0].aval.shape[d] for d in contracted)
-        heads.append(var.aval.ndim == 2 and var.aval.shape[1] <= NARROW and macs >= HEAD_MACS)
+        heads.append(narrow and macs >= HEAD_MACS)
     return outvars, moved, heads
 
 
