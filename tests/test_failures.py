@@ -55,8 +55,8 @@ def test_a_checkpoint_save_that_fails_is_one_line_fast_and_keeps_the_params(
 def test_a_run_whose_params_are_not_finite_does_not_end_in_success(tmp_path, capsys,
                                                                   monkeypatch):
     """Finite gradients, but the optimizer makes NaN params (a NaN momentum, as
-    a custom optimizer could): the next steps are skipped for their NaN loss,
-    too few to stop the run; it must not exit 0, nor write NaN params."""
+    a custom optimizer could): the next steps' losses are NaN, too few to stop
+    the run; it must not exit 0, nor write NaN params."""
     monkeypatch.setattr(dpax.training.optim, "_optimizer",
                         lambda *a, **k: optax.sgd(0.1, momentum=math.nan))
     out = tmp_path / "run"
@@ -71,15 +71,17 @@ def test_a_run_whose_params_are_not_finite_does_not_end_in_success(tmp_path, cap
 @pytest.mark.slow
 def test_a_diverging_run_without_skipping_writes_nothing_that_is_not_finite(tmp_path,
                                                                              capsys):
-    """`--no-skip-nonfinite` applies the diverging steps: the run stops with
-    exit 3, writes no params.npz, and checkpoints none of its states (a
-    warning for each), so nothing it leaves holds a NaN."""
+    """By default the diverging steps are applied: the run stops with exit 3,
+    names `--skip-nonfinite` as the way to skip them, writes no params.npz, and
+    checkpoints none of its states (a warning for each), so nothing it leaves
+    holds a NaN."""
     ck, out = tmp_path / "ck", tmp_path / "run"
     code = main(["train", *RUN, "--lr", "1e20", "--steps", "40", "--max-bad-steps", "5",
-                 "--no-skip-nonfinite", "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+                 "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
                  "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 3 and "were applied (skip_nonfinite=False)" in err[-1], err
+    assert "resume from the last checkpoint with --skip-nonfinite" in err[-1], err
     assert all("was not checkpointed" in line for line in err[:-1]) and len(err) > 1
     assert not (out / "params.npz").exists()
     assert not [d for d in os.listdir(ck) if d.isdigit()]
@@ -102,6 +104,10 @@ def test_a_finished_run_can_be_extended_with_more_steps(tmp_path, capsys):
     assert main(["train", *RUN, "--steps", "40", "--lr", "0.2", "--checkpoint-dir", ck,
                  "--resume"]) == 2
     assert "cannot resume: --lr was 0.1" in capsys.readouterr().err
+    # The guard may: a finite step is the same either way, and a run stopped
+    # by a NaN step gets past it so.
+    assert main(["train", *RUN, "--steps", "35", "--skip-nonfinite", "--checkpoint-dir", ck,
+                 "--resume", "--out", str(tmp_path / "a")]) == 0
 
 
 def test_metrics_jsonl_is_strict_json(tmp_path):

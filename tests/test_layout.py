@@ -169,15 +169,15 @@ def test_fsdp_evaluates_and_predicts_like_replicated():
 
 def test_every_layout_skips_the_same_steps():
     """A NaN hyperparameter makes the first update NaN: every layout applies
-    it (a step is skipped for a non-finite loss or gradient, whatever the
-    layout), then skips the steps whose gradients are NaN. `dpax train` fails
+    it (with `skip_nonfinite`, a step is skipped for a non-finite loss or
+    gradient, whatever the layout), then skips the steps whose gradients are NaN. `dpax train` fails
     such a run at its end (test_failures.py)."""
     ds = digits()
     runs = {}
     for sharding in ("replicated", "optimizer", "full"):
         t = dpax.Trainer(odd_mlp(), dpax.classification_loss,
                          optax.sgd(0.1, momentum=math.nan), devices=2, max_bad_steps=None,
-                         sharding=sharding)
+                         sharding=sharding, skip_nonfinite=True)
         rows = t.fit(ds.x_train, ds.y_train, batch_size=50, until_step=3, log_every=1)
         runs[sharding] = [r["skipped"] for r in rows], leaves(t)
     skipped, params = runs["replicated"]

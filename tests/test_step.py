@@ -145,7 +145,7 @@ def test_a_nan_batch_is_skipped_on_every_replica(backend):
     nan = (good[1][0].copy(), good[1][1])
     nan[0][3] = np.nan
     stream = [good[0], nan, good[1], good[2], good[3]]
-    t = mlp_trainer(4, backend=backend)
+    t = mlp_trainer(4, backend=backend, skip_nonfinite=True)
     rows = t.fit_stream(({"x": x, "y": y} for x, y in stream), log_every=5)
     assert rows[0]["skipped"] == 1 and rows[0]["examples"] == 160  # 4 good batches of 40
     assert dpax.replicas_in_sync(t.state)
@@ -163,19 +163,20 @@ def test_a_batch_of_zero_weight_is_skipped_not_applied():
     good = plan_batches(40, steps=4)
     stream = [{"x": x, "y": y, "w": np.ones(len(y), np.float32)} for x, y in good]
     empty = {**stream[1], "w": np.zeros(40, np.float32)}
-    t = dpax.Trainer(small_mlp(), weighted, optax.sgd(0.1), devices=4)
+    t = dpax.Trainer(small_mlp(), weighted, optax.sgd(0.1), devices=4, skip_nonfinite=True)
     rows = t.fit_stream(iter([stream[0], empty, *stream[1:]]), log_every=5)
     assert rows[0]["skipped"] == 1 and rows[0]["examples"] == 160
     assert max_diff(leaves(t), plain_jit_params(optax.sgd(0.1), good)) <= 1e-5
 
 
-def test_skipping_off_applies_every_step_as_a_hand_loop_does(tmp_path, capsys):
-    """`skip_nonfinite=False`: the same params on finite data; a NaN step is
-    applied (the params are then not finite), counted, and stops the run. Its
+def test_by_default_every_step_is_applied_as_a_hand_loop_does(tmp_path, capsys):
+    """The default, `skip_nonfinite=False`: the same params on finite data; a
+    NaN step is applied (the params are then not finite), counted, and stops
+    the run. Its
     state is never checkpointed: it would push the good checkpoints out of the
     newest `keep`, and the newest one holds the last good step."""
     good = plan_batches(40, steps=4)
-    t = mlp_trainer(4, skip_nonfinite=False, max_bad_steps=2)
+    t = mlp_trainer(4, max_bad_steps=2)
     ckpt = Checkpointer(str(tmp_path), keep=2)
     every_step = hooks.Checkpoint(ckpt, t, None, {}, every=1)
     rows = t.fit_stream(({"x": x, "y": y} for x, y in good), log_every=4,
@@ -253,29 +254,31 @@ def gradient_reductions(t, batch_size=24):
 
 
 def test_without_the_guard_or_clipping_the_step_makes_no_pass_over_the_gradient():
-    """`skip_nonfinite=False` does a hand loop's work: no sum of squares of
-    the gradient (4-6% of the mlp's step on one CPU device), so no grad_norm.
-    The guard, or clipping alone, computes it once: a reduction per large
-    weight, one for the small leaves together."""
-    assert gradient_reductions(mlp_trainer(1, skip_nonfinite=False))[0] == []
-    found, expected = gradient_reductions(mlp_trainer(1))
+    """By default the step does a hand loop's work: no sum of squares of the
+    gradient (4-6% of the mlp's step on one CPU device), so no grad_norm. The
+    guard, or clipping alone, computes it once: a reduction per large weight,
+    one for the small leaves together."""
+    assert gradient_reductions(mlp_trainer(1))[0] == []
+    found, expected = gradient_reductions(mlp_trainer(1, skip_nonfinite=True))
     assert found == expected
-    clipped = mlp_trainer(1, skip_nonfinite=False, clip_norm=1.0)
+    clipped = mlp_trainer(1, clip_norm=1.0)
     assert gradient_reductions(clipped)[0] == expected
     ds = digits()  # layers of 64 x 1100 and more > SMALL_LEAF: each reduced on its own
     wide = dpax.Trainer(dpax.models.MLP(ds.input_shape, ds.n_out, hidden=1100,
                                         rngs=nnx.Rngs(0)), dpax.classification_loss,
-                        optax.sgd(0.1), devices=1)
+                        optax.sgd(0.1), devices=1, skip_nonfinite=True)
     found, expected = gradient_reductions(wide)
     assert found == expected and "64x1100" in expected and len(expected) >= 2
 
 
 @pytest.mark.slow
 def test_too_many_bad_steps_exit_3_and_keep_the_last_good_params(tmp_path):
+    """With `--skip-nonfinite` the diverging steps are skipped: the run stops
+    with exit 3 and params.npz holds the last good params."""
     out = tmp_path / "diverged"
     r = subprocess.run([sys.executable, "-m", "dpax", "train", "--devices", "2", "--optimizer",
                         "sgd", "--lr", "1e20", "--steps", "40", "--log-every", "5",
-                        "--max-bad-steps", "5", "--out", str(out)],
+                        "--max-bad-steps", "5", "--skip-nonfinite", "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 3, r.stderr
     assert "in a row" in r.stderr and len(r.stderr.strip().splitlines()) == 1

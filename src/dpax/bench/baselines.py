@@ -5,8 +5,9 @@
   dpax/optimizer, dpax/full   the shard_map path with ZeRO-1 or FSDP state (`dpax.parallel.layout`)
   dpax/generic                the shard_map path with the XLA:CPU tuning off: what GPUs and
                               TPUs run (`dpax.parallel.platform`)
-  dpax/no-guard               dpax/generic with `skip_nonfinite=False`: a hand loop's work,
-                              no gradient norm (the guard's price is the difference)
+  dpax/guard                  dpax/generic with `skip_nonfinite=True`: the opt-in skip of a
+                              non-finite step, and its gradient norm (its price is the
+                              difference)
   pmap loop                   the jax.pmap tutorials' loop: pmap + pmean, batches reshaped
                               on the host
   jit 1 device                a plain jit loop on one device with the whole batch

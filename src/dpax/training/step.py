@@ -49,7 +49,7 @@ class StepOptions:
     grad_accum: int = 1  # micro-batches per device shard, summed inside the step
     compute_dtype: Any = None  # e.g. jnp.bfloat16 for forward/backward; params stay f32
     allreduce_dtype: Any = None  # e.g. jnp.bfloat16 halves the gradient bytes reduced
-    skip_nonfinite: bool = True  # a NaN/inf loss or gradient leaves the state unchanged
+    skip_nonfinite: bool = False  # True: a NaN/inf loss or gradient leaves the state unchanged
     # The model holds numeric state that no synchronized layer owns: the step finds
     # which of it differs per device (refused unless sync_batchnorm is off, then averaged).
     average_state: bool = False

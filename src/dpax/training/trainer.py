@@ -78,11 +78,15 @@ class TrainerConfig:
         10, "stop (exit 3) after this many non-finite steps in a row, checked at log steps",
         how=True)
     skip_nonfinite: bool = cfg.field(
-        True, "skip a step whose loss or gradient is not finite (the state stays); "
-              "--no-skip-nonfinite applies every step, as a hand-written loop does, with no "
-              "gradient norm (no grad_norm unless --clip-norm): faster, most where the "
-              "optimizer bounds the step (large model, small batch), but a NaN step then "
-              "ruins the params")
+        False, "skip a step whose loss or gradient is not finite, or whose batch weighs "
+               "nothing (the state stays), and log grad_norm: a pass over the gradient and "
+               "an update that waits for all of it (on one CPU device 0-5% of the step, more "
+               "where the optimizer bounds it). Off, every step is applied as a "
+               "hand-written loop applies it: a NaN step is counted (--max-bad-steps) and "
+               "ruins the params",
+        # A finite step is the same either way: a resume may turn it on to get
+        # past the batch that stopped a run.
+        how=True)
     sync_batchnorm: bool = cfg.field(
         True, "BatchNorm statistics over the global batch (--no-sync-batchnorm: per "
               "device, not equivalent to one device)")
@@ -130,11 +134,12 @@ class Trainer:
       allreduce_dtype: "fp32" or "bf16" for the gradient all-reduce.
       max_bad_steps: stop with `TooManyBadSteps` after this many skipped
         (non-finite) steps in a row, checked at log boundaries; None: never.
-      skip_nonfinite: skip a step whose loss or gradient is not finite (the
-        default). False applies every step, as a hand-written loop does, and
+      skip_nonfinite: skip a step whose loss or gradient is not finite, or
+        whose batch weighs nothing, and log `grad_norm`; it costs a pass over
+        the gradient and an update that waits for all of it. False (the
+        default) applies every step, as a hand-written loop does, and
         computes no gradient norm (no `grad_norm` metric unless `clip_norm`):
-        faster, most where the optimizer's update bounds the step, but one
-        NaN step leaves non-finite params (counted for `max_bad_steps` by
+        one NaN step leaves non-finite params (counted for `max_bad_steps` by
         the loss: a non-finite gradient shows in the next step's loss).
       steps_per_call: run this many steps in one compiled call (a scan over
         batches already on the device): fewer launches for small models.
@@ -443,12 +448,14 @@ class Trainer:
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
             # Without the guard nothing reads the gradient: the loss counts.
             what, were, params = (
-                ("loss or gradient", "skipped", "the params are the last good ones")
+                ("loss or gradient", "skipped", "the params are the last good ones. To go on, ")
                 if self.config.skip_nonfinite else
-                ("loss", "applied (skip_nonfinite=False)", "the params are not finite"))
+                ("loss", "applied (skip_nonfinite=False)",
+                 "the params are not finite. To skip such steps, resume from the last "
+                 "checkpoint with `skip_nonfinite=True`; or "))
             raise TooManyBadSteps(
                 f"{bad} steps in a row had a non-finite {what}, or no weight, and "
-                f"were {were} (limit {self.max_bad_steps}); {params}. Lower the learning "
+                f"were {were} (limit {self.max_bad_steps}); {params}lower the learning "
                 "rate, clip gradients (`clip_norm`) or check the data for NaNs and for "
                 "batches with nothing to learn from")
         return row

@@ -38,11 +38,12 @@ class UpdateOptions:
     """What the update does besides the optimizer's step; each is part of the result."""
 
     # A NaN/inf loss or gradient (or a batch of no weight) leaves the state
-    # unchanged. The update then waits for the whole gradient: where the
-    # optimizer's passes bound the step (a large model, few tokens), XLA:CPU
-    # can no longer update each leaf while its gradient is in cache (a 12 x
-    # 768 GPT on 32 tokens: 0.66x of the loop without it; benchmarks/README.md).
-    skip_nonfinite: bool = True
+    # unchanged. Opt-in: the update then waits for the whole gradient and its
+    # norm, where a hand loop updates each leaf while the next gradient is
+    # made (one XLA:CPU device: the bench's MLP 0.95x, a 12 x 768 GPT on 32
+    # tokens 0.66x of the loop without it; benchmarks/README.md). Off, the
+    # step does a hand loop's work and a non-finite step is counted.
+    skip_nonfinite: bool = False
     clip_norm: float | None = None  # clip the mean gradient to this global norm
     ema_decay: float | None = None  # keep an EMA of the params with this decay
     # The update sees whole leaves (a per-device update on a replica), so the
