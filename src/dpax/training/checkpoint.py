@@ -88,8 +88,8 @@ class Checkpointer:
             return True
         if not all_finite(state, step):
             print(f"dpax: warning: step {step} was not checkpointed: its state is not "
-                  "finite (a non-finite step applied with skip_nonfinite=False, or an "
-                  "update that overflowed); the checkpoints before it are kept",
+                  "finite (a non-finite step applied, which skip_nonfinite=True skips, "
+                  "or an update that overflowed); the checkpoints before it are kept",
                   file=sys.stderr, flush=True)
             return False
         args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
