@@ -132,8 +132,9 @@ class Trainer:
       grad_accum: micro-batches per device shard, accumulated inside the step.
       precision: "fp32", or "bf16" for bf16 forward/backward on fp32 params.
       allreduce_dtype: "fp32" or "bf16" for the gradient all-reduce.
-      max_bad_steps: stop with `TooManyBadSteps` after this many skipped
-        (non-finite) steps in a row, checked at log boundaries; None: never.
+      max_bad_steps: stop with `TooManyBadSteps` after this many non-finite
+        steps in a row (applied, or skipped with `skip_nonfinite`), checked at
+        log boundaries; None: never.
       skip_nonfinite: skip a step whose loss or gradient is not finite, or
         whose batch weighs nothing, and log `grad_norm`; it costs a pass over
         the gradient and an update that waits for all of it. False (the
