@@ -448,17 +448,17 @@ class Trainer:
         bad = int(row.pop("bad_in_a_row", 0))
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
             # Without the guard nothing reads the gradient: the loss counts.
-            what, were, params = (
-                ("loss or gradient", "skipped", "the params are the last good ones. To go on, ")
-                if self.config.skip_nonfinite else
-                ("loss", "applied (skip_nonfinite=False)",
-                 "the params are not finite. To skip such steps, resume from the last "
-                 "checkpoint with `skip_nonfinite=True`; or "))
+            fixes = ("lower the learning rate, clip gradients (`clip_norm`) or check the "
+                     "data for NaNs and for batches with nothing to learn from")
+            if self.config.skip_nonfinite:
+                what, happened = "loss or gradient", "skipped; the params are the last good ones"
+            else:
+                what, happened = "loss", "applied (skip_nonfinite=False); the params are not finite"
+                fixes = ("resume from the last checkpoint with `skip_nonfinite=True`, which "
+                         f"skips such steps, or {fixes}")
             raise TooManyBadSteps(
-                f"{bad} steps in a row had a non-finite {what}, or no weight, and "
-                f"were {were} (limit {self.max_bad_steps}); {params}lower the learning "
-                "rate, clip gradients (`clip_norm`) or check the data for NaNs and for "
-                "batches with nothing to learn from")
+                f"{bad} steps in a row (limit {self.max_bad_steps}) had a non-finite {what}, "
+                f"or no weight, and were {happened}. To go on, {fixes}")
         return row
 
     # -- evaluation and prediction --------------------------------------------------
