@@ -11,6 +11,7 @@ import pytest
 
 import dpax
 from dpax.cli import main
+from dpax.cli.command import build_parser
 from dpax.errors import as_flags
 
 
@@ -246,6 +247,25 @@ def test_outputs_are_checked_before_the_work(tmp_path, capsys):
         (["eval", "--checkpoint", x], "is a file"),
     ]:
         assert needle in one_line_error(capsys, argv)
+
+
+def test_every_commands_help_works(capsys):
+    """argparse %-formats each help string: a stray % (as in "5% of the step")
+    crashed `dpax train -h`, which every usage error points to."""
+    parser = build_parser()
+    for argv in [[]] + [[name] for name in parser.commands]:
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--help"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and out.startswith("usage: dpax"), argv
+    def squeezed(text):  # argparse rewraps help, and may break a line at a hyphen
+        return "".join(text.split())
+
+    for name, sub in parser.commands.items():
+        text = squeezed(sub.format_help())
+        for action in sub._actions:  # each flag's whole help is shown, % signs included
+            if action.help:
+                assert squeezed(action.help.replace("%%", "%")) in text, (name, action.dest)
 
 
 def test_messages_name_the_command_and_its_flags(capsys):

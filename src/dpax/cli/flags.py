@@ -20,6 +20,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if f.default is not None:
             helptext += f" (default: {f.default})"
         flag = "--" + leaf.flag.replace("_", "-")
+        helptext = helptext.replace("%", "%%")  # argparse %-formats every help string
         # dest is the flag, default None everywhere: an unset flag leaves the
         # config's default in charge.
         common = {"dest": leaf.flag, "default": None, "help": helptext}
