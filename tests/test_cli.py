@@ -268,6 +268,42 @@ def test_every_commands_help_works(capsys):
                 assert squeezed(action.help.replace("%%", "%")) in text, (name, action.dest)
 
 
+def test_a_failure_is_one_line_and_its_story_is_in_a_file(tmp_path, capsys, monkeypatch):
+    """What the libraries log while a run fails (Orbax's errors with their
+    tracebacks, a background thread's exception, C code printing a callback's
+    error) stays off the terminal: one line names the cause and the file
+    that holds all of it."""
+    import logging
+    import threading
+
+    from dpax.cli import devices, failures
+
+    def failing_run(args):
+        failures.current().run_dir = str(tmp_path)
+        try:
+            raise ValueError("the write failed")
+        except ValueError:
+            logging.getLogger("absl").error("background save failed", exc_info=True)
+        worker = threading.Thread(target=lambda: 1 / 0, name="save_finalize")
+        worker.start()
+        worker.join()
+        sys.excepthook(RuntimeError, RuntimeError("Event loop is closed"), None)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(devices, "run", failing_run)
+    assert main(["devices"]) == 1
+    err = capsys.readouterr().err
+    log = tmp_path / "error.log"
+    assert err == f"dpax: error: OSError: [Errno 28] No space left on device (details in {log})\n"
+    text = log.read_text()
+    for needle in ("command: dpax devices", "failing_run", "background save failed",
+                   "ValueError: the write failed", "exception in thread save_finalize",
+                   "ZeroDivisionError", "Event loop is closed"):
+        assert needle in text, needle
+    # Outside the command, logging and the hooks are as they were.
+    assert failures.current() is None and sys.excepthook is sys.__excepthook__
+
+
 def test_messages_name_the_command_and_its_flags(capsys):
     assert "(see 'dpax -h')" in one_line_error(capsys, [])
     assert "(see 'dpax train -h')" in one_line_error(capsys, ["train", "--stepz", "3"])

@@ -1,6 +1,7 @@
 """The `dpax` command: `main`, its parser made of every command module's,
 and the exit code of each kind of failure. Bad input exits 2 with one line
-on stderr and no traceback."""
+on stderr and no traceback; any other failure is one line too, its traceback
+and the libraries' log records in a file (`dpax.cli.failures`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dpax.cli import (
     estimate,
     evaluate,
     export,
+    failures,
     launch,
     plot,
     predict,
@@ -68,13 +70,15 @@ _python_showwarning = warnings.showwarning
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     with warnings.catch_warnings():  # restored for a caller that runs main() in-process
         warnings.simplefilter("always", DpaxWarning)
         warnings.showwarning = _show_warning
-        return _main(argv)
+        with failures.installed(argv) as log:
+            return _main(argv, log)
 
 
-def _main(argv: list[str] | None) -> int:
+def _main(argv: list[str], log: failures.FailureLog) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # named by the subcommand, whose -h lists what it takes
@@ -86,7 +90,7 @@ def _main(argv: list[str] | None) -> int:
         print(f"dpax: error: {as_flags(str(e))}", file=sys.stderr)
         return EXIT_USAGE
     except RunFailed as e:
-        print(f"dpax: error: {as_flags(str(e))}", file=sys.stderr)
+        print(f"dpax: error: {as_flags(str(e))}{_details(log, e)}", file=sys.stderr)
         return EXIT_FAILED
     except Preempted as e:
         print(f"dpax: {as_flags(str(e))}", file=sys.stderr)
@@ -97,6 +101,14 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("dpax: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # the runtime, the disk, the network, or a bug of dpax's
+        print(f"dpax: error: {failures.first_line(e)}{_details(log, e)}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _details(log: failures.FailureLog, error: BaseException) -> str:
+    path = log.write(error)
+    return f" (details in {path})" if path else ""
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ from dpax.writers.jsonl import JsonlWriter, read_rows
 RUN_FILES = ("config.yaml", "run.json", "tokenizer.json", "metrics.jsonl", "metrics.csv",
              "params.npz", "metrics.png", "tensorboard", "profile",
              # --tracker: which tracker runs it feeds, MLflow's local store, W&B's files
-             "trackers.json", "mlflow.db", "mlartifacts", "wandb")
+             "trackers.json", "mlflow.db", "mlartifacts", "wandb",
+             "error.log")  # a failure's details (`dpax.cli.failures`)
 
 
 def writable_dir(path: str, what: str) -> bool:

@@ -14,7 +14,7 @@ import sys
 import jax
 
 from dpax import config as cfg
-from dpax.cli import devices, outputs
+from dpax.cli import devices, failures, outputs
 from dpax.cli.flags import add_flags, config_from_args
 from dpax.cli.job import Job, TrainConfig, build, check_same_meaning
 from dpax.cli.plot import plot_runs
@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
         # their first collective (30 s, then a traceback from each).
         outputs.refuse_another_run(config.output, config.checkpoint)
     devices.start(config.trainer.devices, config.distributed)
+    log = failures.current()
+    if log is not None:  # a failure's details go to the run directory
+        log.run_dir, log.rank = config.output.out, jax.process_index()
     train(config)
     return 0
 

@@ -1,0 +1,161 @@
+"""A failure on the terminal is one line; its whole story goes to a file.
+
+While a run fails, the libraries under dpax tell it at length: Orbax logs an
+error with its traceback from each background thread, asyncio logs the tasks
+it dropped, JAX's runtime raises from deep inside a collective. The `dpax`
+command keeps every log record (WARNING and up) and every exception of a
+background thread (or printed by a library's C code) in memory instead of
+printing them, and when the command
+fails writes them, after the failure's own traceback, to `error.log` in the
+run directory (`error-rank{i}.log` for the other processes of a run), or to
+a file in the temporary directory when the command has no run directory.
+The terminal gets one line that names the cause and that file.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import logging
+import os
+import sys
+import tempfile
+import threading
+import traceback
+from collections.abc import Iterator
+
+from dpax import __version__
+
+MAX_RECORDS = 500  # the newest log records kept: a failure's own are the last ones
+FILE = "error.log"
+
+
+class _Keep(logging.Handler):
+    """Keeps formatted log records (with their tracebacks) instead of printing
+    them. JAX's own warnings (e.g. a GPU it sees but cannot use) still show,
+    as one line each: they are about the run, not about a failure."""
+
+    def __init__(self, records: collections.deque):
+        super().__init__(logging.WARNING)
+        self.records = records
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.records.append(self.format(record))
+            if (record.levelno == logging.WARNING and not record.exc_info
+                    and record.name.split(".")[0] == "jax"):
+                text = record.getMessage().strip().splitlines()
+                print(f"dpax: warning: {text[0] if text else ''}", file=sys.stderr, flush=True)
+        except Exception:  # a record that cannot be formatted is not worth a crash
+            self.handleError(record)
+
+
+class FailureLog:
+    """What a command's failure leaves for a bug report.
+
+    Args:
+      argv: the command line, written at the top of the file.
+    """
+
+    def __init__(self, argv: list[str]):
+        self.argv = argv
+        self.records: collections.deque[str] = collections.deque(maxlen=MAX_RECORDS)
+        self.run_dir: str | None = None  # set by a command once its run directory exists
+        self.rank = 0
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[FailureLog]:
+        """Log records and background threads' exceptions go to memory, not
+        the terminal, for the duration of the block. The root logger gets
+        this handler only: with none, absl's first record would install one
+        that prints to stderr (`logging.basicConfig`)."""
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
+        hooks = threading.excepthook, sys.excepthook, sys.unraisablehook
+        root.handlers = [_Keep(self.records)]
+        root.setLevel(logging.WARNING)
+        threading.excepthook = self._thread_failed
+        # C code prints an exception its callback raised through sys.excepthook
+        # (tensorstore's callbacks into Orbax's closed event loop: hundreds).
+        sys.excepthook = self._printed
+        sys.unraisablehook = self._unraisable
+        try:
+            yield self
+        finally:
+            root.handlers = handlers
+            root.setLevel(level)
+            threading.excepthook, sys.excepthook, sys.unraisablehook = hooks
+
+    def _keep(self, what: str, exc_type, value, tb) -> None:
+        text = "".join(traceback.format_exception(exc_type, value, tb))
+        self.records.append(f"{what}:\n{text.rstrip()}")
+
+    def _thread_failed(self, args: threading.ExceptHookArgs) -> None:
+        name = args.thread.name if args.thread is not None else "?"
+        self._keep(f"exception in thread {name}", args.exc_type, args.exc_value,
+                   args.exc_traceback)
+
+    def _printed(self, exc_type, value, tb) -> None:
+        self._keep("exception printed by a library", exc_type, value, tb)
+
+    def _unraisable(self, args) -> None:
+        self._keep(f"exception ignored in {args.object!r}", args.exc_type, args.exc_value,
+                   args.exc_traceback)
+
+    def path(self) -> str:
+        """Where the file goes: the run directory if there is one, else the
+        temporary directory (with the time and process in its name)."""
+        name = FILE if self.rank == 0 else f"error-rank{self.rank}.log"
+        if self.run_dir is not None and os.path.isdir(self.run_dir):
+            return os.path.join(self.run_dir, name)
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        return os.path.join(tempfile.gettempdir(), f"dpax-{stamp}-{os.getpid()}-{name}")
+
+    def write(self, error: BaseException) -> str | None:
+        """Write the failure's traceback and the kept records; returns the
+        file's path (None if it could not be written: a full disk, say)."""
+        path = self.path()
+        lines = [f"dpax {__version__}, Python {sys.version.split()[0]}, "
+                 f"{datetime.datetime.now().isoformat(timespec='seconds')}",
+                 "command: dpax " + " ".join(self.argv), "",
+                 "".join(traceback.format_exception(error)).rstrip()]
+        if self.records:
+            lines += ["", f"log records and background threads' exceptions "
+                          f"({len(self.records)}, oldest first):", *self.records]
+        try:
+            with open(path, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        except OSError:
+            return None
+        return path
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """An exception's type and the first line of its message."""
+    text = str(error).strip()
+    text = text.splitlines()[0] if text else ""
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+_current: FailureLog | None = None
+
+
+def current() -> FailureLog | None:
+    """The running command's log (None outside the `dpax` command)."""
+    return _current
+
+
+@contextlib.contextmanager
+def installed(argv: list[str]) -> Iterator[FailureLog]:
+    global _current
+    log, previous = FailureLog(argv), _current
+    _current = log
+    try:
+        with log.capturing():
+            yield log
+    finally:
+        _current = previous
