@@ -312,13 +312,48 @@ def test_the_launcher_says_why_after_the_failed_ranks_last_words():
 
     def late_pump(stream):
         time.sleep(1.0)  # a pump thread behind the process it reads
-        launcher._pump(stream, 0, lambda line: True, out)
+        launcher._pump(stream, 0, lambda line: True, out, set())
 
     pumps = [[threading.Thread(target=late_pump, args=(procs[0].stdout,), daemon=True)], []]
     pumps[0][0].start()
-    assert launcher._wait(procs, out, pumps) == EXIT_STALLED
+    assert launcher._wait(procs, out, pumps, set()) == EXIT_STALLED
     lines = out.getvalue().splitlines()
     assert lines == ["[rank 0] stacks of the stalled rank",
                      "dpax launch: rank 0 stalled (it waited on its peers longer than "
                      "--timeout); stopping the other ranks"], lines
     assert procs[1].wait(timeout=10) == -signal.SIGKILL
+
+
+def test_after_a_rank_fails_the_others_output_is_not_shown():
+    """A rank that loses its peer fails inside a collective and says so at
+    length; once the launcher knows which rank failed first, only that rank's
+    last words and the verdict show. The survivor's pump reads late, as a
+    busy launcher's does: its lines arrive after the failure was seen."""
+    import io
+    import threading
+
+    from dpax.cli import launch as launcher
+
+    out, muted = io.StringIO(), set()
+    survivor = ("import sys, time; print('Traceback: the peer went away', file=sys.stderr, "
+                "flush=True); time.sleep(60)")
+    procs = [subprocess.Popen([sys.executable, "-c", survivor], stderr=subprocess.PIPE,
+                              text=True, start_new_session=True),
+             subprocess.Popen([sys.executable, "-c", "import os, signal, time; time.sleep(1); "
+                               "print('last words', flush=True); "
+                               "os.kill(os.getpid(), signal.SIGKILL)"],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)]
+
+    def pump(stream, rank, delay):
+        time.sleep(delay)
+        launcher._pump(stream, rank, lambda line: True, out, muted)
+
+    pumps = [[threading.Thread(target=pump, args=(procs[0].stderr, 0, 3.0), daemon=True)],
+             [threading.Thread(target=pump, args=(procs[1].stdout, 1, 0.0), daemon=True)]]
+    for t in (pumps[0][0], pumps[1][0]):
+        t.start()
+    assert launcher._wait(procs, out, pumps, muted) == 128 + signal.SIGKILL
+    pumps[0][0].join(timeout=10)
+    lines = out.getvalue().splitlines()
+    assert lines == ["[rank 1] last words",
+                     "dpax launch: rank 1 was killed by SIGKILL; stopping the other ranks"], lines

@@ -79,9 +79,9 @@ def _describe(rc: int) -> str:
     return f"exited with code {rc}"
 
 
-def _pump(stream, rank: int, show, out) -> None:
+def _pump(stream, rank: int, show, out, muted: set[int]) -> None:
     for line in stream:
-        if show(line):
+        if show(line) and rank not in muted:
             out.write(f"[rank {rank}] {line}")
             out.flush()
     stream.close()
@@ -148,6 +148,7 @@ def _launch_once(train_args, nprocs, devices_per_process, port, verbose, out) ->
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
     pumps: list[list[threading.Thread]] = []  # per rank: its stdout's and stderr's
+    muted: set[int] = set()  # ranks whose output no longer shows (after another failed)
     for rank in range(nprocs):
         cmd = [sys.executable, "-m", "dpax", "train", *train_args,
                "--coordinator", f"localhost:{port}", "--num-processes", str(nprocs),
@@ -163,7 +164,8 @@ def _launch_once(train_args, nprocs, devices_per_process, port, verbose, out) ->
         show_err = quiet
         pumps.append([])
         for stream, show in ((p.stdout, show_out), (p.stderr, show_err)):
-            t = threading.Thread(target=_pump, args=(stream, rank, show, out), daemon=True)
+            t = threading.Thread(target=_pump, args=(stream, rank, show, out, muted),
+                                 daemon=True)
             t.start()
             pumps[rank].append(t)
     # A signal to the launcher (a scheduler's SIGTERM or SIGUSR1) goes to every
@@ -177,7 +179,7 @@ def _launch_once(train_args, nprocs, devices_per_process, port, verbose, out) ->
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)
            if main_thread}
     try:
-        code = _wait(procs, out, pumps)
+        code = _wait(procs, out, pumps, muted)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
@@ -195,10 +197,13 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _wait(procs: list[subprocess.Popen], out, pumps: list[list[threading.Thread]]) -> int:
+def _wait(procs: list[subprocess.Popen], out, pumps: list[list[threading.Thread]],
+          muted: set[int]) -> int:
     """The run's exit code, once every rank exited (0, or 4 when they stopped
     on a signal after saving), or at the first rank that failed (the others
-    are then killed: a save needs every rank, so theirs cannot finish)."""
+    are then killed: a save needs every rank, so theirs cannot finish). Once
+    a rank failed, only its own last words show: the others' are about
+    losing it (each writes its details to its error log)."""
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -208,6 +213,7 @@ def _wait(procs: list[subprocess.Popen], out, pumps: list[list[threading.Thread]
                 # or stall; name the rank that did neither.
                 rank, rc = min(failed, key=lambda f: (f[1] in (-signal.SIGABRT, EXIT_STALLED),
                                                       f[0]))
+                muted.update(r for r in range(len(procs)) if r != rank)
                 stopped = [r for r, p in enumerate(procs) if codes[r] is None and _stopped(p.pid)]
                 # Its last words first (a stalled rank's stacks), then the verdict:
                 # written at once, the verdict could come before them.
