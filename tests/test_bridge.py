@@ -58,6 +58,29 @@ def function_mlp(seed=0, rate=0.2):
 MODELS = {"linen-cnn": linen_cnn, "function-mlp": function_mlp}
 
 
+def flat(x):
+    return x.reshape(x.shape[0], -1)
+
+
+def equinox_mlp(seed=0):
+    """An Equinox MLP as `eqx.partition` splits it; returns (apply, params)."""
+    eqx = pytest.importorskip("equinox")
+    params, static = eqx.partition(eqx.nn.MLP(64, 10, 32, 1, key=jax.random.key(seed)),
+                                   eqx.is_array)
+    return lambda p, x: jax.vmap(eqx.combine(p, static))(flat(x)), params
+
+
+def haiku_mlp(seed=0):
+    """A Haiku MLP's apply (no rng: it draws none) and params."""
+    hk = pytest.importorskip("haiku")
+    net = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([32, 10])(flat(x))))
+    return net.apply, net.init(jax.random.key(seed), digits().x_train[:1])
+
+
+PYTREES = {"dict": lambda: (mlp_apply, mlp_params()), "equinox": equinox_mlp,
+           "haiku": haiku_mlp}
+
+
 def train(make, n, seed, steps=12):
     ds = digits()
     model = make(seed)
@@ -80,6 +103,32 @@ def test_other_models_train_on_n_devices_as_on_one(name, seed):
                          nnx.state(one.model(), nnx.BatchStat))
         print(f"{name} seed {seed}, 1 vs {n}: params {diff:.1e}, model state {state:.1e}")
         assert diff <= 1e-5 and state <= 1e-5
+
+
+@pytest.mark.parametrize("kind", sorted(PYTREES))
+def test_a_function_model_hands_its_params_back_in_their_own_type(kind):
+    """`model.pytree()` is the pytree given to `from_function`, its type and
+    structure, holding the trained arrays after `fit` (in the user's model,
+    and in `Trainer.model()`, the EMA too); 4 devices give 1's params."""
+    ds = digits()
+    trained = {}
+    for n in (1, 4):
+        apply, params = PYTREES[kind]()
+        model = dpax.from_function(apply, params)
+        t = dpax.Trainer(model, dpax.classification_loss, optax.adam(3e-3), devices=n,
+                         ema_decay=0.5)
+        t.fit(ds.x_train, ds.y_train, batch_size=BATCH, until_step=6)
+        got, ema = model.pytree(), t.model(ema=True).pytree()
+        for tree in (got, ema):
+            assert type(tree) is type(params)
+            assert jax.tree.structure(tree) == jax.tree.structure(params)
+        assert max_diff(got, t.model(ema=False).pytree()) == 0.0  # the trained params
+        assert max_diff(got, params) > 1e-3 and max_diff(ema, got) > 1e-6
+        assert model(ds.x_eval[:3]).shape == (3, 10)
+        trained[n] = got
+    diff = max_diff(trained[4], trained[1])
+    print(f"{kind}: 4 vs 1 device, params {diff:.1e}")
+    assert diff <= 1e-5
 
 
 def test_linen_batchnorm_uses_the_global_batch_and_dropout_masks_examples():

@@ -78,12 +78,43 @@ def test_a_dpax_checkpoint_exports_to_what_transformers_loads(tmp_path, corpus, 
     config = json.load(open(os.path.join(out, "config.json")))
     assert config["resid_pdrop"] == 0.1 and config["attn_pdrop"] == 0.0
     assert "transformer.wte.weight" in load_file(os.path.join(out, "model.safetensors"))
-    # An existing export is kept unless --overwrite; then it is replaced whole.
     capsys.readouterr()
     assert main(["export", "--checkpoint", ck, "--out", out]) == 2
-    assert "not empty" in capsys.readouterr().err
-    assert main(["export", "--checkpoint", ck, "--out", out, "--overwrite"]) == 0
-    assert not os.path.exists(out + ".partial")
+    assert "already holds a model (model.safetensors, config.json)" in capsys.readouterr().err
+
+
+def test_export_overwrite_replaces_its_own_files_and_keeps_the_users(tmp_path, corpus, capsys):
+    """`--overwrite` as `dpax train --overwrite` does it: the model's files go
+    (with a shard index and a tokenizer that the new export lacks: readers
+    would take them over the new model), the user's stay. Every file gets the
+    mode the umask gives (safetensors writes its file 0600)."""
+    ck, out = str(tmp_path / "ck"), tmp_path / "hf"
+    assert main(["train", *FLAGS, "--data", f"text:{corpus}", "--steps", "2",
+                 "--checkpoint-dir", ck]) == 0
+    out.mkdir()
+    (out / "README.md").write_text("my notes")  # not a model: no --overwrite needed
+    (out / "notes").mkdir()
+    umask = os.umask(0o027)
+    try:
+        assert main(["export", "--checkpoint", ck, "--out", str(out)]) == 0
+        assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors",
+                                           "notes"]
+        for name in ("config.json", "model.safetensors"):
+            assert os.stat(out / name).st_mode & 0o777 == 0o640, name
+        fresh = tmp_path / "fresh"
+        assert main(["export", "--checkpoint", ck, "--out", str(fresh)]) == 0
+        assert {os.stat(fresh / n).st_mode & 0o777 for n in os.listdir(fresh)} == {0o640}
+        assert os.stat(fresh).st_mode & 0o777 == 0o750
+    finally:
+        os.umask(umask)
+    (out / "model.safetensors.index.json").write_text("{}")  # left by an earlier save
+    (out / "tokenizer.json").write_text("{}")  # an earlier export's BPE: this one has none
+    assert main(["export", "--checkpoint", ck, "--out", str(out), "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors",
+                                       "notes"]
+    assert (out / "README.md").read_text() == "my notes"
+    assert sorted(os.listdir(tmp_path)) == ["ck", "fresh", "hf"]  # no partial directory
+    assert "transformer.wte.weight" in load_file(out / "model.safetensors")
 
 
 def test_a_fine_tune_from_imported_weights_on_4_devices_equals_1(gpt2_dir, corpus, tmp_path):

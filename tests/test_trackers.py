@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -184,15 +185,55 @@ def test_tracker_flags_are_checked_before_any_work(tmp_path, monkeypatch, capsys
     assert wandb_tracker.offline()
     monkeypatch.setenv("WANDB_MODE", "online")
     assert not wandb_tracker.offline()
-    real = trackers.importlib.util.find_spec
-    monkeypatch.setattr(trackers.importlib.util, "find_spec",
-                        lambda name: None if name == "wandb" else real(name))
-    with pytest.raises(DpaxError, match=r"pip install 'dpax\[wandb\]'"):
-        trackers.check_installed("mlflow,wandb")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(DpaxError, match=r"pip install wandb==[0-9.]+, or pip install -e "
+                                        r"'\.\[wandb\]' in dpax's checkout$"):
+        trackers.check_installed("mlflow,wandb", out)
     assert main(["train", "--tracker", "wandb", "--out", out]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "pip install 'dpax[wandb]'" in err
+    assert err.count("\n") == 1 and "--tracker wandb needs wandb" in err
     assert not os.path.exists(out)  # refused before anything was written
+
+
+@pytest.mark.parametrize("missing, store, message", [
+    (["sqlalchemy", "alembic"], None, r"needs SQLAlchemy and alembic for its SQL store "
+     r"sqlite:///\S+/run/mlflow.db, which are not installed; pip install SQLAlchemy==[0-9.]+ "
+     r"alembic==[0-9.]+, or pip install -e '\.\[mlflow\]' in dpax's checkout$"),
+    (["alembic"], "sqlite:///{tmp}/one.db", r"needs alembic for its SQL store, which is "
+     r"not installed; pip install alembic=="),
+    (["mlflow", "sqlalchemy", "alembic"], "sqlite:///{tmp}/one.db",
+     r"needs mlflow-skinny, SQLAlchemy and alembic for its SQL store"),
+    (["mlflow"], "http://localhost:5000", r"needs mlflow-skinny, "
+     r"which is not installed; pip install mlflow-skinny=="),
+    (["sqlite3"], None, r"needs Python's sqlite3 for its SQL store"),
+    (["psycopg2"], "postgresql://user@host/db", r"needs psycopg2, SQLAlchemy's driver for its "
+     r"SQL store, which is not installed; pip install psycopg2$"),
+    ([], "file://{tmp}/mlruns", r"MLFLOW_ALLOW_FILE_STORE=true"),
+    ([], "postgresqlx://host/db", r"is not a database URL SQLAlchemy reads"),
+], ids=["sqlite-default", "no-alembic", "no-mlflow", "http", "no-sqlite3", "no-driver",
+        "file-store", "bad-url"])
+def test_a_tracker_that_could_not_open_its_store_is_refused_before_any_work(
+        missing, store, message, tmp_path, monkeypatch, capsys):
+    """What MLflow's store needs, checked before the first file is written: MLflow
+    itself, SQLAlchemy and alembic for an SQL store (mlflow-skinny has neither),
+    the database's driver, MLFLOW_ALLOW_FILE_STORE for a file store. Each is one
+    line naming what to install, through the CLI (exit 2) and `dpax.train`."""
+    import dpax
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    for module in missing:
+        monkeypatch.setitem(sys.modules, module, None)  # find_spec: None; import fails
+    out = str(tmp_path / "run")
+    spec = "mlflow" if store is None else "mlflow:" + store.format(tmp=tmp_path)
+    assert main(["train", "--model", "mlp", "--steps", "1", "--tracker", spec,
+                 "--out", out]) == 2
+    err = capsys.readouterr().err.removesuffix("\n")
+    assert "\n" not in err and err.startswith(f"dpax: error: --tracker {spec}")
+    assert re.search(message, err), err
+    with pytest.raises(DpaxError, match=message) as refused:
+        dpax.train(dpax.TrainConfig.from_flags(model="mlp", steps=1, tracker=spec, out=out))
+    assert str(refused.value).startswith(f"`tracker={spec}`")
+    assert os.listdir(tmp_path) == []  # nothing written: no run directory, no store
 
 
 def test_a_resumed_run_fills_in_what_the_trackers_lack_and_repeats_nothing(tmp_path):

@@ -18,6 +18,13 @@ from dpax.errors import DpaxError
 from dpax.models import hf_gpt2
 
 NAME = "export"
+# What `dpax export --out DIR` writes; a directory holding any of them holds a
+# model, which `overwrite` replaces, keeping every other file (as `dpax train
+# --overwrite` keeps what is not a run's). A shard index is never written but
+# removed: readers, dpax's own among them, would take its shards over the
+# model.safetensors written here; a tokenizer left by an earlier export would
+# tokenize for a model that has none.
+FILES = (hf_gpt2.WEIGHTS, hf_gpt2.INDEX, *tokenizer.HF_FILES, hf_gpt2.CONFIG)
 
 
 @dataclasses.dataclass
@@ -30,14 +37,17 @@ class ExportConfig:
                          required=True, metavar="DIR")
     ema: bool | None = cfg.field(None, "export the EMA params (default: when the run kept "
                                  "them)")
-    overwrite: bool = cfg.field(False, "replace what --out holds (default: refuse)")
+    overwrite: bool = cfg.field(False, "replace the model --out holds, keeping its other "
+                                "files (default: refuse)")
 
     def check(self) -> None:
         if os.path.isfile(self.out):
             raise DpaxError(f"`out={self.out}` is a file; give a directory")
-        if os.path.isdir(self.out) and os.listdir(self.out) and not self.overwrite:
-            raise DpaxError(f"`out={self.out}` is not empty; give `overwrite` to replace it, "
-                            "or another directory")
+        held = held_files(self.out)
+        if held and not self.overwrite:
+            raise DpaxError(f"`out={self.out}` already holds a model ({', '.join(held)}); give "
+                            "`overwrite` to replace it (its other files stay), or another "
+                            "directory")
         parent = os.path.dirname(os.path.abspath(self.out))
         if not os.path.isdir(parent):
             raise DpaxError(f"`out={self.out}`: directory {parent} does not exist; create it "
@@ -61,10 +71,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def held_files(out: str) -> list[str]:
+    """Those of export's `FILES` that the directory `out` holds."""
+    return [name for name in FILES if os.path.exists(os.path.join(out, name))]
+
+
 def export_checkpoint(path: str, out: str, ema: bool | None = None) -> None:
     """Write the GPT of checkpoint `path` to the directory `out` in Hugging
-    Face's GPT-2 layout. `out` appears complete or not at all: it is written
-    next to itself and renamed."""
+    Face's GPT-2 layout. It is written next to `out` first: a new `out`
+    appears complete or not at all; into an existing one, the files move one
+    by one, replacing an earlier export's (`FILES`) and keeping all others."""
     loaded = load_checkpoint(path, devices=1)
     if loaded.meta["task"] != "lm":
         raise DpaxError(f"{path} holds a {loaded.meta['task']} model; dpax export writes "
@@ -77,6 +93,21 @@ def export_checkpoint(path: str, out: str, ema: bool | None = None) -> None:
     for name, text in tokenizer.hf_files(loaded.tokenizer).items():  # a BPE's, if any
         with open(os.path.join(partial, name), "w") as f:
             f.write(text)
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    os.replace(partial, out)
+    move_in(partial, out)
+
+
+def move_in(partial: str, out: str) -> None:
+    """Make the export written to `partial` the one in `out`. Of an earlier
+    export, only the files this one lacks are removed; config.json comes
+    last, so that one that names the new model finds its weights in place."""
+    if not os.path.isdir(out):
+        os.replace(partial, out)
+        return
+    written = set(os.listdir(partial))
+    for name in held_files(out):
+        if name not in written:
+            os.remove(os.path.join(out, name))
+    for name in FILES:
+        if name in written:
+            os.replace(os.path.join(partial, name), os.path.join(out, name))
+    os.rmdir(partial)

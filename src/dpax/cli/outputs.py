@@ -215,10 +215,10 @@ class OutputConfig:
         if self.tensorboard and self.out is None:
             raise DpaxError("`tensorboard` needs `out` for the event files")
         if self.tracker:
-            trackers.check_installed(self.tracker)
             if self.out is None:
                 raise DpaxError("`tracker` needs `out`: it names the tracker run and "
                                 "keeps which one a resumed run continues")
+            trackers.check_installed(self.tracker, self.out)
         if self.quiet and self.verbose:
             raise DpaxError("give `quiet` or `verbose`, not both")
 

@@ -116,6 +116,9 @@ def _text(doc: bytes) -> str:
     return doc.decode("utf-8", "replace")
 
 
+HF_FILES = ("tokenizer.json", "tokenizer_config.json")  # what `hf_files` names
+
+
 def hf_files(tok: Tokenizer) -> dict[str, str]:
     """The files of a Hugging Face tokenizer directory (for `dpax export`):
     `tokenizer.json` and a `tokenizer_config.json` that AutoTokenizer reads."""
@@ -123,5 +126,4 @@ def hf_files(tok: Tokenizer) -> dict[str, str]:
         return {}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": None,
               "clean_up_tokenization_spaces": False}
-    return {"tokenizer.json": tok.to_json(),
-            "tokenizer_config.json": json.dumps(config, indent=2)}
+    return dict(zip(HF_FILES, (tok.to_json(), json.dumps(config, indent=2))))

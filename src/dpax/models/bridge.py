@@ -9,8 +9,10 @@
   step, the example's global index), as dpax does for `nnx.BatchNorm` and
   `nnx.Dropout`: the result does not depend on the device count.
 - `from_function(apply, params)`: a plain function of a params pytree, as
-  hand-written JAX or Equinox code has it (`apply(params, *inputs)`);
-  `dpax.models.layers.example_dropout` is its N-independent dropout.
+  hand-written JAX, Equinox or Haiku code has it (`apply(params, *inputs)`);
+  `model.pytree()` gives the params back in the pytree's own type (after
+  `fit`, the trained ones). `dpax.models.layers.example_dropout` is its
+  N-independent dropout.
 """
 
 from __future__ import annotations
@@ -138,23 +140,44 @@ def takes(module: linen.Module, name: str) -> bool:
 
 
 class FunctionModel(nnx.Module):
-    """`apply(params, *inputs)` with its params as NNX parameters."""
+    """`apply(params, *inputs)` with its params as NNX parameters: each leaf
+    of the params pytree becomes an `nnx.Param` in the same place, so the
+    pytree keeps its own type (an Equinox module stays one)."""
 
     def __init__(self, apply: Callable, params: Any):
         self.apply = apply
         self.params = nnx.data(jax.tree.map(nnx.Param, params))
 
     def __call__(self, *args, **kwargs):
-        params = jax.tree.map(lambda v: v[...], self.params,
-                              is_leaf=lambda x: isinstance(x, nnx.Variable))
-        return self.apply(params, *args, **kwargs)
+        return self.apply(self.pytree(), *args, **kwargs)
+
+    def pytree(self) -> Any:
+        """The params in the type and structure given to `from_function` (a
+        dict, an Equinox module, Haiku's params), holding this model's
+        arrays: after `Trainer.fit`, the trained ones (the model given to the
+        Trainer is updated in place; `Trainer.model()` is a trained copy)."""
+        return jax.tree.map(lambda v: v[...], self.params,
+                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def from_function(apply: Callable, params: Any) -> FunctionModel:
-    """A model written as a plain function of a params pytree (hand-written
-    JAX, Equinox's `eqx.partition` halves) as an NNX module for `dpax.Trainer`:
-    `model(*inputs)` is `apply(params, *inputs)`, and `Trainer.params` keeps
-    the pytree's structure under `params`."""
+    """A model written as a plain function of a params pytree as an NNX
+    module for `dpax.Trainer`: `model(*inputs)` is `apply(params, *inputs)`.
+
+    `Trainer.params` holds the params as an `nnx.State` (nested dicts under
+    `params`), as for every model; `model.pytree()` gives them back in the
+    pytree's own type.
+
+    Args:
+      apply: `apply(params, *inputs) -> outputs`, e.g. hand-written JAX,
+        `lambda p, x: jax.vmap(eqx.combine(p, static))(x)` for Equinox's
+        `eqx.partition` halves, or a Haiku `transform`'s `apply` without
+        its rng (`hk.without_apply_rng`).
+      params: the pytree of arrays to train.
+
+    Returns:
+      The model (a `FunctionModel`).
+    """
     if not callable(apply):
         raise DpaxError(f"from_function takes apply(params, *inputs), got {type(apply).__name__}")
     if not jax.tree.leaves(params):

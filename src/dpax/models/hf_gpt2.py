@@ -94,8 +94,18 @@ def save(model: GPT, directory: str, dropout: float = 0.0) -> None:
                for path, name in hf_names(len(model.blocks)).items()}
     # `transformers` reads the format to know the tensors' framework.
     save_file(tensors, os.path.join(directory, WEIGHTS), metadata={"format": "pt"})
+    as_if_opened(os.path.join(directory, WEIGHTS))
     with open(os.path.join(directory, CONFIG), "w") as f:
         json.dump(hf_config(model, dropout), f, indent=2)
+
+
+def as_if_opened(path: str) -> None:
+    """Give `path` the mode `open` gives a new file (0666 less the umask):
+    safetensors writes a private temporary file (0600) and renames it into
+    place, and a model others should read would stay readable by its owner alone."""
+    umask = os.umask(0)  # the only way to read it is to set it; put back at once
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def read_config(directory: str) -> dict:

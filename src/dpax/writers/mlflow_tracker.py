@@ -6,16 +6,83 @@ from __future__ import annotations
 
 import os
 import time
+import urllib.parse
 
-from dpax.writers.trackers import Logged, flat_config, metrics, run_name
+from dpax.errors import DpaxError
+from dpax.writers.trackers import Logged, flat_config, install_line, metrics, require, run_name
 
 EXPERIMENT = "dpax"  # unless MLFLOW_EXPERIMENT_NAME says otherwise
 MAX_PARAMS = 100  # per log_batch call (MLflow's limit)
+# MLflow keeps these stores in a database through SQLAlchemy and migrates its
+# schema with alembic; mlflow-skinny installs neither, and without SQLAlchemy
+# MLflow does not even know the scheme.
+SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 def default_uri(out: str) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or \
         f"sqlite:///{os.path.abspath(os.path.join(out, 'mlflow.db'))}"
+
+
+def check_store(uri: str | None, out: str | None) -> None:
+    """Refuse, before any work, a store MLflow could not open: for want of a
+    module (mlflow itself, SQLAlchemy and alembic for an SQL store, the
+    database's driver that SQLAlchemy's dialect for the URI imports), or one
+    MLflow refuses (a file store, a URL of no SQL dialect).
+
+    Args:
+      uri: the store `tracker=mlflow:URI` names; None: MLFLOW_TRACKING_URI,
+        else a SQLite database in `out`.
+      out: the run directory.
+    """
+    who = f"`tracker=mlflow:{uri}`" if uri else "`tracker=mlflow`"
+    store = "its SQL store" if uri else f"its SQL store {where_default(out)}"
+    uri = uri or default_uri(out or ".")
+    scheme = urllib.parse.urlparse(uri).scheme.lower()
+    if not scheme.startswith(SQL_SCHEMES):  # as MLflow tells an SQL store; file:, http(s):
+        require(["mlflow"], who, "mlflow")
+        return check_file_store(uri, scheme, who)
+    require(["mlflow", "sqlalchemy", "alembic"], who, "mlflow", f" for {store}")
+    driver = missing_driver(uri, who)
+    if driver == "sqlite3":
+        raise DpaxError(f"{who} needs Python's sqlite3 for {store}, and this Python was "
+                        "built without it; use a Python that has it, or another store")
+    if driver is not None:
+        raise DpaxError(f"{who} needs {driver}, SQLAlchemy's driver for {store}, which is "
+                        f"not installed; {install_line([driver], None)}")
+
+
+def check_file_store(uri: str, scheme: str, who: str) -> None:
+    """MLflow 3 refuses a store of plain files (a path or file: URI) unless
+    MLFLOW_ALLOW_FILE_STORE is set; it would do so after the run's first files."""
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1")
+    if scheme in ("", "file") and not allowed:
+        raise DpaxError(f"{who}: MLflow keeps no runs in a file store ({uri}) unless "
+                        "MLFLOW_ALLOW_FILE_STORE=true; give an SQL store such as "
+                        "sqlite:////absolute/path/mlflow.db, or set that variable")
+
+
+def where_default(out: str | None) -> str:
+    """The store dpax picks when the tracker names none, as the user set it."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return f"MLFLOW_TRACKING_URI={os.environ['MLFLOW_TRACKING_URI']}"
+    return default_uri(out or ".")
+
+
+def missing_driver(uri: str, who: str) -> str | None:
+    """The module of the database driver that the SQL store `uri` needs and
+    lacks, or None."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(uri).get_dialect().import_dbapi()
+    except ArgumentError as e:  # also a dialect SQLAlchemy does not know
+        raise DpaxError(f"{who}: {uri} is not a database URL SQLAlchemy reads ({e}); give "
+                        "one such as sqlite:////absolute/path/mlflow.db") from None
+    except ImportError as e:
+        return e.name or str(e)
+    return None
 
 
 class MlflowTracker:

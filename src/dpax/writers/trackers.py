@@ -1,25 +1,29 @@
 """What the experiment trackers (`--tracker mlflow[:URI]`, `--tracker wandb`;
-one module each) share: the flag's grammar, the check that their library is
+one module each) share: the flag's grammar, the check that what they need is
 installed, and what a continued tracker run already holds.
 
 A tracker is a metric writer that also takes the run's config and files
 (`artifact`) and continues the same tracker run when a dpax run resumes. Their
-libraries are optional extras (`pip install 'dpax[mlflow]'`), imported only
-when asked for.
+libraries are optional extras of dpax (`pip install -e '.[mlflow]'` in its
+checkout), imported only when asked for.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
+import shlex
 
 from dpax.errors import DpaxError
 from dpax.writers import scalars
 
-# name -> (module it needs, the extra that installs it)
-KINDS = {"mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
+KINDS = ("mlflow", "wandb")  # each is also the name of the dpax extra that installs it
 STATE_FILE = "trackers.json"
+# What pip installs a module as, where the names differ (dpax's extras pin mlflow-skinny).
+DISTRIBUTIONS = {"mlflow": "mlflow-skinny", "sqlalchemy": "SQLAlchemy", "MySQLdb": "mysqlclient"}
 
 
 def parse(spec: str | None) -> list[tuple[str, str | None]]:
@@ -41,13 +45,59 @@ def parse(spec: str | None) -> list[tuple[str, str | None]]:
     return out
 
 
-def check_installed(spec: str | None) -> None:
-    """Refuse, before any work, a tracker whose library is not installed."""
-    for kind, _ in parse(spec):
-        module, extra = KINDS[kind]
-        if importlib.util.find_spec(module) is None:
-            raise DpaxError(f"`--tracker {kind}` needs {module}, which is not installed; "
-                            f"pip install 'dpax[{extra}]'")
+def check_installed(spec: str | None, out: str | None) -> None:
+    """Refuse, before any work, a tracker that could not open its store: its
+    library, or what the store it names needs, is not installed (a tracker
+    opens after the run's first files are written, and a missing module then
+    ends the run in a traceback). `out`: the run directory (MLflow's default
+    store is in it)."""
+    for kind, arg in parse(spec):
+        if kind == "mlflow":
+            from dpax.writers import mlflow_tracker
+
+            mlflow_tracker.check_store(arg, out)
+        else:
+            require(["wandb"], "`tracker=wandb`", "wandb")
+
+
+def require(modules: list[str], who: str, extra: str, why: str = "") -> None:
+    """Raise the one-line error naming those of `modules` that are not installed
+    and the pip line that installs them (`who` needs them `why`)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    names = [DISTRIBUTIONS.get(m, m) for m in missing]
+    names = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    verb = "is" if len(missing) == 1 else "are"
+    raise DpaxError(f"{who} needs {names}{why}, which {verb} not installed; "
+                    f"{install_line(missing, extra)}")
+
+
+def install_line(modules: list[str], extra: str | None) -> str:
+    """`pip install` with the versions dpax pins, and the extra that has them
+    (dpax is installed from its checkout: on no package index)."""
+    line = "pip install " + " ".join(shlex.quote(pinned(DISTRIBUTIONS.get(m, m)))
+                                     for m in modules)
+    return f"{line}, or pip install -e '.[{extra}]' in dpax's checkout" if extra else line
+
+
+def pinned(distribution: str) -> str:
+    """`distribution` as dpax's metadata pins it (`SQLAlchemy==2.0.58`), or
+    bare where dpax pins it nowhere or runs uninstalled (from a source tree)."""
+    try:
+        requirements = importlib.metadata.requires("dpax") or []
+    except importlib.metadata.PackageNotFoundError:
+        return distribution
+    for requirement in requirements:
+        spec = requirement.partition(";")[0].strip()
+        name = re.match(r"[A-Za-z0-9._-]*", spec).group(0)
+        if _normal(name) == _normal(distribution) and spec != name:
+            return spec
+    return distribution
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503's name comparison
 
 
 def read_state(path: str) -> dict:
