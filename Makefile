@@ -2,33 +2,42 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# Stamps: dpax and the stack it trains with; and what tests, lint and docs need.
+CORE := $(VENV)/.installed
+DEV := $(VENV)/.installed-dev
 
 # Test files run in JOBS processes (pytest-xdist; one file's tests stay in one
 # process, so they share its compiled steps).
 JOBS ?= 2
 PARALLEL := -n $(JOBS) --dist loadfile
 
-.PHONY: setup train test test-fast test-generic lint docs docs-site bench clean
+.PHONY: setup setup-dev train test test-fast test-generic lint docs docs-site bench clean
 
-setup: $(STAMP)
+setup: $(CORE)
+setup-dev: $(DEV)
 
 # Re-install only when the pins change; a no-op when already set up. No pip
-# cache: it would keep a second copy of the 2.5 GB of wheels on the disk.
-$(STAMP): pyproject.toml
+# cache: it would keep a second copy of the wheels on the disk. `make train`
+# needs the core set only; the dev set (torch, transformers, the trackers,
+# mkdocs, ...) comes with the first `make test`.
+$(CORE): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check --no-cache-dir -e '.[dev]'
-	touch $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check --no-cache-dir -e .
+	touch $@
 
-train: $(STAMP)
+$(DEV): $(CORE)
+	$(BIN)/pip install -q --disable-pip-version-check --no-cache-dir -e '.[dev]'
+	touch $@
+
+train: $(CORE)
 	$(BIN)/dpax train --out runs/digits-cnn --overwrite
 
-lint: $(STAMP)
+lint: $(DEV)
 	$(BIN)/ruff check src tests examples scripts
 
 # The documentation site, built strictly: a broken link or a page missing
 # from the nav fails the build.
-docs-site: $(STAMP)
+docs-site: $(DEV)
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(or $(SITE),site)
 
 # Both pytest runs share one session directory (tests/conftest.py), so its
@@ -42,7 +51,7 @@ test: lint
 
 # The equivalence tests again with the XLA:CPU tuning off: the code path GPUs
 # and TPUs take (dpax.parallel.platform).
-test-generic: $(STAMP)
+test-generic: $(DEV)
 	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m equivalence
 
 # The unit tier: no test marked slow (those start dpax processes or train long).
@@ -50,11 +59,11 @@ test-fast: lint
 	$(BIN)/pytest $(PARALLEL) -m "not slow"
 
 # The flag table in docs/cli.md is generated from TrainConfig; a test checks it is current.
-docs: $(STAMP)
+docs: $(DEV)
 	$(BIN)/python scripts/update_flag_table.py
 
 # About 15 minutes here; rewrites benchmarks/results/.
-bench: $(STAMP)
+bench: $(CORE)
 	$(BIN)/dpax bench --repeats 7 --out benchmarks/results
 
 clean:
