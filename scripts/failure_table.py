@@ -189,8 +189,9 @@ def main() -> None:
                                              full]).returncode == 0:
         try:
             case("train: the disk fills during a checkpoint (deep-mlp)",
-                 dpax("train", "--model", "deep-mlp", "--steps", "30", "--checkpoint-dir",
-                      os.path.join(full, "ck"), "--checkpoint-every", "5", "--quiet",
+                 dpax("train", "--model", "deep-mlp", "--devices", "2", "--steps", "30",
+                      "--checkpoint-dir", os.path.join(full, "ck"), "--checkpoint-every", "5",
+                      "--quiet",
                       "--out", os.path.join(work, "full-run")),
                  lambda: "left: " + (", ".join(sorted(os.listdir(os.path.join(full, "ck"))))
                                      or "nothing"))
