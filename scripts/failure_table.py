@@ -211,7 +211,8 @@ def main() -> None:
         lines.append(line)
         if "step 40/" in line:
             break
-    ranks = subprocess.run(["pgrep", "-f", "--process-id 1"], capture_output=True, text=True)
+    ranks = subprocess.run(["pgrep", "-f", "--", "--process-id 1"], capture_output=True,
+                           text=True)
     for pid in ranks.stdout.split():
         os.kill(int(pid), signal.SIGKILL)
     lines += p.stdout.readlines()
