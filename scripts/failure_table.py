@@ -83,33 +83,46 @@ def truncate(path: str) -> None:
         f.truncate(os.path.getsize(big) // 2)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--src", required=True, help="the dpax source tree to run")
-    parser.add_argument("--work", default="/tmp/dpax-failures")
-    args = parser.parse_args()
-    work = os.path.abspath(args.work)
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(args.src), PYTHONUNBUFFERED="1")
-    rows = []
+class Table:
+    """The rows so far, and how to run a case in the source tree under test."""
 
-    def case(name, argv, check=None, **kw):
-        p, took = run(argv, env, work, **kw)
+    def __init__(self, src: str, work: str):
+        self.work = work
+        self.env = dict(os.environ, PYTHONPATH=os.path.abspath(src), PYTHONUNBUFFERED="1")
+        self.rows = []
+
+    def case(self, name, argv, check=None, env=None, **kw):
+        p, took = run(argv, env or self.env, self.work, **kw)
         extra = check() if check else ""
-        rows.append((name, p.returncode, first(p.stderr), count(p.stderr), extra))
+        self.add(name, p.returncode, p.stderr, extra)
         print(f"{name}: {p.returncode} {first(p.stderr)[:80]} ({took:.0f}s)", file=sys.stderr)
 
-    # A run with checkpoints at steps 10 and 20 to damage, and a GPT to export.
+    def add(self, name, rc, stderr, extra=""):
+        self.rows.append((name, rc, first(stderr), count(stderr), extra))
+
+    def setup(self, argv):
+        run(argv, self.env, self.work)
+
+
+BASE = ["--model", "mlp", "--devices", "2", "--batch-size", "64", "--log-every", "10", "--quiet"]
+
+
+def helps(t: Table) -> None:
+    t.case("dpax train --help", dpax("train", "--help"))
+    t.case("dpax train -h", dpax("train", "-h"))
+    t.case("dpax eval --help", dpax("eval", "--help"))
+
+
+def checkpoints(t: Table) -> None:
+    """A run with checkpoints at steps 10 and 20 to damage, and a GPT's."""
+    work = t.work
     ck = os.path.join(work, "ck")
-    base = ["--model", "mlp", "--devices", "2", "--batch-size", "64", "--log-every", "10",
-            "--quiet"]
-    run(dpax("train", *base, "--steps", "20", "--checkpoint-dir", ck, "--checkpoint-every",
-             "10", "--out", os.path.join(work, "run")), env, work)
+    t.setup(dpax("train", *BASE, "--steps", "20", "--checkpoint-dir", ck, "--checkpoint-every",
+                 "10", "--out", os.path.join(work, "run")))
     gpt_ck = os.path.join(work, "gpt-ck")
-    run(dpax("train", "--model", "gpt", "--data", "text", "--seq-len", "16", "--layers", "1",
-             "--width", "32", "--heads", "2", "--batch-size", "8", "--steps", "2", "--devices",
-             "1", "--quiet", "--checkpoint-dir", gpt_ck), env, work)
+    t.setup(dpax("train", "--model", "gpt", "--data", "text", "--seq-len", "16", "--layers",
+                 "1", "--width", "32", "--heads", "2", "--batch-size", "8", "--steps", "2",
+                 "--devices", "1", "--quiet", "--checkpoint-dir", gpt_ck))
 
     def damaged(name, how, steps=(20,)):
         d = os.path.join(work, name)
@@ -118,32 +131,29 @@ def main() -> None:
             how(os.path.join(d, str(s)))
         return d
 
-    case("dpax train --help", dpax("train", "--help"))
-    case("dpax train -h", dpax("train", "-h"))
-    case("dpax eval --help", dpax("eval", "--help"))
-    flipped = damaged("flipped", flip)
-    case("eval: 200 bytes flipped in the newest step", dpax("eval", "--checkpoint", flipped))
-    case("train --resume: 200 bytes flipped in the newest step",
-         dpax("train", *base, "--steps", "30", "--checkpoint-dir", damaged("flipped2", flip),
-              "--resume"))
-    case("train --resume: a file of the newest step truncated",
-         dpax("train", *base, "--steps", "30", "--checkpoint-dir", damaged("cut", truncate),
-              "--resume"))
-    case("eval: every step damaged",
-         dpax("eval", "--checkpoint", damaged("all", flip, steps=(10, 20))))
-    case("eval: the damaged step named", dpax("eval", "--checkpoint",
-                                               os.path.join(damaged("named", flip), "20")))
+    t.case("eval: 200 bytes flipped in the newest step",
+           dpax("eval", "--checkpoint", damaged("flipped", flip)))
+    t.case("train --resume: 200 bytes flipped in the newest step",
+           dpax("train", *BASE, "--steps", "30", "--checkpoint-dir", damaged("flipped2", flip),
+                "--resume"))
+    t.case("train --resume: a file of the newest step truncated",
+           dpax("train", *BASE, "--steps", "30", "--checkpoint-dir", damaged("cut", truncate),
+                "--resume"))
+    t.case("eval: every step damaged",
+           dpax("eval", "--checkpoint", damaged("all", flip, steps=(10, 20))))
+    t.case("eval: the damaged step named",
+           dpax("eval", "--checkpoint", os.path.join(damaged("named", flip), "20")))
     inputs = os.path.join(work, "inputs.npz")
     np.savez(inputs, x=np.zeros((5, 8, 8, 1), np.float32))
-    case("predict: 200 bytes flipped in the newest step",
-         dpax("predict", "--checkpoint", damaged("flipped3", flip), "--data", inputs,
-              "--out", os.path.join(work, "p.npz")))
+    t.case("predict: 200 bytes flipped in the newest step",
+           dpax("predict", "--checkpoint", damaged("flipped3", flip), "--data", inputs,
+                "--out", os.path.join(work, "p.npz")))
     gpt_bad = os.path.join(work, "gpt-bad")
     shutil.copytree(gpt_ck, gpt_bad)
     flip(os.path.join(gpt_bad, "2"))
-    case("sample: 200 bytes flipped", dpax("sample", "--checkpoint", gpt_bad, "--tokens", "5"))
-    case("export: 200 bytes flipped", dpax("export", "--checkpoint", gpt_bad, "--out",
-                                          os.path.join(work, "hf-bad")))
+    t.case("sample: 200 bytes flipped", dpax("sample", "--checkpoint", gpt_bad, "--tokens", "5"))
+    t.case("export: 200 bytes flipped",
+           dpax("export", "--checkpoint", gpt_bad, "--out", os.path.join(work, "hf-bad")))
 
     hf = os.path.join(work, "hf")
     os.makedirs(hf)
@@ -156,55 +166,61 @@ def main() -> None:
                         for n in os.listdir(hf)})
         return f"README.md {'kept' if kept else 'deleted'}; modes {', '.join(modes)}"
 
-    case("export --overwrite into a directory with the user's README.md",
-         dpax("export", "--checkpoint", gpt_ck, "--out", hf, "--overwrite"), readme_kept)
+    t.case("export --overwrite into a directory with the user's README.md",
+           dpax("export", "--checkpoint", gpt_ck, "--out", hf, "--overwrite"), readme_kept)
 
-    # A store's package missing: sitecustomize makes `import sqlalchemy` fail.
+
+def inputs(t: Table) -> None:
+    """A tracker's store half installed; labels and inputs of an .npz."""
+    work = t.work
+    # sitecustomize makes `import sqlalchemy` (and alembic) fail.
     blocked = os.path.join(work, "no-sqlalchemy")
     os.makedirs(blocked)
     with open(os.path.join(blocked, "sitecustomize.py"), "w") as f:
         f.write("import sys\nsys.modules['sqlalchemy'] = None\nsys.modules['alembic'] = None\n")
-    env_blocked = dict(env, PYTHONPATH=f"{blocked}:{env['PYTHONPATH']}")
-    p, _ = run(dpax("train", *base, "--steps", "5", "--out", os.path.join(work, "mlf"),
-                    "--tracker", f"mlflow:sqlite:///{work}/m.db"), env_blocked, work)
-    rows.append(("--tracker mlflow:sqlite:// without SQLAlchemy", p.returncode, first(p.stderr),
-                 count(p.stderr), ""))
-
+    env = dict(t.env, PYTHONPATH=f"{blocked}:{t.env['PYTHONPATH']}")
+    t.case("--tracker mlflow:sqlite:// without SQLAlchemy",
+           dpax("train", *BASE, "--steps", "5", "--out", os.path.join(work, "mlf"),
+                "--tracker", f"mlflow:sqlite:///{work}/m.db"), env=env)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(200, 8)).astype(np.float32)
     np.savez(os.path.join(work, "floaty.npz"), x=x, y=rng.integers(0, 4, 200).astype(np.float32))
-    case("train: float labels 0..3 in an .npz",
-         dpax("train", "--data", os.path.join(work, "floaty.npz"), "--model", "mlp", "--steps",
-              "2", "--devices", "2", "--quiet"))
+    t.case("train: float labels 0..3 in an .npz",
+           dpax("train", "--data", os.path.join(work, "floaty.npz"), "--model", "mlp",
+                "--steps", "2", "--devices", "2", "--quiet"))
     bad_x = x.copy()
     bad_x[3, 2] = np.nan
     np.savez(os.path.join(work, "nan.npz"), x=bad_x, y=rng.integers(0, 4, 200))
-    case("train: NaN in an .npz's x", dpax("train", "--data", os.path.join(work, "nan.npz"),
-                                           "--steps", "2", "--quiet"))
+    t.case("train: NaN in an .npz's x",
+           dpax("train", "--data", os.path.join(work, "nan.npz"), "--steps", "2", "--quiet"))
 
-    # Disk full during a checkpoint (a 3 MiB tmpfs).
-    full = os.path.join(work, "full")
+
+def disk(t: Table) -> None:
+    """The disk fills during a checkpoint (a 3 MiB tmpfs; needs root)."""
+    full = os.path.join(t.work, "full")
     os.makedirs(full)
-    if os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs",
-                                             full]).returncode == 0:
-        try:
-            case("train: the disk fills during a checkpoint (deep-mlp)",
-                 dpax("train", "--model", "deep-mlp", "--devices", "2", "--steps", "30",
-                      "--checkpoint-dir", os.path.join(full, "ck"), "--checkpoint-every", "5",
-                      "--quiet",
-                      "--out", os.path.join(work, "full-run")),
-                 lambda: "left: " + (", ".join(sorted(os.listdir(os.path.join(full, "ck"))))
-                                     or "nothing"))
-        finally:
-            subprocess.run(["umount", full])
-    else:
-        rows.append(("train: the disk fills during a checkpoint", "-", "needs root", "-", ""))
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", full]).returncode == 0
+    if not mounted:
+        t.rows.append(("train: the disk fills during a checkpoint", "-", "needs root", "-", ""))
+        return
+    try:
+        t.case("train: the disk fills during a checkpoint (deep-mlp)",
+               dpax("train", "--model", "deep-mlp", "--devices", "2", "--steps", "30",
+                    "--checkpoint-dir", os.path.join(full, "ck"), "--checkpoint-every", "5",
+                    "--quiet", "--out", os.path.join(t.work, "full-run")),
+               lambda: "left: " + (", ".join(sorted(os.listdir(os.path.join(full, "ck"))))
+                                   or "nothing"))
+    finally:
+        subprocess.run(["umount", full])
 
-    # A rank killed under dpax launch, after it trained 40 steps.
+
+def launch(t: Table) -> None:
+    """A rank killed under dpax launch, after it trained 40 steps."""
     cmd = dpax("launch", "--nprocs", "2", "--devices-per-process", "2", "--", "--steps",
                "100000", "--batch-size", "50", "--log-every", "20", "--checkpoint-dir",
-               os.path.join(work, "lk"), "--checkpoint-every", "20")
-    p = subprocess.Popen(cmd, env=env, cwd=work, stdout=subprocess.PIPE,
+               os.path.join(t.work, "lk"), "--checkpoint-every", "20")
+    p = subprocess.Popen(cmd, env=t.env, cwd=t.work, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines = []
     for line in p.stdout:
@@ -215,12 +231,12 @@ def main() -> None:
                            text=True)
     for pid in ranks.stdout.split():
         os.kill(int(pid), signal.SIGKILL)
-    lines += p.stdout.readlines()
-    rc = p.wait()
-    after = lines[next(i for i, ln in enumerate(lines) if "step 40/" in ln) + 1:]
-    rows.append(("launch: rank 1 killed (SIGKILL) at step 40", rc, first("".join(after)),
-                 count("".join(after)), "lines after the kill"))
+    after = p.stdout.readlines()
+    t.add("launch: rank 1 killed (SIGKILL) at step 40", p.wait(), "".join(after),
+          "lines after the kill")
 
+
+def python_api(t: Table) -> None:
     for name, body in [
         ("fit(batch_size=0)", "trainer().fit(ds.x_train, ds.y_train, batch_size=0, epochs=1)"),
         ("fit: labels beyond the model's classes",
@@ -239,11 +255,29 @@ def main() -> None:
          "trainer().fit(ds.x_train, ds.y_train[:-1], batch_size=64, epochs=1)"),
         ("evaluate(batch_size=0)", "trainer().evaluate(ds.x_eval, ds.y_eval, batch_size=0)"),
     ]:
-        case("Python: " + name, api(body))
+        t.case("Python: " + name, api(body))
 
+
+GROUPS = {"help": helps, "checkpoints": checkpoints, "inputs": inputs, "disk": disk,
+          "launch": launch, "python": python_api}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--src", required=True, help="the dpax source tree to run")
+    parser.add_argument("--work", default="/tmp/dpax-failures")
+    parser.add_argument("--groups", default=",".join(GROUPS),
+                        help=f"which cases, of {', '.join(GROUPS)}")
+    args = parser.parse_args()
+    work = os.path.abspath(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    table = Table(args.src, work)
+    for group in args.groups.split(","):
+        GROUPS[group](table)
     print("| case | exit | stderr lines | first line | also |")
     print("| --- | --- | --- | --- | --- |")
-    for name, rc, line, n, extra in rows:
+    for name, rc, line, n, extra in table.rows:
         print(f"| {name} | {rc} | {n} | {line} | {extra} |")
 
 
