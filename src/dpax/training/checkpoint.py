@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
+import re
+import shutil
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -76,6 +79,7 @@ class Checkpointer:
     def __init__(self, directory: str, keep: int = 3):
         self.directory = os.path.abspath(directory)
         self._writing: int | None = None  # the step whose files are being written
+        self._swept = False  # of the unfinished saves of earlier runs
         self._damage: dict[int, checksums.Damage | None] = {}  # steps checked so far
         # Step directories are made before save() returns, so a directory that
         # cannot be made fails there, at once; made in the background, the
@@ -113,6 +117,9 @@ class Checkpointer:
         if exists:  # a restore found it damaged and fell back past it: saved anew
             self.manager.delete(step)
             del self._damage[step]
+        if not self._swept:
+            self._remove_unfinished()
+            self._swept = True
         # A save waits on the previous one and meets every process at a
         # barrier: a peer that stopped would hang it, so the watchdog times it.
         self._writing = step
@@ -137,13 +144,39 @@ class Checkpointer:
         """Where Orbax writes `step` until it is complete."""
         return os.path.join(self.directory, f"{step}{ocp.path.step.TMP_DIR_SUFFIX}")
 
+    def _remove_unfinished(self) -> None:
+        """Remove the temporary directories of saves that never completed (a
+        run killed while saving): they are never read, and only take space.
+        Done at this Checkpointer's first save, not when it is made: a reader
+        (`dpax eval` while a run trains) must not remove a save in progress."""
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            if name.endswith(ocp.path.step.TMP_DIR_SUFFIX):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
     @contextlib.contextmanager
     def _failing(self, step: int | None):
+        """Turn a failure of saving `step` into one RunFailed line that says
+        what is kept; the step's unfinished directory is removed."""
         try:
             yield
         except Exception as e:  # Orbax and the filesystem raise many types
-            raise RunFailed(f"checkpoint failed (saving step {step} in {self.directory}: "
-                            f"{type(e).__name__}: {_first_line(e)})") from None
+            if step is not None and jax.process_index() == 0:
+                shutil.rmtree(self._unfinished(step), ignore_errors=True)
+            raise RunFailed(f"checkpoint failed: {_cause(e)} while saving step {step} in "
+                            f"{self.directory}; {self._kept()}") from None
+
+    def _kept(self) -> str:
+        """The newest complete checkpoint on disk, for a failure's message."""
+        try:
+            self.manager.reload()
+            steps = self.manager.all_steps()
+        except Exception:  # the directory itself may be what failed
+            steps = []
+        if not steps:
+            return "it holds no complete checkpoint"
+        return f"the newest complete checkpoint there is step {max(steps)}"
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -307,6 +340,28 @@ class _Fallback:
 
 def _unreadable(e: Exception) -> str:
     return f"unreadable: {type(e).__name__}: {_first_line(e)[:120]}"
+
+
+def _cause(e: Exception) -> str:
+    """A failed save's cause in words: the OS error's, where there is one
+    (Orbax's writes report it as text, `[os_error_code='28']`)."""
+    for err in _chain(e):
+        code = getattr(err, "errno", None)
+        if code is None:
+            found = re.search(r"os_error_code='?(\d+)", str(err))
+            code = int(found.group(1)) if found else None
+        if code in errno.errorcode:
+            return os.strerror(code).lower()
+    return f"{type(e).__name__}: {_first_line(e)}"
+
+
+def _chain(e: BaseException):
+    """`e` and the exceptions it was raised from or during."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
 
 
 @jax.jit
