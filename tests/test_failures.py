@@ -62,7 +62,7 @@ def test_a_background_write_that_fails_names_its_own_step_and_what_is_kept(tmp_p
     save, step 20, naming step 15 and the kept step 10, and leaves no
     unfinished directory; a resume from there is the uninterrupted run."""
     ck, out = tmp_path / "ck", tmp_path / "run"
-    flags = [*RUN, "--checkpoint-dir", str(ck), "--checkpoint-every", "5"]
+    flags = [*RUN, "--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--keep", "2"]
     assert main(["train", *flags, "--steps", "10"]) == 0
     largest = max(os.path.getsize(os.path.join(root, f))
                   for root, _, names in os.walk(ck / "10") for f in names)
@@ -80,11 +80,13 @@ def test_a_background_write_that_fails_names_its_own_step_and_what_is_kept(tmp_p
     assert said[0].startswith("dpax: error: checkpoint failed: file too large while saving "
                               f"step 15 in {ck}; the newest complete checkpoint there is step "
                               "10;"), said
-    assert sorted(os.listdir(ck)) == ["10", "5"]  # no 15.orbax-checkpoint-tmp
+    assert sorted(os.listdir(ck)) == ["10", "5"]  # 5 not pushed out; no 15.orbax-checkpoint-tmp
 
+    killed = ck / "12.orbax-checkpoint-tmp"  # as a run killed while saving leaves one
+    (killed / "state").mkdir(parents=True)
     assert main(["train", *flags, "--steps", "30", "--resume", "--out", str(out)]) == 0
     logged = [json.loads(ln)["step"] for ln in open(out / "metrics.jsonl")]
-    assert logged[0] == 15  # resumed at step 10
+    assert logged[0] == 15 and not killed.exists()  # resumed at step 10; swept at its save
     ref = tmp_path / "uninterrupted"
     assert main(["train", *RUN, "--steps", "30", "--out", str(ref)]) == 0
     with np.load(out / "params.npz") as a, np.load(ref / "params.npz") as b:
