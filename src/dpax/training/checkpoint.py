@@ -284,13 +284,19 @@ class Checkpointer:
         if found is not None:
             fallback.skip(step, found.text)
             return None
+        error = None
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(
                 meta=ocp.args.JsonRestore())).meta
-            return meta, self._saved_shapes(step)
+            saved = self._saved_shapes(step)
         except Exception as e:  # Orbax raises many types for damaged files
-            fallback.skip(step, _unreadable(e))
+            error = e
+        # Agreed, as the damage is: a process that could not read it must not
+        # be the only one to fall back.
+        if distributed.any_process(error is not None):
+            fallback.skip(step, _unreadable(error) if error else "unreadable by another process")
             return None
+        return meta, saved
 
     def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
         """{path: shape} of a step's saved state, from its metadata alone."""
@@ -339,6 +345,7 @@ class _Fallback:
 
 
 def _unreadable(e: Exception) -> str:
+    """A read's failure, for a damaged step's message."""
     return f"unreadable: {type(e).__name__}: {_first_line(e)[:120]}"
 
 
