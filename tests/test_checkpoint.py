@@ -139,37 +139,94 @@ def test_sigterm_saves_exits_4_and_resumes_exactly(tmp_path, capsys):
     assert max_diff(params(out), params(tmp_path / "ref")) == 0.0
 
 
-def garble(step_dir):
-    for root, _, files in os.walk(os.path.join(step_dir, "state")):
-        for f in files:
-            with open(os.path.join(root, f), "r+b") as fh:
-                size = fh.seek(0, 2)
-                fh.seek(0)
-                fh.write(b"\x00garbage\xff" * max(1, size // 9))
-                fh.truncate(size // 2)
+def flip_bytes(step_dir, count=200):
+    """Flip `count` bytes in the middle of the step's largest file; its path."""
+    files = [os.path.join(root, f) for root, _, names in os.walk(step_dir) for f in names]
+    largest = max(files, key=os.path.getsize)
+    with open(largest, "r+b") as f:
+        f.seek(os.path.getsize(largest) // 2)
+        data = f.read(count)
+        f.seek(-len(data), 1)
+        f.write(bytes(b ^ 0xFF for b in data))
+    return os.path.relpath(largest, step_dir)
 
 
-def test_damaged_newest_checkpoint_falls_back_and_all_damaged_exit_2(tmp_path, capsys):
-    flags = [*RUN, "--devices", "2", "--steps", "30"]
-    ck = str(tmp_path / "ck")
-    assert main(["train", *flags, "--checkpoint-dir", ck, "--checkpoint-every", "10"]) == 0
-    ref = dpax.cli.job.load_checkpoint(ck).trainer.params
-    garble(os.path.join(ck, "30"))
-    capsys.readouterr()
-    out = str(tmp_path / "resumed")
-    assert main(["train", *flags, "--checkpoint-dir", ck, "--resume", "--out", out]) == 0
+def warning_lines(err):
+    return [ln for ln in err.splitlines() if "warning" in ln]
+
+
+def test_flipped_bytes_in_the_newest_step_are_never_evaluated_nor_trained_from(
+        tmp_path, capsys):
+    """Flipped bytes in the newest step's largest file: eval and resume fall back
+    to the step before (its params exactly), each saying so in one line; the
+    step named alone is refused; the resumed run saves it anew, intact."""
+    flags = [*RUN, "--devices", "2", "--steps", "30", "--checkpoint-dir", str(tmp_path / "ck"),
+             "--checkpoint-every", "10"]
+    ck, ref = str(tmp_path / "ck"), str(tmp_path / "ref")
+    assert main(["train", *flags, "--out", ref]) == 0
+    step_20 = dpax.cli.job.load_checkpoint(f"{ck}/20").trainer.params
+    assert main(["eval", "--checkpoint", f"{ck}/20", "--devices", "2"]) == 0
+    eval_20 = capsys.readouterr().out.strip().splitlines()[-1]
+    damaged = flip_bytes(f"{ck}/30")
+
+    assert main(["eval", "--checkpoint", ck, "--devices", "2"]) == 0
     captured = capsys.readouterr()
-    warnings = [ln for ln in captured.err.splitlines() if "warning" in ln]
-    assert len(warnings) == 1 and "step 30" in warnings[0]
-    assert "resumed at step 20" in captured.out
-    got = params(out)  # retrained 20 -> 30 from the good step 20: the same params
-    assert max_diff(got, dpax.cli.outputs.flat_params(ref)) == 0.0
-    for step in dpax.training.checkpoint.Checkpointer(ck).steps():
-        garble(os.path.join(ck, str(step)))
+    warned = warning_lines(captured.err)
+    assert len(warned) == 1 and "step 30" in warned[0] and damaged in warned[0], captured.err
+    assert warned[0].endswith("using step 20")
+    assert captured.out.strip().splitlines()[-1] == eval_20  # step 20's numbers
+    assert main(["eval", "--checkpoint", f"{ck}/30", "--devices", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "step 30" in err and "is damaged" in err, err
+
+    loaded = dpax.cli.job.load_checkpoint(ck)  # the Python API falls back alike
+    assert max_diff(loaded.trainer.params, step_20) == 0.0
+    with pytest.raises(dpax.DpaxError, match="step 30 .* is damaged"):
+        dpax.cli.job.load_checkpoint(f"{ck}/30")
     capsys.readouterr()
-    assert main(["train", *flags, "--checkpoint-dir", ck, "--resume"]) == 2
-    err = capsys.readouterr().err
-    assert "no readable checkpoint" in err.splitlines()[-1] and "Traceback" not in err
+
+    out = str(tmp_path / "resumed")
+    assert main(["train", *flags, "--resume", "--out", out]) == 0
+    captured = capsys.readouterr()
+    warned = warning_lines(captured.err)
+    assert len(warned) == 1 and "step 30" in warned[0], captured.err
+    assert "resumed at step 20" in captured.out
+    assert max_diff(params(out), params(ref)) == 0.0  # retrained 20 -> 30 exactly
+    ckpt = dpax.training.checkpoint.Checkpointer(ck)
+    assert ckpt.steps() == [10, 20, 30] and ckpt.damage(30) is None  # saved anew
+    final = dpax.cli.outputs.flat_params(dpax.cli.job.load_checkpoint(ck).trainer.params)
+    assert max_diff(final, params(ref)) == 0.0
+
+
+def test_truncated_unlisted_and_all_damaged_steps(tmp_path, capsys):
+    """A truncated file and a step without its checksums are damage too; the
+    Python API raises `DpaxError` where the CLI exits 2, with one line."""
+    flags = [*RUN, "--devices", "2", "--steps", "30", "--checkpoint-dir", str(tmp_path / "ck"),
+             "--checkpoint-every", "10"]
+    ck = str(tmp_path / "ck")
+    assert main(["train", *flags]) == 0
+    step_10 = dpax.cli.job.load_checkpoint(f"{ck}/10").trainer.params
+    trainer = dpax.cli.job.load_checkpoint(f"{ck}/30").trainer  # holds step 30's params
+    state = os.path.join(ck, "30", "state", "manifest.ocdbt")
+    os.truncate(state, os.path.getsize(state) - 1)
+    os.remove(os.path.join(ck, "20", dpax.training.checksums.MANIFEST))
+    capsys.readouterr()
+
+    step, _ = trainer.restore(dpax.training.checkpoint.Checkpointer(ck))
+    warned = warning_lines(capsys.readouterr().err)
+    assert step == 10 and max_diff(trainer.params, step_10) == 0.0
+    assert len(warned) == 1 and "steps 30 (state/manifest.ocdbt changed size" in warned[0]
+    assert "20 (it has no dpax_checksums.json" in warned[0]
+    with pytest.raises(dpax.DpaxError, match="step 20 .*no dpax_checksums.json.*trust"):
+        dpax.cli.job.load_checkpoint(f"{ck}/20")
+
+    flip_bytes(f"{ck}/10")
+    assert main(["train", *flags, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no intact checkpoint" in err, err
+    assert "Traceback" not in err
+    with pytest.raises(dpax.DpaxError, match="no intact checkpoint"):
+        trainer.restore(dpax.training.checkpoint.Checkpointer(ck))
 
 
 def test_resume_refuses_a_changed_meaning_but_allows_other_devices(tmp_path, capsys):

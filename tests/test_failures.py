@@ -6,6 +6,8 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -46,9 +48,49 @@ def test_a_checkpoint_save_that_fails_is_one_line_fast_and_keeps_the_params(
     err = capsys.readouterr().err
     assert code == 1 and took < 60, (code, took)
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert "checkpoint failed (saving step 10" in err and "params of step 10" in err
+    assert "checkpoint failed: not a directory while saving step 10" in err
+    assert "it holds no complete checkpoint; the params of step 10 are in" in err
     with np.load(out / "params.npz") as p:
         assert all(np.all(np.isfinite(p[k])) for k in p.files)
+
+
+@pytest.mark.slow
+def test_a_background_write_that_fails_names_its_own_step_and_what_is_kept(tmp_path, capsys):
+    """Files capped below the checkpoint's largest (RLIMIT_FSIZE: a write past
+    it fails with EFBIG, as a full disk fails with ENOSPC): the resumed run's
+    first save, step 15, fails in the background; the run stops at the next
+    save, step 20, naming step 15 and the kept step 10, and leaves no
+    unfinished directory; a resume from there is the uninterrupted run."""
+    ck, out = tmp_path / "ck", tmp_path / "run"
+    flags = [*RUN, "--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--keep", "2"]
+    assert main(["train", *flags, "--steps", "10"]) == 0
+    largest = max(os.path.getsize(os.path.join(root, f))
+                  for root, _, names in os.walk(ck / "10") for f in names)
+
+    # SIGXFSZ would kill the process; ignored, the write fails with EFBIG.
+    capped = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, "
+              "signal.SIG_IGN); resource.setrlimit(resource.RLIMIT_FSIZE, "
+              f"({largest // 2}, {largest // 2})); sys.argv[0] = 'dpax'; "
+              "runpy.run_module('dpax', run_name='__main__')")
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")  # its entries can be larger
+    p = subprocess.run([sys.executable, "-c", capped, "train", *flags, "--steps", "30",
+                        "--resume"], capture_output=True, text=True, env=env)
+    said = [ln for ln in p.stderr.splitlines() if ln.startswith("dpax:")]
+    assert p.returncode == 1 and len(said) == 1, p.stderr[-3000:]
+    assert said[0].startswith("dpax: error: checkpoint failed: file too large while saving "
+                              f"step 15 in {ck}; the newest complete checkpoint there is step "
+                              "10;"), said
+    assert sorted(os.listdir(ck)) == ["10", "5"]  # 5 not pushed out; no 15.orbax-checkpoint-tmp
+
+    killed = ck / "12.orbax-checkpoint-tmp"  # as a run killed while saving leaves one
+    (killed / "state").mkdir(parents=True)
+    assert main(["train", *flags, "--steps", "30", "--resume", "--out", str(out)]) == 0
+    logged = [json.loads(ln)["step"] for ln in open(out / "metrics.jsonl")]
+    assert logged[0] == 15 and not killed.exists()  # resumed at step 10; swept at its save
+    ref = tmp_path / "uninterrupted"
+    assert main(["train", *RUN, "--steps", "30", "--out", str(ref)]) == 0
+    with np.load(out / "params.npz") as a, np.load(ref / "params.npz") as b:
+        assert all(np.array_equal(a[k], b[k]) for k in b.files)
 
 
 @pytest.mark.slow

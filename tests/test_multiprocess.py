@@ -68,11 +68,22 @@ def test_launch_2x2_equals_1x4_equals_1x1_and_its_checkpoint_resumes_on_2(tmp_pa
                  "--out", str(tmp_path / "resumed")]) == 0
     refs["resumed"] = dict(np.load(tmp_path / "resumed" / "params.npz"))
     # Resumed by 2 processes of 1 device, still fully sharded: each reads its
-    # own halves of the split leaves straight onto its device.
+    # own halves of the split leaves straight onto its device. Step 10 has a
+    # flipped byte in a file whose checksum process 1 checks, not process 0:
+    # both fall back to step 5, and process 0 alone says so.
+    files = dpax.training.checksums.read_manifest(f"{ck}/10")
+    names = sorted(files)
+    theirs = names[dpax.training.checksums.share(names, files, 1, 2)[0]]
+    with open(os.path.join(ck, "10", theirs), "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
     r = launch("--nprocs", "2", "--devices-per-process", "1", "--", *run, "--sharding", "full",
-               "--resume", f"{ck}/5", "--out", str(tmp_path / "relaunched"))
+               "--resume", ck, "--out", str(tmp_path / "relaunched"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resumed at step 5" in r.stdout
+    warned = re.findall(r"^.*warning: checkpoint step 10 .*$", r.stdout + r.stderr, re.M)
+    assert len(warned) == 1 and theirs in warned[0] and "[rank 0]" in warned[0], warned
     refs["resumed by 2 x 1"] = dict(np.load(tmp_path / "relaunched" / "params.npz"))
     capsys.readouterr()
     for name, ref in refs.items():

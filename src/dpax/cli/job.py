@@ -192,22 +192,19 @@ class Loaded:
 def load_checkpoint(path: str, devices: int | None = None,
                     backend: str = DEFAULT_BACKEND) -> Loaded:
     """A Trainer holding a checkpoint's state, on any device count. The model is
-    built from the checkpoint's own shapes: no data is read."""
+    built from the checkpoint's own shapes: no data is read.
+
+    `path` is a checkpoint directory (its newest intact step is read, newer
+    damaged ones named in one warning line) or one step directory (a
+    `DpaxError` if it is damaged)."""
     directory, step = locate(path)
     ckpt = Checkpointer(directory)
-    steps = ckpt.steps()
-    if step is None and not steps:
-        raise DpaxError(f"no checkpoint in {directory}")
-    newest = step if step is not None else steps[-1]
+    step, meta = ckpt.newest_meta(step)
     try:
-        meta = ckpt.read_meta(newest)
         saved = cfg.from_dict(TrainConfig, meta["config"])
-    except DpaxError as e:
-        raise DpaxError(f"checkpoint step {newest} in {directory} was written by another "
+    except (DpaxError, KeyError, TypeError) as e:
+        raise DpaxError(f"checkpoint step {step} in {directory} was written by another "
                         f"version of dpax ({e})") from None
-    except Exception as e:  # Orbax raises many types for damaged files
-        raise DpaxError(f"checkpoint step {newest} in {directory} is unreadable "
-                        f"({type(e).__name__}); give an older step directory") from None
     # The run's sharding where the backend allows it: a model that needed
     # sharding to train needs it to evaluate.
     sharding = saved.trainer.sharding if backend == "shard_map" else "replicated"

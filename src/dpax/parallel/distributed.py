@@ -218,6 +218,14 @@ def any_process(flag: bool) -> bool:
         return bool(np.any(multihost_utils.process_allgather(np.array([flag], np.int32))))
 
 
+def least(value: int) -> int:
+    """The least of every process's `value`, an int32 (a collective, as `any_process`)."""
+    if jax.process_count() == 1:
+        return value
+    with watchdog.waiting():
+        return int(np.min(multihost_utils.process_allgather(np.array([value], np.int32))))
+
+
 def from_process_0(flag: bool) -> bool:
     """Process 0's `flag`, on every process (a collective, as `any_process`)."""
     if jax.process_count() == 1:

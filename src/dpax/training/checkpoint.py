@@ -4,15 +4,21 @@ in one atomic step directory; async saves; exact, elastic, corruption-aware resu
 A step directory holds three items: `state` (one logical copy of the
 TrainState, so it restores onto any device count), `data` (the Grain iterator's
 position, one file per process) and `meta` (the resolved run config and what is
-needed to rebuild the model). Orbax writes into a temporary directory and
-renames it when complete, so a half-written save is never taken for a good one.
+needed to rebuild the model), and the checksums of their files
+(`dpax.training.checksums`). Orbax writes into a temporary directory and
+renames it when complete, so a half-written save is never taken for a good
+one; the checksums are written just before that rename, and checked before
+a step is read, so a step damaged since is never trained from or evaluated.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
+import re
+import shutil
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +31,8 @@ import orbax.checkpoint as ocp
 
 from dpax import config as cfg
 from dpax.errors import DpaxError, RunFailed
-from dpax.parallel import watchdog
+from dpax.parallel import distributed, watchdog
+from dpax.training import checksums
 
 LATEST, AUTO = "latest", "auto"  # --resume alone; --resume auto
 
@@ -62,7 +69,7 @@ class CheckpointConfig:
 
 class Checkpointer:
     """Saves when asked (`hooks.Checkpoint` asks every N steps), keeps the
-    newest `keep`; restores the newest readable one.
+    newest `keep`; restores the newest intact one.
 
     Args:
       directory: where step directories go (created if missing).
@@ -71,12 +78,19 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep: int = 3):
         self.directory = os.path.abspath(directory)
+        self._writing: int | None = None  # the step whose files are being written
+        self._swept = False  # of the unfinished saves of earlier runs
+        self._damage: dict[int, checksums.Damage | None] = {}  # steps checked so far
         # Step directories are made before save() returns, so a directory that
         # cannot be made fails there, at once; made in the background, the
         # failure left Orbax's other threads waiting minutes for its signal.
+        # The checksums are written by the primary process once every process's
+        # files are, before Orbax renames the step into place: a step directory
+        # without them was not committed by this code.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, create=True,
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
+                                           post_finalization_callback=self._write_checksums))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: dict, data: Any, meta: dict) -> bool:
@@ -84,8 +98,9 @@ class Checkpointer:
         so the next (donating) step may run; the files are written in the background.
         A state that is not finite is not saved (False): it would push a good
         checkpoint out of the newest `keep`."""
-        if step in self.manager.all_steps():
-            return True
+        exists = step in self.manager.all_steps()
+        if exists and self._damage.get(step) is None:
+            return True  # saved already (the periodic save of the last step)
         if not all_finite(state, step):
             print(f"dpax: warning: step {step} was not checkpointed: its state is not "
                   "finite (a non-finite step applied, which skip_nonfinite=True skips, "
@@ -95,26 +110,73 @@ class Checkpointer:
         args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if data is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data)
+        # Orbax's save would wait for the previous one too; waited for here, a
+        # failure of its write is told as that step's, and the checksums
+        # callback never sees `_writing` change under it.
+        self._wait()
+        if exists:  # a restore found it damaged and fell back past it: saved anew
+            self.manager.delete(step)
+            del self._damage[step]
+        if not self._swept:
+            self._remove_unfinished()
+            self._swept = True
         # A save waits on the previous one and meets every process at a
         # barrier: a peer that stopped would hang it, so the watchdog times it.
-        with self._failing_as(f"saving step {step}"), watchdog.waiting(step):
+        self._writing = step
+        with self._failing(step), watchdog.waiting(step):
             self.manager.save(step, args=ocp.args.Composite(**args))
         return True
 
     def close(self) -> None:
         """Wait until every started save is on disk (a background write that
         failed raises here), then release the manager."""
-        with self._failing_as("finishing the last save"), watchdog.waiting():
-            self.manager.wait_until_finished()
+        self._wait()
         self.manager.close()
 
+    def _wait(self) -> None:
+        with self._failing(self._writing), watchdog.waiting():
+            self.manager.wait_until_finished()
+
+    def _write_checksums(self) -> None:
+        checksums.write(self._unfinished(self._writing))
+
+    def _unfinished(self, step: int) -> str:
+        """Where Orbax writes `step` until it is complete."""
+        return os.path.join(self.directory, f"{step}{ocp.path.step.TMP_DIR_SUFFIX}")
+
+    def _remove_unfinished(self) -> None:
+        """Remove the temporary directories of saves that never completed (a
+        run killed while saving): they are never read, and only take space.
+        Done at this Checkpointer's first save, not when it is made: a reader
+        (`dpax eval` while a run trains) must not remove a save in progress."""
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            if name.endswith(ocp.path.step.TMP_DIR_SUFFIX):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
     @contextlib.contextmanager
-    def _failing_as(self, what: str):
+    def _failing(self, step: int | None):
+        """Turn a failure of saving `step` into one RunFailed line that says
+        what is kept; the step's unfinished directory is removed."""
         try:
             yield
         except Exception as e:  # Orbax and the filesystem raise many types
-            raise RunFailed(f"checkpoint failed ({what} in {self.directory}: "
-                            f"{type(e).__name__}: {_first_line(e)})") from None
+            if step is not None and jax.process_index() == 0:
+                shutil.rmtree(self._unfinished(step), ignore_errors=True)
+            raise RunFailed(f"checkpoint failed: {_cause(e)} while saving step {step} in "
+                            f"{self.directory}; {self._kept()}") from None
+
+    def _kept(self) -> str:
+        """The newest complete checkpoint on disk, for a failure's message."""
+        try:
+            self.manager.reload()
+            steps = self.manager.all_steps()
+        except Exception:  # the directory itself may be what failed
+            steps = []
+        if not steps:
+            return "it holds no complete checkpoint"
+        return f"the newest complete checkpoint there is step {max(steps)}"
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -125,20 +187,49 @@ class Checkpointer:
         counts = {n.split("-of-")[1].split(".")[0] for n in names if "-of-" in n}
         return int(counts.pop()) if len(counts) == 1 else None
 
+    def damage(self, step: int) -> checksums.Damage | None:
+        """What is damaged in `step`'s files (None when they match their
+        checksums). Every process checks a share and all agree on the answer,
+        so every process reads the same step; checked once per Checkpointer."""
+        if step not in self._damage:
+            step_dir = os.path.join(self.directory, str(step))
+            found = checksums.check(step_dir, jax.process_index(), jax.process_count())
+            rank = distributed.least(checksums.INTACT if found is None else found.rank)
+            if rank == checksums.INTACT:
+                found = None
+            elif found is None or found.rank != rank:  # a peer found it
+                found = checksums.damage(step_dir, rank)
+            self._damage[step] = found
+        return self._damage[step]
+
     def read_meta(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(
-            meta=ocp.args.JsonRestore())).meta
+        """The run metadata saved with `step`; a `DpaxError` if the step is damaged."""
+        return self.newest_meta(step)[1]
+
+    def newest_meta(self, step: int | None = None, warn=None) -> tuple[int, dict]:
+        """(step, meta) of `step`, or of the newest intact step: newer damaged
+        ones are named in one warning line. A `DpaxError` if `step` is
+        damaged, or every step is."""
+        fallback = _Fallback(self.directory, named=step is not None)
+        for s in self._candidates(step):
+            accepted = self._accept(s, fallback)
+            if accepted is not None:
+                fallback.settle(s, warn)
+                return s, accepted[0]
+        raise fallback.exhausted()
 
     def restore(self, template: dict, data: Any, step: int | None = None, warn=None,
                 check: Callable[[dict], None] | None = None,
                 before_read: Callable[[], None] | None = None) -> tuple[int, dict, dict]:
-        """Restore `step`, or the newest readable step, falling back past
-        unreadable ones with a one-line warning each.
+        """Restore `step`, or the newest intact step, falling back past
+        damaged ones (named in one warning line).
 
         Args:
           template: the state's {path: ShapeDtypeStruct}; a checkpoint whose
             state has other paths or shapes was saved for another model or data,
             which is a `DpaxError`, not damage.
+          step: the step to restore; if it is damaged, a `DpaxError` (no fallback).
+          warn: a text stream for the warning line (default: stderr).
           check: called with the checkpoint's meta before its state is read; it
             raises to refuse (e.g. a resume that changes what is trained).
           before_read: called once the checkpoint is accepted, just before its
@@ -147,16 +238,12 @@ class Checkpointer:
         Returns:
           (step, state dict, meta).
         """
-        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
-        if not candidates:
-            raise DpaxError(f"no checkpoint in {self.directory}; train without `resume` first")
-        for s in candidates:
-            try:
-                meta = self.read_meta(s)
-                saved = self._saved_shapes(s)
-            except Exception as e:  # Orbax raises many types for damaged files
-                self._unreadable(s, e, warn)
+        fallback = _Fallback(self.directory, named=step is not None)
+        for s in self._candidates(step):
+            accepted = self._accept(s, fallback)
+            if accepted is None:
                 continue
+            meta, saved = accepted
             if check is not None:
                 check(meta)
             mismatch = _mismatch(saved, template)
@@ -172,23 +259,116 @@ class Checkpointer:
                 before_read()
             try:
                 restored = self.manager.restore(s, args=ocp.args.Composite(**args))
-            except Exception as e:
-                self._unreadable(s, e, warn)
+            except Exception as e:  # Orbax raises many types for damaged files
+                fallback.skip(s, _unreadable(e))
                 continue
+            fallback.settle(s, warn)
             return s, dict(restored.state), dict(meta, data_restored="data" in args)
-        raise DpaxError(f"no readable checkpoint in {self.directory} (tried steps "
-                        f"{', '.join(map(str, candidates))}); their files are damaged")
+        raise fallback.exhausted()
 
-    def _unreadable(self, step: int, e: Exception, warn) -> None:
-        print(f"dpax: warning: checkpoint step {step} in {self.directory} is unreadable "
-              f"({type(e).__name__}: {_first_line(e)[:120]}); trying an older one",
-              file=warn or sys.stderr, flush=True)
+    def _candidates(self, step: int | None) -> list[int]:
+        """The steps to try, newest first: `step` alone when given."""
+        steps = self.steps()
+        if step is not None and step not in steps:
+            held = ", ".join(map(str, steps)) or "none"
+            raise DpaxError(f"no checkpoint step {step} in {self.directory} (it holds: "
+                            f"{held})")
+        if not steps:
+            raise DpaxError(f"no checkpoint in {self.directory}")
+        return [step] if step is not None else steps[::-1]
+
+    def _accept(self, step: int, fallback: _Fallback) -> tuple[dict, dict] | None:
+        """(meta, saved shapes) of an intact, readable step; else None, told to
+        `fallback` (which raises when the step was named)."""
+        found = self.damage(step)
+        if found is not None:
+            fallback.skip(step, found.text)
+            return None
+        error = None
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore())).meta
+            saved = self._saved_shapes(step)
+        except Exception as e:  # Orbax raises many types for damaged files
+            error = e
+        # Agreed, as the damage is: a process that could not read it must not
+        # be the only one to fall back.
+        if distributed.any_process(error is not None):
+            fallback.skip(step, _unreadable(error) if error else "unreadable by another process")
+            return None
+        return meta, saved
 
     def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
         """{path: shape} of a step's saved state, from its metadata alone."""
         path = self.manager.directory / str(step) / "state"
         saved = ocp.StandardCheckpointHandler().metadata(path)
         return {k: tuple(v.shape) for k, v in saved.items()}
+
+
+class _Fallback:
+    """The steps a read passed over as damaged, told in one line once it
+    settles on one; a named step is not passed over: it is an error."""
+
+    def __init__(self, directory: str, named: bool):
+        self.directory, self.named = directory, named
+        self.skipped: list[tuple[int, str]] = []
+
+    def skip(self, step: int, why: str) -> None:
+        self.skipped.append((step, why))
+        if self.named:
+            raise DpaxError(f"checkpoint {self._damaged()}; give the directory "
+                            f"{self.directory} to use its newest intact step{self._vouch()}")
+
+    def settle(self, step: int, warn=None) -> None:
+        if self.skipped and jax.process_index() == 0:
+            print(f"dpax: warning: checkpoint {self._damaged()}; using step {step}",
+                  file=warn or sys.stderr, flush=True)
+
+    def exhausted(self) -> DpaxError:
+        return DpaxError(f"no intact checkpoint: {self._damaged()}; restore the directory "
+                         f"from a copy, or train again{self._vouch()}")
+
+    def _damaged(self) -> str:
+        """e.g. `step 30 in DIR is damaged (state/x does not match its checksum)`."""
+        if len(self.skipped) == 1:
+            (step, why), = self.skipped
+            return f"step {step} in {self.directory} is damaged ({why})"
+        each = ", ".join(f"{step} ({why})" for step, why in self.skipped)
+        return f"steps {each} in {self.directory} are damaged"
+
+    def _vouch(self) -> str:
+        """How to vouch for a step without checksums (an older dpax's, maybe)."""
+        if not any(checksums.MANIFEST in why for _, why in self.skipped):
+            return ""
+        return (" (a step you trust that has no checksums gets them from "
+                "`dpax.training.checksums.write(STEP_DIR)`)")
+
+
+def _unreadable(e: Exception) -> str:
+    """A read's failure, for a damaged step's message."""
+    return f"unreadable: {type(e).__name__}: {_first_line(e)[:120]}"
+
+
+def _cause(e: Exception) -> str:
+    """A failed save's cause in words: the OS error's, where there is one
+    (Orbax's writes report it as text, `[os_error_code='28']`)."""
+    for err in _chain(e):
+        code = getattr(err, "errno", None)
+        if code is None:
+            found = re.search(r"os_error_code='?(\d+)", str(err))
+            code = int(found.group(1)) if found else None
+        if code in errno.errorcode:
+            return os.strerror(code).lower()
+    return f"{type(e).__name__}: {_first_line(e)}"
+
+
+def _chain(e: BaseException):
+    """`e` and the exceptions it was raised from or during."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
 
 
 @jax.jit
