@@ -75,11 +75,14 @@ def test_a_background_write_that_fails_names_its_own_step_and_what_is_kept(tmp_p
     env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")  # its entries can be larger
     p = subprocess.run([sys.executable, "-c", capped, "train", *flags, "--steps", "30",
                         "--resume"], capture_output=True, text=True, env=env)
-    said = [ln for ln in p.stderr.splitlines() if ln.startswith("dpax:")]
+    said = p.stderr.splitlines()  # Orbax's errors and tracebacks go to the details file
     assert p.returncode == 1 and len(said) == 1, p.stderr[-3000:]
     assert said[0].startswith("dpax: error: checkpoint failed: file too large while saving "
                               f"step 15 in {ck}; the newest complete checkpoint there is step "
                               "10;"), said
+    details = said[0].rsplit("(details in ", 1)[1].rstrip(")")
+    assert "Traceback" in open(details).read()
+    os.remove(details)
     assert sorted(os.listdir(ck)) == ["10", "5"]  # 5 not pushed out; no 15.orbax-checkpoint-tmp
 
     killed = ck / "12.orbax-checkpoint-tmp"  # as a run killed while saving leaves one
