@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from dpax import config as cfg
-from dpax.data import resident
+from dpax.data import checks, resident
 from dpax.data.augment import Augment
 from dpax.data.batches import MASK, batch_rows, padded_size
 from dpax.data.pipeline import (
@@ -221,6 +221,11 @@ class Trainer:
         # model's device and kept until here were the run's peak.
         state = _on_host(state)
         check_optimizer(optimizer, state)
+        # The model's shapes alone: the checks read its number of outputs from them.
+        self._model_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                         (state.params, state.model_state))
+        self._output_specs: dict = {}  # (example shape, dtype) -> the model's output
+        self._rule = checks.rule_of(loss_fn)
         self.layout = make_layout(config.sharding, self.backend, state, config.grad_accum)
         self._specs = layouts.specs(self.layout)
         self.state = self.backend.put_state(layouts.stored(self.layout, state), self._specs)
@@ -308,7 +313,10 @@ class Trainer:
             most 1/8 of an accelerator's free memory, not on CPU devices;
             always with `batches` from `train_input(..., indices=True)`.
         """
+        checks.batch_size(batch_size)
         data = examples(data, y)
+        given = self._examples(data, positional=y is not None)
+        checks.check(given, self._rule)
         plan = BatchPlan(batch_rows(data), batch_size, seed)
         total = plan.total_steps(until_step, epochs, steps_name="until_step")
         start = self.step
@@ -339,7 +347,13 @@ class Trainer:
                 augment.check(data["x"].shape[1:])
             batches = train_input(data, plan, self.backend.local_rows(size), start, total,
                                   augment, data_workers)
-        sized = ((size, b) for b in itertools.islice(batches, max(total - start, 0)))
+        feed = batches
+        if made_here and not given.read_whole:  # arrays read per batch: the first one's
+            feed = self._first_checked(batches, given)
+        elif not made_here and not indices_given:  # batches of their own: the first
+            feed = self._first_checked(batches, dataclasses.replace(
+                given, argument="batches", positional=False))
+        sized = ((size, b) for b in itertools.islice(feed, max(total - start, 0)))
         try:
             return self._train(sized, start, total, log_every, hooks, plan.steps_per_epoch,
                                self._resident(data, placed) if on_device else None)
@@ -362,8 +376,13 @@ class Trainer:
         at most once per bucket, however many sizes arrive. Default buckets:
         N*K times powers of two (N devices, K micro-batches).
         """
-        sized = bucketed(batches, self.n_devices * self.grad_accum, buckets,
-                         self.backend.local_rows)
+        def check_first(batch):
+            batch = examples(batch, argument="batches")
+            checks.check(self._examples(batch, argument="batches", first_batch=True),
+                         self._rule)
+
+        sized = bucketed(checks.first_checked(batches, check_first),
+                         self.n_devices * self.grad_accum, buckets, self.backend.local_rows)
         return self._train(sized, self.step, None, log_every, hooks)
 
     def _train(self, sized, start, total, log_every, hooks, steps_per_epoch=None,
@@ -430,6 +449,40 @@ class Trainer:
     def _zero_sums(self, size: int | None, host_batch: dict) -> dict:
         return self._steps.zero_sums(self._leaves, self._input(host_batch, size))
 
+    # -- checks of the examples, before the first step (`dpax.data.checks`) -------------
+    def _examples(self, data: dict, argument: str = "data", positional: bool = False,
+                  first_batch: bool = False) -> checks.Examples:
+        return checks.Examples(data, argument, positional, first_batch=first_batch,
+                               outputs=self._model_output)
+
+    def _first_checked(self, batches: Iterable[dict], named: checks.Examples,
+                       rule: bool = True) -> Iterator[dict]:
+        """`batches` (this process's padded host batches) with the first one
+        checked whole, its arrays named as `named` names them; `rule`: the
+        loss's too."""
+        def check_first(batch):
+            arrays = {k: v for k, v in batch.items() if k != MASK}
+            checks.check(dataclasses.replace(named, arrays=arrays, first_batch=True),
+                         self._rule if rule else None)
+
+        return checks.first_checked(batches, check_first)
+
+    def _model_output(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
+        """The model's output for a batch of one example of `shape` and
+        `dtype`, in eval mode, from shapes alone: traced once per input shape."""
+        key = (tuple(shape), np.dtype(dtype))
+        if key not in self._output_specs:
+            graphdef = self._graphdef
+
+            def call(params, rest, x):
+                model = nnx.merge(graphdef, params, rest)
+                model.eval()
+                return model(x)
+
+            example = jax.ShapeDtypeStruct((1, *shape), dtype)
+            self._output_specs[key] = jax.eval_shape(call, *self._model_specs, example)
+        return self._output_specs[key]
+
     def _warn_idle(self, batch_size: int, n_examples: int, size: int) -> None:
         """Padding fills the devices after the real rows: warn when some
         devices hold no real row at all (their compute is wasted)."""
@@ -465,11 +518,15 @@ class Trainer:
     def evaluate(self, data: Any, y: Any = None, batch_size: int = EVAL_BATCH) -> dict:
         """Mean loss and metrics over every example (`data` as `fit` takes it),
         each counted once."""
+        checks.batch_size(batch_size)
         data = examples(data, y)
+        given = self._examples(data, positional=y is not None)
+        checks.check(given, self._rule)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
         sums, queue, compiled = [], loop.InFlight(self._in_flight()), set()
-        for b in eval_batches(data, batch_size, rows):
+        batches = eval_batches(data, batch_size, rows)
+        for b in batches if given.read_whole else self._first_checked(batches, given):
             with watchdog.calling(compiled, self._steps.eval):
                 sums.append(self._steps.eval(self._leaves, self._input(b, size)))
             queue.add(sums[-1])
@@ -482,11 +539,17 @@ class Trainer:
         if self._steps.predict is None:
             raise DpaxError("this Trainer was built without `predict_fn`; pass one to Trainer, "
                             "e.g. `predict_fn=dpax.classification_predict`")
+        checks.batch_size(batch_size)
+        positional = not isinstance(data, dict)
         data = examples(data)
+        given = self._examples(data, positional=positional)
+        checks.check(given)  # no loss: `predict_fn` reads what it reads
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
         outs, queue, compiled = [], loop.InFlight(self._in_flight()), set()
-        for b in eval_batches(data, batch_size, rows):
+        batches = eval_batches(data, batch_size, rows)
+        for b in (batches if given.read_whole
+                  else self._first_checked(batches, given, rule=False)):
             with watchdog.calling(compiled, self._steps.predict):
                 outs.append(self._steps.predict(self._leaves, self._input(b, size)))
             queue.add(outs[-1])
