@@ -2,7 +2,7 @@
 losses' rules in `dpax.models.losses`): each bad input is its `DpaxError`
 subclass, naming the argument, through `fit`, `fit_stream`, `evaluate` and
 `predict`, with nothing compiled; legal inputs of unusual shapes still
-train."""
+train; and `TooManyBadSteps` says what was not finite."""
 
 import jax
 import numpy as np
@@ -235,6 +235,52 @@ def test_the_models_outputs_are_traced_once_per_input_shape(monkeypatch):
     t.evaluate(x, y)
     t.fit_stream(iter([{"x": x, "y": y}]))
     assert [c for c in calls if "_model_output" in c] == ["Trainer._model_output.<locals>.call"]
+
+
+# -- TooManyBadSteps says what was found ----------------------------------------------------
+def stream_then(bad_batch, **options):
+    """A Trainer stopped by bad batches after a good first one (only the first
+    of a stream is checked)."""
+    x, y = data(32)
+    t = mlp_trainer(N, max_bad_steps=2, **options)
+    with pytest.raises(dpax.TooManyBadSteps) as e:
+        t.fit_stream(iter([{"x": x, "y": y}] + [bad_batch(x, y)] * 3), log_every=1)
+    finite = all(np.isfinite(a).all() for a in leaves(t))
+    return e.value, finite
+
+
+def labels_past_the_outputs(x, y):
+    return {"x": x, "y": y + 10}
+
+
+def nan_inputs(x, y):
+    return {"x": np.full_like(x, np.nan), "y": y}
+
+
+def test_bad_steps_applied_name_the_loss_and_the_params_as_they_are():
+    # Labels past the model's outputs: a NaN loss, a finite gradient (no
+    # output to push), so the params stay finite.
+    e, finite = stream_then(labels_past_the_outputs)
+    assert (e.loss_finite, e.gradient_finite, e.params_finite, e.skipped) == (
+        False, None, True, False) and finite
+    assert "applied (skip_nonfinite=False): the loss was not finite; the params are " \
+           "finite. To go on, check the data" in str(e)
+    e, finite = stream_then(nan_inputs)
+    assert (e.loss_finite, e.params_finite) == (False, False) and not finite
+    assert "the params are not finite. To go on, resume from the last checkpoint with " \
+           "`skip_nonfinite=True`" in str(e)
+    assert (e.steps, e.limit) == (2, 2) and "\n" not in str(e)
+
+
+def test_bad_steps_skipped_name_the_gradient_or_the_loss():
+    e, finite = stream_then(nan_inputs, skip_nonfinite=True)
+    assert (e.loss_finite, e.gradient_finite, e.params_finite, e.skipped) == (
+        None, False, True, True) and finite
+    assert "were skipped: the gradient was not finite, or the batch weighed nothing; the " \
+           "params are the last good ones" in str(e)
+    e, finite = stream_then(labels_past_the_outputs, clip_norm=1.0, skip_nonfinite=True)
+    assert (e.loss_finite, e.gradient_finite, e.params_finite) == (False, True, True)
+    assert "were skipped: the loss was not finite" in str(e) and finite
 
 
 def test_a_loss_declares_its_rule_through_partial():

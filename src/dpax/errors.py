@@ -95,7 +95,22 @@ class RunFailed(DpaxException, RuntimeError):
 
 
 class TooManyBadSteps(DpaxException, RuntimeError):
-    """Too many consecutive non-finite steps; the state holds the last good params."""
+    """Too many consecutive non-finite steps (`steps` of them, at most `limit`).
+
+    What was found when they stopped: `loss_finite` (the loss logged since
+    the last log; None when the steps were skipped, whose losses are not
+    logged), `gradient_finite` (the last step's gradient norm; None unless
+    the step computes it: `skip_nonfinite=True` or `clip_norm`),
+    `params_finite` (read then). `skipped`: whether the steps were skipped
+    (the params are the last good ones) or applied."""
+
+    def __init__(self, message: str, *, steps: int | None = None, limit: int | None = None,
+                 skipped: bool | None = None, loss_finite: bool | None = None,
+                 gradient_finite: bool | None = None, params_finite: bool | None = None):
+        super().__init__(message)
+        self.steps, self.limit, self.skipped = steps, limit, skipped
+        self.loss_finite, self.gradient_finite = loss_finite, gradient_finite
+        self.params_finite = params_finite
 
 
 class Preempted(DpaxException, RuntimeError):

@@ -500,19 +500,46 @@ class Trainer:
         row = metrics.summarize([self._steps.packing.unpack(h) for h in host])
         bad = int(row.pop("bad_in_a_row", 0))
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
-            # Without the guard nothing reads the gradient: the loss counts.
-            fixes = ("lower the learning rate, clip gradients (`clip_norm`) or check the "
-                     "data for NaNs and for batches with nothing to learn from")
-            if self.config.skip_nonfinite:
-                what, happened = "loss or gradient", "skipped; the params are the last good ones"
-            else:
-                what, happened = "loss", "applied (skip_nonfinite=False); the params are not finite"
-                fixes = ("resume from the last checkpoint with `skip_nonfinite=True`, which "
-                         f"skips such steps, or {fixes}")
-            raise TooManyBadSteps(
-                f"{bad} steps in a row (limit {self.max_bad_steps}) had a non-finite {what}, "
-                f"or no weight, and were {happened}. To go on, {fixes}")
+            raise self._too_many_bad_steps(bad, row)
         return row
+
+    def _too_many_bad_steps(self, bad: int, row: dict) -> TooManyBadSteps:
+        """The error of `bad` bad steps in a row, saying what was not finite:
+        from the row (the loss since the last log, the last step's gradient
+        norm where the step computes one) and the params, read now (an error
+        path: a host read is fine)."""
+        skipped = self.config.skip_nonfinite
+        norm = row.get("grad_norm")
+        gradient = None if norm is None else bool(np.isfinite(norm))
+        # A skipped step's loss is not in the row; a finite norm (its sum of
+        # squares over a weight > 0) leaves the loss as what was not finite.
+        loss = (False if gradient else None) if skipped else bool(np.isfinite(row["loss"]))
+        params = all(np.isfinite(a).all() for a in jax.tree.leaves(self.params)
+                     if jnp.issubdtype(a.dtype, jnp.inexact))
+        if loss is False:
+            found = "the loss was not finite"
+        elif gradient is False:
+            found = "the gradient was not finite, or the batch weighed nothing"
+        else:  # a finite loss (and gradient): the step's batch weighed nothing
+            found = "the batch weighed nothing (0/0)"
+        if skipped:
+            happened = "were skipped"
+        else:
+            happened = "were applied (skip_nonfinite=False)"
+        state = ("the params are the last good ones" if skipped and params
+                 else f"the params are {'' if params else 'not '}finite")
+        fixes = ("lower the learning rate, clip gradients (`clip_norm`) or check the data for "
+                 "NaNs and for batches with nothing to learn from")
+        if not params:
+            fixes = ("resume from the last checkpoint with `skip_nonfinite=True`, which skips "
+                     f"such steps, or {fixes}")
+        elif not skipped and loss is False:
+            fixes = ("check the data for NaNs and for values the loss cannot take (labels the "
+                     "model has no output for), or skip such steps with `skip_nonfinite=True`")
+        return TooManyBadSteps(
+            f"{bad} bad steps in a row (limit {self.max_bad_steps}) {happened}: {found}; "
+            f"{state}. To go on, {fixes}", steps=bad, limit=self.max_bad_steps,
+            skipped=skipped, loss_finite=loss, gradient_finite=gradient, params_finite=params)
 
     # -- evaluation and prediction --------------------------------------------------
     def evaluate(self, data: Any, y: Any = None, batch_size: int = EVAL_BATCH) -> dict:
