@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -313,10 +313,7 @@ class Trainer:
             most 1/8 of an accelerator's free memory, not on CPU devices;
             always with `batches` from `train_input(..., indices=True)`.
         """
-        checks.batch_size(batch_size)
-        data = examples(data, y)
-        given = self._examples(data, positional=y is not None)
-        checks.check(given, self._rule)
+        data, given = self._checked(data, y, batch_size)
         plan = BatchPlan(batch_rows(data), batch_size, seed)
         total = plan.total_steps(until_step, epochs, steps_name="until_step")
         start = self.step
@@ -347,12 +344,13 @@ class Trainer:
                 augment.check(data["x"].shape[1:])
             batches = train_input(data, plan, self.backend.local_rows(size), start, total,
                                   augment, data_workers)
-        feed = batches
-        if made_here and not given.read_whole:  # arrays read per batch: the first one's
-            feed = self._first_checked(batches, given)
-        elif not made_here and not indices_given:  # batches of their own: the first
+        if made_here:
+            feed = self._rest_checked(batches, given)
+        elif not indices_given:  # batches of their own: their first is checked
             feed = self._first_checked(batches, dataclasses.replace(
                 given, argument="batches", positional=False))
+        else:
+            feed = batches
         sized = ((size, b) for b in itertools.islice(feed, max(total - start, 0)))
         try:
             return self._train(sized, start, total, log_every, hooks, plan.steps_per_epoch,
@@ -450,10 +448,28 @@ class Trainer:
         return self._steps.zero_sums(self._leaves, self._input(host_batch, size))
 
     # -- checks of the examples, before the first step (`dpax.data.checks`) -------------
+    def _checked(self, data: Any, y: Any, batch_size: Any,
+                 rule: bool = True) -> tuple[dict, checks.Examples]:
+        """The examples of `data` (and `y`) as `examples` makes them, and how
+        they were given, after the checks of `batch_size` and of every array
+        read here (in memory); `rule`: the loss's rule too."""
+        checks.batch_size(batch_size)
+        positional = not isinstance(data, Mapping)
+        data = examples(data, y)
+        given = self._examples(data, positional=positional)
+        checks.check(given, self._rule if rule else None)
+        return data, given
+
     def _examples(self, data: dict, argument: str = "data", positional: bool = False,
                   first_batch: bool = False) -> checks.Examples:
         return checks.Examples(data, argument, positional, first_batch=first_batch,
                                outputs=self._model_output)
+
+    def _rest_checked(self, batches: Iterable[dict], given: checks.Examples,
+                      rule: bool = True) -> Iterable[dict]:
+        """`batches` made of `given`, the first checked if `given` holds
+        arrays not read yet (read per batch: `checks.in_memory`)."""
+        return batches if given.read_whole else self._first_checked(batches, given, rule)
 
     def _first_checked(self, batches: Iterable[dict], named: checks.Examples,
                        rule: bool = True) -> Iterator[dict]:
@@ -545,15 +561,11 @@ class Trainer:
     def evaluate(self, data: Any, y: Any = None, batch_size: int = EVAL_BATCH) -> dict:
         """Mean loss and metrics over every example (`data` as `fit` takes it),
         each counted once."""
-        checks.batch_size(batch_size)
-        data = examples(data, y)
-        given = self._examples(data, positional=y is not None)
-        checks.check(given, self._rule)
+        data, given = self._checked(data, y, batch_size)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
         sums, queue, compiled = [], loop.InFlight(self._in_flight()), set()
-        batches = eval_batches(data, batch_size, rows)
-        for b in batches if given.read_whole else self._first_checked(batches, given):
+        for b in self._rest_checked(eval_batches(data, batch_size, rows), given):
             with watchdog.calling(compiled, self._steps.eval):
                 sums.append(self._steps.eval(self._leaves, self._input(b, size)))
             queue.add(sums[-1])
@@ -566,17 +578,12 @@ class Trainer:
         if self._steps.predict is None:
             raise DpaxError("this Trainer was built without `predict_fn`; pass one to Trainer, "
                             "e.g. `predict_fn=dpax.classification_predict`")
-        checks.batch_size(batch_size)
-        positional = not isinstance(data, dict)
-        data = examples(data)
-        given = self._examples(data, positional=positional)
-        checks.check(given)  # no loss: `predict_fn` reads what it reads
+        # No loss runs: `predict_fn` reads what it reads.
+        data, given = self._checked(data, None, batch_size, rule=False)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
         outs, queue, compiled = [], loop.InFlight(self._in_flight()), set()
-        batches = eval_batches(data, batch_size, rows)
-        for b in (batches if given.read_whole
-                  else self._first_checked(batches, given, rule=False)):
+        for b in self._rest_checked(eval_batches(data, batch_size, rows), given, rule=False):
             with watchdog.calling(compiled, self._steps.predict):
                 outs.append(self._steps.predict(self._leaves, self._input(b, size)))
             queue.add(outs[-1])
