@@ -344,13 +344,13 @@ class Trainer:
                 augment.check(data["x"].shape[1:])
             batches = train_input(data, plan, self.backend.local_rows(size), start, total,
                                   augment, data_workers)
-        if made_here:
+        if on_device:  # batches of example indices: the examples were checked above
+            feed = batches
+        elif made_here:
             feed = self._rest_checked(batches, given)
-        elif not indices_given:  # batches of their own: their first is checked
+        else:  # batches of their own: their first is checked
             feed = self._first_checked(batches, dataclasses.replace(
                 given, argument="batches", positional=False))
-        else:
-            feed = batches
         sized = ((size, b) for b in itertools.islice(feed, max(total - start, 0)))
         try:
             return self._train(sized, start, total, log_every, hooks, plan.steps_per_epoch,
