@@ -61,7 +61,7 @@ STRUCTURE = {  # checked on every batch of a stream: no "first batch"
 }
 NAMES = {"fit_stream": {"x": "`batches`['x']", "y": "`batches`['y']", "all": "`batches`"},
          "fit": {"x": "`data`", "y": "`y`", "all": "`data`"}}
-NAMES["evaluate"] = NAMES["fit"]
+NAMES["evaluate"] = NAMES["check"] = NAMES["fit"]
 
 
 def nothing_ran(t):
@@ -75,11 +75,13 @@ def call(t, how, x, y, batch_size=16):
         t.fit_stream(iter([{"x": x, "y": y}] * 3))
     elif how == "evaluate":
         t.evaluate(x, y, batch_size=batch_size)
+    elif how == "check":  # the checks alone
+        t.check(x, y, batch_size=batch_size)
     else:
         t.predict(x, batch_size=batch_size)
 
 
-@pytest.mark.parametrize("how", ["fit", "fit_stream", "evaluate"])
+@pytest.mark.parametrize("how", ["fit", "fit_stream", "evaluate", "check"])
 @pytest.mark.parametrize("case", list(BAD) + list(STRUCTURE))
 def test_bad_examples_are_refused_before_any_step(case, how):
     if case in BAD:
@@ -108,7 +110,7 @@ def test_predict_checks_its_inputs(case):
     assert message.format(x="`data`") in str(e.value) and nothing_ran(t)
 
 
-@pytest.mark.parametrize("how", ["fit", "evaluate", "predict"])
+@pytest.mark.parametrize("how", ["fit", "evaluate", "predict", "check"])
 @pytest.mark.parametrize("size", [0, -3, 2.5, True])
 def test_a_batch_size_below_one_is_named(how, size):
     x, y = data()
@@ -130,16 +132,17 @@ def test_a_dict_without_the_keys_the_loss_reads_is_named():
     assert nothing_ran(t)
 
 
-def test_batches_of_their_own_are_checked_on_the_first_and_named():
-    """`fit(batches=...)`: the data is checked whole, the batches (made from
-    other data here) on the first."""
+def test_batches_given_to_fit_are_checked_on_their_first():
+    """`fit(batches=...)`: the data is checked whole, the batches (its
+    batches, by contract: here made of other labels) on the first, named
+    as the data they stand for (the CLI's come from `--data`)."""
     x, y = data()
     t = mlp_trainer(N)
     plan = dpax.BatchPlan(len(x), 16, seed=0)
     rows = t.backend.local_rows(t.padded(16))
     bad = pipeline.train_input({"x": x, "y": y + 20}, plan, rows, 0, 4)
-    with pytest.raises(BadLabels, match=r"the first batch of `batches`\['y'\] holds class ids "
-                                        r"up to 2\d, but the model has 10 outputs"):
+    with pytest.raises(BadLabels, match=r"the first batch of `y` holds class ids up to 2\d, "
+                                        r"but the model has 10 outputs"):
         t.fit(x, y, batch_size=16, until_step=4, batches=bad)
     assert nothing_ran(t)
 
@@ -156,7 +159,7 @@ class Reads(sources.ArrayTable):
         return super().read(idx)
 
 
-@pytest.mark.parametrize("how", ["fit", "evaluate", "predict"])
+@pytest.mark.parametrize("how", ["fit", "evaluate", "predict", "check"])
 def test_columns_read_per_batch_are_checked_on_their_first_batch_only(how):
     """Inputs on disk are not read whole to be checked: a NaN in the first
     batch is refused when that batch is read, before the step."""

@@ -40,6 +40,14 @@ def bad_inputs(tmp_path):
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(bytes(range(256)))
     nan_y = np.where(np.arange(10) % 3, 1.0, np.nan)
+    streamed = tmp_path / "streamed.parquet"  # inputs read per batch: checked on the first
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    nan_x = np.ones((10, 3), np.float32)
+    nan_x[2, 1] = np.nan
+    pq.write_table(pa.table({"x": pa.array(list(nan_x)), "y": pa.array(np.arange(10) % 2)}),
+                   streamed)
     return {
         "seed negative": (["--seed", "-1"], "--seed"),
         "momentum nan": (["--optimizer", "momentum", "--momentum", "nan"], "--momentum"),
@@ -61,6 +69,9 @@ def bad_inputs(tmp_path):
                               "y holds 0.5, not a whole number, but a classifier takes class "
                               "ids 0..K-1; give --task regression"),
         "a task for digits": (["--task", "regression"], "--task is for the labels of a .npz"),
+        "nan in streamed x": (["--model", "mlp", "--data", str(streamed)],
+                              "the first batch of --data contains NaN or infinite values in 1 "
+                              "of its 8 examples"),
         "unknown task": (["--task", "ranking"], "unknown task 'ranking'"),
         "complex x": (["--model", "mlp", "--data", npz(tmp_path, "cx.npz", x=x + 1j,
                                                         y=np.zeros(10, int))], "complex"),

@@ -348,9 +348,8 @@ class Trainer:
             feed = batches
         elif made_here:
             feed = self._rest_checked(batches, given)
-        else:  # batches of their own: their first is checked
-            feed = self._first_checked(batches, dataclasses.replace(
-                given, argument="batches", positional=False))
+        else:  # `data`'s batches made elsewhere (`train_input`, the CLI's): the first
+            feed = self._first_checked(batches, given)
         sized = ((size, b) for b in itertools.islice(feed, max(total - start, 0)))
         try:
             return self._train(sized, start, total, log_every, hooks, plan.steps_per_epoch,
@@ -382,6 +381,17 @@ class Trainer:
         sized = bucketed(checks.first_checked(batches, check_first),
                          self.n_devices * self.grad_accum, buckets, self.backend.local_rows)
         return self._train(sized, self.step, None, log_every, hooks)
+
+    def check(self, data: Any, y: Any = None, batch_size: int = EVAL_BATCH) -> None:
+        """The checks `fit` and `evaluate` make before their first step, alone:
+        raises the `DpaxError` they would (`dpax.data.checks`). Arrays read
+        per batch (columns on disk) are checked on their first `batch_size`
+        examples, the same ones in every process; e.g. before a run writes
+        its files."""
+        data, given = self._checked(data, y, batch_size)
+        if not given.read_whole:
+            first = min(batch_size, batch_rows(data))
+            next(self._first_checked(eval_batches(data, batch_size, (0, first)), given))
 
     def _train(self, sized, start, total, log_every, hooks, steps_per_epoch=None,
                steps: loop.Steps | None = None) -> list[dict]:
@@ -473,11 +483,14 @@ class Trainer:
 
     def _first_checked(self, batches: Iterable[dict], named: checks.Examples,
                        rule: bool = True) -> Iterator[dict]:
-        """`batches` (this process's padded host batches) with the first one
-        checked whole, its arrays named as `named` names them; `rule`: the
-        loss's too."""
+        """`batches` (this process's padded host batches) with the real rows
+        of the first one checked whole, its arrays named as `named` names
+        them; `rule`: the loss's too."""
         def check_first(batch):
+            mask = np.asarray(batch[MASK])
             arrays = {k: v for k, v in batch.items() if k != MASK}
+            if not mask.all():  # padding is zeros, and no example
+                arrays = jax.tree.map(lambda a: a[mask], arrays)
             checks.check(dataclasses.replace(named, arrays=arrays, first_batch=True),
                          self._rule if rule else None)
 
