@@ -40,6 +40,14 @@ def bad_inputs(tmp_path):
     binary = tmp_path / "binary.yaml"
     binary.write_bytes(bytes(range(256)))
     nan_y = np.where(np.arange(10) % 3, 1.0, np.nan)
+    streamed = tmp_path / "streamed.parquet"  # inputs read per batch: checked on the first
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    nan_x = np.ones((10, 3), np.float32)
+    nan_x[2, 1] = np.nan
+    pq.write_table(pa.table({"x": pa.array(list(nan_x)), "y": pa.array(np.arange(10) % 2)}),
+                   streamed)
     return {
         "seed negative": (["--seed", "-1"], "--seed"),
         "momentum nan": (["--optimizer", "momentum", "--momentum", "nan"], "--momentum"),
@@ -51,7 +59,20 @@ def bad_inputs(tmp_path):
         "clip nan": (["--clip-norm", "nan"], "--clip-norm"),
         "profile past the end": (["--profile-steps", "50:60", "--steps", "10"], "starts after"),
         "nan in y": (["--model", "mlp", "--data", npz(tmp_path, "nany.npz", x=x, y=nan_y)],
-                     "y contains NaN"),
+                     "nany.npz: y contains NaN or infinite values in 4 of its 10 examples (the "
+                     "first at row 0)"),
+        "negative labels": (["--model", "mlp", "--data",
+                             npz(tmp_path, "neg.npz", x=x, y=np.arange(10) - 1)],
+                            "neg.npz: y holds class labels below 0 (the least is -1)"),
+        "halves as classes": (["--model", "mlp", "--task", "classification", "--data",
+                               npz(tmp_path, "half.npz", x=x, y=np.arange(10) / 2)],
+                              "y holds 0.5, not a whole number, but a classifier takes class "
+                              "ids 0..K-1; give --task regression"),
+        "a task for digits": (["--task", "regression"], "--task is for the labels of a .npz"),
+        "nan in streamed x": (["--model", "mlp", "--data", str(streamed)],
+                              "the first batch of --data contains NaN or infinite values in 1 "
+                              "of its 8 examples"),
+        "unknown task": (["--task", "ranking"], "unknown task 'ranking'"),
         "complex x": (["--model", "mlp", "--data", npz(tmp_path, "cx.npz", x=x + 1j,
                                                         y=np.zeros(10, int))], "complex"),
         "checkpoint dir is a file": (["--checkpoint-dir", str(a_file)], "is a file"),
@@ -353,10 +374,15 @@ def test_prepare_names_every_source_it_takes(tmp_path, capsys):
 def test_warnings_are_one_line_and_the_run_goes_on(tmp_path, capsys):
     x = np.random.default_rng(0).random((40, 6)).astype(np.float32)
     sparse = npz(tmp_path, "sparse.npz", x=x, y=np.where(np.arange(40) % 2, 1000, 0))
+    whole = npz(tmp_path, "whole.npz", x=x, y=(np.arange(40) % 3).astype(np.float32))
     for argv, needle in [(["--warmup-steps", "100", "--steps", "10", "--devices", "2"],
                           "never reaches"),
                          (["--data", sparse, "--model", "mlp", "--steps", "2", "--devices", "1"],
                           "2 distinct labels but its largest is 1000"),
+                         (["--data", whole, "--model", "mlp", "--steps", "2", "--devices", "1"],
+                          "y is float32 but holds only whole numbers (3 distinct, 0..2), so a "
+                          "regression is trained on it; for a classifier of 3 classes give "
+                          "--task classification"),
                          (["--batch-size", "3", "--devices", "8", "--steps", "2"],
                           "5 of them see only padding every step; use a --batch-size that")]:
         assert main(["train", *argv, "--quiet"]) == 0
@@ -381,3 +407,33 @@ def test_dpax_train_builds_a_split_layouts_model_in_host_memory(monkeypatch, sha
     t = job.make_trainer(config, "classification", (64,), 10, total=10)
     placed = {d for x in jax.tree.leaves(nnx.state(t._user_model)) for d in x.devices()}
     assert placed == {jax.devices()[built_on]}
+
+
+def test_the_task_decides_what_a_npz_trains_and_a_resume_keeps_it(tmp_path, capsys):
+    """Whole-number float labels train a classifier with --task classification
+    (as integer labels would), integer labels a regression with --task
+    regression; either way no warning, and a resume may not change it."""
+    from dpax.cli.job import check_same_meaning
+    from dpax.data.datasets import from_npz
+
+    x = np.random.default_rng(0).random((40, 6)).astype(np.float32)
+    y = np.arange(40) % 3
+    floats = npz(tmp_path, "floats.npz", x=x, y=y.astype(np.float32))
+    ints = npz(tmp_path, "ints.npz", x=x, y=y)
+    as_classes = from_npz(floats, task="classification")
+    assert (as_classes.task, as_classes.n_out, as_classes.y_train.dtype) == (
+        "classification", 3, np.int32)
+    assert np.array_equal(as_classes.y_train, from_npz(ints).y_train)
+    as_numbers = from_npz(ints, task="regression")
+    assert (as_numbers.task, as_numbers.n_out, as_numbers.y_train.dtype) == (
+        "regression", 1, np.float32)
+    out = tmp_path / "run"
+    assert main(["train", "--data", floats, "--task", "classification", "--model", "mlp",
+                 "--steps", "2", "--devices", "1", "--out", str(out), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""  # no warning: the task was given
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert "eval_accuracy" in rows[-1]
+    assert "task: classification" in (out / "config.yaml").read_text()
+    was = dpax.config.to_dict(dpax.TrainConfig.from_flags(data=floats, task="classification"))
+    with pytest.raises(dpax.DpaxError, match="cannot resume: `task` was 'classification'"):
+        check_same_meaning(was, dpax.TrainConfig.from_flags(data=floats))

@@ -51,6 +51,39 @@ class MixesExamples(DpaxError):
         self.where = where
 
 
+class BadArgument(DpaxError):
+    """An argument no run can take, refused before the first step; `argument`
+    names it (`batch_size`, `data`, `y`, `batches`, or the file it came from)."""
+
+    def __init__(self, message: str, argument: str):
+        super().__init__(message)
+        self.argument = argument
+
+
+class BadExamples(BadArgument):
+    """Examples no step can train on: none, arrays of unequal lengths, not
+    real numbers (`dpax.data.checks`); `key` is the array's key among the
+    examples (`x`, `y`, ...), None when the fault is not one array's."""
+
+    def __init__(self, message: str, argument: str, key: str | None = None):
+        super().__init__(message, argument)
+        self.key = key
+
+
+class NotFinite(BadExamples):
+    """NaN or infinite values in a float array: `rows` examples hold one,
+    the `first` of them at that row."""
+
+    def __init__(self, message: str, argument: str, key: str | None, rows: int, first: int):
+        super().__init__(message, argument, key)
+        self.rows, self.first = rows, first
+
+
+class BadLabels(BadExamples):
+    """Targets of a dtype, shape or range the loss that reads them cannot
+    take (e.g. a class id the model has no output for)."""
+
+
 class DpaxWarning(UserWarning):
     """Input that is legal but almost surely not what was meant (the CLI
     prints it as one `dpax: warning:` line)."""
@@ -62,7 +95,22 @@ class RunFailed(DpaxException, RuntimeError):
 
 
 class TooManyBadSteps(DpaxException, RuntimeError):
-    """Too many consecutive non-finite steps; the state holds the last good params."""
+    """Too many consecutive non-finite steps (`steps` of them, at most `limit`).
+
+    What was found when they stopped: `loss_finite` (the loss logged since
+    the last log; None when the steps were skipped, whose losses are not
+    logged), `gradient_finite` (the last step's gradient norm; None unless
+    the step computes it: `skip_nonfinite=True` or `clip_norm`),
+    `params_finite` (read then). `skipped`: whether the steps were skipped
+    (the params are the last good ones) or applied."""
+
+    def __init__(self, message: str, *, steps: int | None = None, limit: int | None = None,
+                 skipped: bool | None = None, loss_finite: bool | None = None,
+                 gradient_finite: bool | None = None, params_finite: bool | None = None):
+        super().__init__(message)
+        self.steps, self.limit, self.skipped = steps, limit, skipped
+        self.loss_finite, self.gradient_finite = loss_finite, gradient_finite
+        self.params_finite = params_finite
 
 
 class Preempted(DpaxException, RuntimeError):

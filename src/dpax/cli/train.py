@@ -80,6 +80,8 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     writer_process = is_writer()  # only process 0 prints progress and writes --out
     with _removed_if_unused(outputs.check_dirs(out, config.checkpoint, writer_process)):
         job = build(config)
+        # What is read per batch (streamed inputs) is checked before anything is written.
+        job.trainer.check(job.ds.x_train, job.ds.y_train, config.batch_size)
         config.check_length(job.total)
         ckpt = None if config.checkpoint.dir is None else Checkpointer(
             config.checkpoint.dir, config.checkpoint.keep)

@@ -4,6 +4,7 @@
              `DataConfig`
   sources    examples on disk read by index: ArrayRecord, Parquet, saved HF datasets
   prepare    `dpax prepare`: examples to ArrayRecord shards
+  checks     what examples must be before a step: every array's rule, a loss's own
   text       byte-token windows of text files
   augment    crop and flip keyed by (seed, step, global position)
   batches    a global batch padded to a size the devices split, with its mask

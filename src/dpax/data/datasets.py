@@ -16,9 +16,9 @@ import zipfile
 import numpy as np
 
 from dpax import config as cfg
-from dpax.data import augment, sources, text
+from dpax.data import augment, checks, sources, text
 from dpax.data.tokenizer import BYTES, Tokenizer, check_spec
-from dpax.errors import DpaxError, DpaxWarning
+from dpax.errors import BadExamples, BadLabels, DpaxError, DpaxWarning
 
 # The data never depends on --seed: runs with different seeds see the same split.
 DATA_SEED = 0
@@ -122,60 +122,101 @@ def read_npz(path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
                         f"write it with {how}") from None
 
 
-def from_npz(path: str, x_key: str = "x", y_key: str = "y") -> Dataset:
+def from_npz(path: str, x_key: str = "x", y_key: str = "y", task: str | None = None
+             ) -> Dataset:
     """A user's `.npz` with arrays `x` (examples first) and `y` (labels or
-    targets), or the arrays named `x_key` and `y_key`."""
+    targets), or the arrays named `x_key` and `y_key` (`task`: see `labelled`)."""
     arrays = read_npz(path, (x_key, y_key))
-    return labelled(path, arrays[x_key], arrays[y_key])
+    return labelled(path, arrays[x_key], arrays[y_key], task)
 
 
-def from_table(table) -> Dataset:
+def from_table(table, task: str | None = None) -> Dataset:
     """Examples on disk (`dpax.data.sources`): inputs read per batch, labels in memory."""
-    return labelled(table.name, sources.Column(table), table.y)
+    return labelled(table.name, sources.Column(table), table.y, task)
 
 
-def labelled(path: str, x, y: np.ndarray) -> Dataset:
+TASKS = ("classification", "regression")  # what a user's y can be for (`labelled`)
+# Float y is guessed to hold class ids (a warning) only for this many classes
+# at most: beyond, whole-number targets (counts, years) are the likelier meaning.
+MAX_GUESSED_CLASSES = 100
+
+
+def labelled(path: str, x, y: np.ndarray, task: str | None = None) -> Dataset:
     """Checked examples split into train and eval. `x` is an array, or a
-    `sources.Column` (then only what can be seen without reading it is checked).
+    `sources.Column` (then only what can be seen without reading it is checked:
+    the Trainer checks its first batch).
 
-    Integer `y` means classification with classes 0..max(y); float `y` regression.
+    `task`: "classification" (y holds class ids 0..max(y): integers, or
+    floats of whole values), "regression" (y holds numbers to predict), or
+    None: integer (or bool) y means classification, float y regression.
     uint8 `x` holds images: scaled to [0, 1] (`sources.decode`), per batch.
     """
     if x.ndim == 0 or len(x) == 0:
-        raise DpaxError(f"{path} holds no examples; x needs at least one row")
+        raise BadExamples(f"{path} holds no examples; x needs at least one row", path)
     if y.ndim != 1 or len(y) != len(x):
-        raise DpaxError(
-            f"{path}: x has {len(x)} examples but y has shape {y.shape}; "
-            "y needs one value per example"
-        )
+        raise BadExamples(f"{path}: x has {len(x)} examples but y has shape {y.shape}; "
+                          "y needs one value per example", path, "y")
     if isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.ndim > 1:
         x = sources.Column(sources.ArrayTable(x, path))  # kept as uint8, decoded per batch
-    arrays = (("y", y),) if isinstance(x, sources.Column) else (("x", x), ("y", y))
-    for k, a in arrays:
-        if np.iscomplexobj(a):
-            raise DpaxError(f"{path}: array {k} is complex ({a.dtype}); dpax trains on real "
-                            "numbers, so save the parts you mean as real arrays")
-        if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
-            raise DpaxError(f"{path}: array {k} has non-numeric dtype {a.dtype}; use numbers")
-        if not np.all(np.isfinite(a)):
-            raise DpaxError(f"{path}: {k} contains NaN or infinite values; clean the data first")
+    checks.values(checks.Examples({"x": x, "y": y}, file=path))  # the Trainer's rule
     if not isinstance(x, sources.Column):
         x = sources.decode(x)
         if x.ndim == 1:
             x = x[:, None]
-    if np.issubdtype(y.dtype, np.integer) or y.dtype == bool:
-        y = y.astype(np.int64)
-        if y.min() < 0:
-            raise DpaxError(f"{path}: class labels must be >= 0, found {y.min()}")
-        if y.max() >= 2**31:
-            raise DpaxError(f"{path}: class label {y.max()} is too large; relabel to 0..K-1")
-        classes, distinct = int(y.max()) + 1, len(np.unique(y))
-        if classes > max(2 * distinct, distinct + 10):
-            warnings.warn(f"{path}: y has {distinct} distinct labels but its largest is "
-                          f"{classes - 1}, so the model gets {classes} outputs; relabel to "
-                          f"0..{distinct - 1} if that is not meant", DpaxWarning, stacklevel=2)
-        return _split(path, x, y.astype(np.int32), "classification", classes)
+    if (task or _task_of(path, y)) == "classification":
+        y, classes = _class_ids(path, y)
+        return _split(path, x, y, "classification", classes)
     return _split(path, x, y.astype(np.float32), "regression", 1)
+
+
+def _is_integer(y: np.ndarray) -> bool:
+    return np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_
+
+
+def _sparse(classes: int, distinct: int) -> bool:
+    """Labels 0..classes-1 of which only `distinct` occur: too few to be meant."""
+    return classes > max(2 * distinct, distinct + 10)
+
+
+def _task_of(path: str, y: np.ndarray) -> str:
+    """The task y's dtype means; a warning when float y looks like class ids."""
+    if _is_integer(y):
+        return "classification"
+    low, high = float(y.min()), float(y.max())
+    if 0 <= low and high < MAX_GUESSED_CLASSES and np.all(np.mod(y, 1) == 0):
+        distinct = np.count_nonzero(np.bincount(y.astype(np.intp)))  # one pass, no sort
+        if distinct > 1 and not _sparse(int(high) + 1, distinct):
+            warnings.warn(
+                f"{path}: y is {y.dtype} but holds only whole numbers ({distinct} distinct, "
+                f"{low:g}..{high:g}), so a regression is trained on it; for a classifier of "
+                f"{int(high) + 1} classes give `task=classification` (or save y as integers), "
+                "or `task=regression` to keep the regression without this warning",
+                DpaxWarning, stacklevel=3)
+    return "regression"
+
+
+def _class_ids(path: str, y: np.ndarray) -> tuple[np.ndarray, int]:
+    """`y` as int32 class ids, and the classes a model needs for them (the
+    largest id + 1); warns when most ids in 0..largest never occur."""
+    if not _is_integer(y):
+        whole = np.mod(y, 1) == 0
+        if not whole.all():
+            raise BadLabels(f"{path}: y holds {y[np.argmin(whole)]:g}, not a whole number, "
+                            "but a classifier takes class ids 0..K-1; give "
+                            "`task=regression`, or save y as class ids", path, "y")
+    y = y.astype(np.int64)
+    checks.ids(checks.Examples({"y": y}, file=path), "y", ndim=1, below=None,
+               what="class labels", reader="a classifier", per_example="one per example")
+    if y.max() >= 2**31:
+        raise BadLabels(f"{path}: class label {y.max()} is too large; relabel to 0..K-1, or "
+                        "give `task=regression` if y holds numbers to predict", path, "y")
+    classes, distinct = int(y.max()) + 1, len(np.unique(y))
+    if _sparse(classes, distinct):
+        warnings.warn(f"{path}: y has {distinct} distinct labels but its largest is "
+                      f"{classes - 1}, so the model gets {classes} outputs; relabel to "
+                      f"0..{distinct - 1} if that is not meant, or give `task=regression` if "
+                      "y holds numbers to predict", DpaxWarning, stacklevel=3)
+    return y.astype(np.int32), classes
 
 
 def read_inputs(path: str) -> np.ndarray:
@@ -209,20 +250,20 @@ def is_text(name: str) -> bool:
 
 def load(name: str, seq_len: int = DEFAULT_SEQ_LEN, x_column: str = "x",
          y_column: str = "y", tokenizer_spec: str = BYTES,
-         tok: Tokenizer | None = None) -> Dataset:
+         tok: Tokenizer | None = None, task: str | None = None) -> Dataset:
     """A named dataset, a path ending in `.npz`, text (`dpax.data.text`) cut into
     windows of `seq_len` tokens of `tok` (default: `tokenizer_spec`'s, trained on
     the text), or examples on disk (`dpax.data.sources`) with inputs and labels
-    in the named columns."""
+    in the named columns (`task`: what those labels are for, see `labelled`)."""
     check_name(name)
     if is_text(name):
         name, x_train, y_train, x_eval, y_eval, tok = text.load(
             name.partition(":")[2] or None, seq_len, tokenizer_spec, tok)
         return Dataset(name, x_train, y_train, x_eval, y_eval, "lm", tok.vocab, tok)
     if name.endswith(".npz"):
-        return from_npz(name, x_column, y_column)
+        return from_npz(name, x_column, y_column, task)
     if sources.is_streamed(name):
-        return from_table(sources.open_table(name, x_column, y_column))
+        return from_table(sources.open_table(name, x_column, y_column), task)
     return DATASETS[name]()
 
 
@@ -239,6 +280,10 @@ class DataConfig:
     x_column: str = cfg.field("x", "an .npz's array or streamed data's column of inputs")
     y_column: str = cfg.field("y", "an .npz's array or streamed data's column of labels or "
                               "targets")
+    task: str | None = cfg.field(
+        None, "what a .npz's or streamed data's y is for: classification (class ids; float y "
+        "of whole numbers too) or regression (numbers to predict; integer y too); default: "
+        "integer y classification, float y regression")
     seq_len: int = cfg.field(DEFAULT_SEQ_LEN, "text: tokens per training window (gpt's "
                              "context length)")
     tokenizer: str = cfg.field(
@@ -257,6 +302,11 @@ class DataConfig:
 
     def check(self) -> None:
         check_name(self.name)
+        if self.task is not None:
+            cfg.one_of(self, "task", TASKS)
+            if self.name in DATASETS or self.is_text:
+                raise DpaxError(f"`task` is for the labels of a .npz or of streamed data; "
+                                f"`data={self.name}` has a task of its own")
         augment.parse(self.augment)
         cfg.whole(self, "seq_len")
         check_spec(self.tokenizer)
@@ -269,7 +319,8 @@ class DataConfig:
     def load(self, tok: Tokenizer | None = None) -> Dataset:
         """The dataset, its augmentation checked against its examples; text in
         the tokens of `tok` if given (else of `tokenizer`, trained on it)."""
-        ds = load(self.name, self.seq_len, self.x_column, self.y_column, self.tokenizer, tok)
+        ds = load(self.name, self.seq_len, self.x_column, self.y_column, self.tokenizer, tok,
+                  self.task)
         aug = augment.parse(self.augment)
         if aug is not None:
             aug.check(ds.input_shape)

@@ -23,38 +23,33 @@ import grain
 import jax
 import numpy as np
 
+from dpax.data import checks
 from dpax.data.augment import Augment
 from dpax.data.batches import INDEX, MASK, ROWS, Batch, batch_rows, pad_batch, padded_size
-from dpax.errors import DpaxError
+from dpax.errors import BadExamples, DpaxError
 
 EVAL_BATCH = 256  # global batch of evaluation and prediction, unless given
 
 
-def examples(data: Any, y: Any = None) -> dict:
+def examples(data: Any, y: Any = None, argument: str = "data") -> dict:
     """The examples as a dict of arrays that share a leading example axis:
     `data` itself (values may be nested dicts, or `dpax.data.sources` columns read
-    from disk per batch), or `{"x": data, "y": y}` for an array `data`."""
-    if not isinstance(data, Mapping):
+    from disk per batch), or `{"x": data, "y": y}` for an array `data`.
+    `argument`: what the caller calls `data`, for its errors (`checks.Examples`)."""
+    positional = not isinstance(data, Mapping)
+    if positional:
         data = {"x": data} if y is None else {"x": data, "y": y}
     elif y is not None:
-        raise DpaxError("give `y` only with an array of inputs; a dict of examples holds "
-                        "its targets under a key of its own")
+        raise BadExamples("give `y` only with an array of inputs; a dict of examples holds "
+                          "its targets under a key of its own", "y", "y")
     for key, what, other in ((MASK, "the real rows", "attention_mask"),
                              (INDEX, "the global positions", "position")):
         if key in data:
-            raise DpaxError(f"the examples have a key {key!r}, which dpax adds to every batch "
-                            f"({what}); rename yours, e.g. {other!r}")
-    if not data:
-        raise DpaxError("the examples are an empty dict; give at least one array")
-    lengths = {jax.tree_util.keystr(p): len(v)
-               for p, v in jax.tree_util.tree_flatten_with_path(dict(data))[0]}
-    if len(set(lengths.values())) > 1:
-        raise DpaxError(f"the example arrays differ in length: {lengths}; every array needs "
-                        "one row per example")
-    if not next(iter(lengths.values())):
-        raise DpaxError("no examples: the arrays have 0 rows")
-    return dict(data)
-
+            raise BadExamples(f"the examples have a key {key!r}, which dpax adds to every "
+                              f"batch ({what}); rename yours, e.g. {other!r}", argument, key)
+    data = dict(data)
+    checks.structure(checks.Examples(data, argument, positional))
+    return data
 
 
 def check_length(steps: int | None, epochs: int | None, steps_name: str = "steps") -> None:
@@ -279,7 +274,7 @@ def bucketed(batches: Iterable[dict], unit: int, buckets: Sequence[int] | None,
             raise DpaxError(f"every bucket must be a multiple of {unit} "
                             f"(devices x `grad_accum`), got {buckets}")
     for batch in batches:
-        batch = examples(batch)
+        batch = examples(batch, argument="batches")
         b = batch_rows(batch)
         size = _bucket(b, unit, buckets)
         yield size, local_part(batch, np.arange(b), local_rows(size))

@@ -9,19 +9,61 @@ uneven shards wrongly; that is why the contract is per example.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax.numpy as jnp
 import optax
 
+from dpax.data import checks
 
+
+def _outputs(ex: checks.Examples, inputs) -> tuple[int, ...] | None:
+    """The model's output shape for one example of `inputs`, if a model is known."""
+    if ex.outputs is None:
+        return None
+    return tuple(ex.outputs(tuple(inputs.shape[1:]), inputs.dtype).shape[1:])
+
+
+def check_classification(ex: checks.Examples) -> None:
+    """`classification_loss`'s examples: inputs `x`, and under `y` one class id
+    per example, an integer (or bool) below the model's number of outputs."""
+    reader = "dpax.classification_loss"
+    checks.has_keys(ex, ("x", "y"), reader)
+    out = _outputs(ex, ex.arrays["x"])
+    classes = out[-1] if out else None
+
+    def bound(high):
+        return (f"the model has {classes} outputs (class ids 0..{classes - 1}); relabel, "
+                f"or give the model {high + 1} outputs")
+
+    checks.ids(ex, "y", ndim=1, below=classes, what="class ids", reader=reader,
+               per_example="one class id per example", bound=bound)
+
+
+@checks.declare(check_classification)
 def classification_loss(model, batch):
-    """Softmax cross-entropy and accuracy, per example."""
+    """Softmax cross-entropy and accuracy, per example; `y` holds class ids,
+    integers (bools are ids 0 and 1)."""
     logits = model(batch["x"]).astype(jnp.float32)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    correct = (jnp.argmax(logits, -1) == batch["y"]).astype(jnp.float32)
+    y = batch["y"]
+    if y.dtype == jnp.bool_:  # optax takes integer ids only
+        y = y.astype(jnp.int32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
     return loss, {"accuracy": correct}
 
 
+def check_regression(ex: checks.Examples) -> None:
+    """`regression_loss`'s examples: inputs `x`, and under `y` as many numbers
+    per example as the model outputs."""
+    reader = "dpax.regression_loss"
+    checks.has_keys(ex, ("x", "y"), reader)
+    out = _outputs(ex, ex.arrays["x"])
+    if out is not None:
+        checks.per_example_size(ex, "y", math.prod(out), reader, "the model outputs")
+
+
+@checks.declare(check_regression)
 def regression_loss(model, batch):
     """Squared error per example (the mean squared error before the mean)."""
     pred = model(batch["x"]).astype(jnp.float32).reshape(batch["y"].shape)
@@ -36,6 +78,24 @@ def regression_predict(model, batch):
     return model(batch["x"]).reshape(batch["x"].shape[0])
 
 
+def check_lm(ex: checks.Examples) -> None:
+    """`lm_loss`'s examples: under `x` windows of token ids below the model's
+    vocabulary, under `y` how many of each window's tokens are real."""
+    reader = "dpax.lm_loss"
+    checks.has_keys(ex, ("x", "y"), reader)
+    x = ex.arrays["x"]
+    vocab = None
+    if ex.outputs is not None and x.ndim == 2:
+        vocab = ex.outputs((x.shape[1] - 1,), x.dtype).shape[-1]
+    checks.ids(ex, "x", ndim=2, below=vocab, what="token ids", reader=reader,
+               per_example="a window of seq_len + 1 token ids per example",
+               bound=lambda high: f"the model's vocabulary has {vocab} tokens")
+    checks.ids(ex, "y", ndim=1, below=x.shape[1] + 1, what="window lengths", reader=reader,
+               per_example="one length per window",
+               bound=lambda high: f"a window holds {x.shape[1]} tokens")
+
+
+@checks.declare(check_lm)
 def lm_loss(model, batch, token_bytes=None):
     """Next-token cross-entropy of text windows (`dpax.data.text`): `x` holds
     seq_len + 1 tokens, `y` how many are real. Per window: the mean over its

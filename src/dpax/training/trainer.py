@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from dpax import config as cfg
-from dpax.data import resident
+from dpax.data import checks, resident
 from dpax.data.augment import Augment
 from dpax.data.batches import MASK, batch_rows, padded_size
 from dpax.data.pipeline import (
@@ -221,6 +221,11 @@ class Trainer:
         # model's device and kept until here were the run's peak.
         state = _on_host(state)
         check_optimizer(optimizer, state)
+        # The model's shapes alone: the checks read its number of outputs from them.
+        self._model_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                         (state.params, state.model_state))
+        self._output_specs: dict = {}  # (example shape, dtype) -> the model's output
+        self._rule = checks.rule_of(loss_fn)
         self.layout = make_layout(config.sharding, self.backend, state, config.grad_accum)
         self._specs = layouts.specs(self.layout)
         self.state = self.backend.put_state(layouts.stored(self.layout, state), self._specs)
@@ -308,7 +313,7 @@ class Trainer:
             most 1/8 of an accelerator's free memory, not on CPU devices;
             always with `batches` from `train_input(..., indices=True)`.
         """
-        data = examples(data, y)
+        data, given = self._checked(data, y, batch_size)
         plan = BatchPlan(batch_rows(data), batch_size, seed)
         total = plan.total_steps(until_step, epochs, steps_name="until_step")
         start = self.step
@@ -339,7 +344,13 @@ class Trainer:
                 augment.check(data["x"].shape[1:])
             batches = train_input(data, plan, self.backend.local_rows(size), start, total,
                                   augment, data_workers)
-        sized = ((size, b) for b in itertools.islice(batches, max(total - start, 0)))
+        if on_device:  # batches of example indices: the examples were checked above
+            feed = batches
+        elif made_here:
+            feed = self._rest_checked(batches, given)
+        else:  # `data`'s batches made elsewhere (`train_input`, the CLI's): the first
+            feed = self._first_checked(batches, given)
+        sized = ((size, b) for b in itertools.islice(feed, max(total - start, 0)))
         try:
             return self._train(sized, start, total, log_every, hooks, plan.steps_per_epoch,
                                self._resident(data, placed) if on_device else None)
@@ -362,9 +373,25 @@ class Trainer:
         at most once per bucket, however many sizes arrive. Default buckets:
         N*K times powers of two (N devices, K micro-batches).
         """
-        sized = bucketed(batches, self.n_devices * self.grad_accum, buckets,
-                         self.backend.local_rows)
+        def check_first(batch):
+            batch = examples(batch, argument="batches")
+            checks.check(self._examples(batch, argument="batches", first_batch=True),
+                         self._rule)
+
+        sized = bucketed(checks.first_checked(batches, check_first),
+                         self.n_devices * self.grad_accum, buckets, self.backend.local_rows)
         return self._train(sized, self.step, None, log_every, hooks)
+
+    def check(self, data: Any, y: Any = None, batch_size: int = EVAL_BATCH) -> None:
+        """The checks `fit` and `evaluate` make before their first step, alone:
+        raises the `DpaxError` they would (`dpax.data.checks`). Arrays read
+        per batch (columns on disk) are checked on their first `batch_size`
+        examples, the same ones in every process; e.g. before a run writes
+        its files."""
+        data, given = self._checked(data, y, batch_size)
+        if not given.read_whole:
+            first = min(batch_size, batch_rows(data))
+            next(self._first_checked(eval_batches(data, batch_size, (0, first)), given))
 
     def _train(self, sized, start, total, log_every, hooks, steps_per_epoch=None,
                steps: loop.Steps | None = None) -> list[dict]:
@@ -430,6 +457,61 @@ class Trainer:
     def _zero_sums(self, size: int | None, host_batch: dict) -> dict:
         return self._steps.zero_sums(self._leaves, self._input(host_batch, size))
 
+    # -- checks of the examples, before the first step (`dpax.data.checks`) -------------
+    def _checked(self, data: Any, y: Any, batch_size: Any,
+                 rule: bool = True) -> tuple[dict, checks.Examples]:
+        """The examples of `data` (and `y`) as `examples` makes them, and how
+        they were given, after the checks of `batch_size` and of every array
+        read here (in memory); `rule`: the loss's rule too."""
+        checks.batch_size(batch_size)
+        positional = not isinstance(data, Mapping)
+        data = examples(data, y)
+        given = self._examples(data, positional=positional)
+        checks.check(given, self._rule if rule else None)
+        return data, given
+
+    def _examples(self, data: dict, argument: str = "data", positional: bool = False,
+                  first_batch: bool = False) -> checks.Examples:
+        return checks.Examples(data, argument, positional, first_batch=first_batch,
+                               outputs=self._model_output)
+
+    def _rest_checked(self, batches: Iterable[dict], given: checks.Examples,
+                      rule: bool = True) -> Iterable[dict]:
+        """`batches` made of `given`, the first checked if `given` holds
+        arrays not read yet (read per batch: `checks.in_memory`)."""
+        return batches if given.read_whole else self._first_checked(batches, given, rule)
+
+    def _first_checked(self, batches: Iterable[dict], named: checks.Examples,
+                       rule: bool = True) -> Iterator[dict]:
+        """`batches` (this process's padded host batches) with the real rows
+        of the first one checked whole, its arrays named as `named` names
+        them; `rule`: the loss's too."""
+        def check_first(batch):
+            mask = np.asarray(batch[MASK])
+            arrays = {k: v for k, v in batch.items() if k != MASK}
+            if not mask.all():  # padding is zeros, and no example
+                arrays = jax.tree.map(lambda a: a[mask], arrays)
+            checks.check(dataclasses.replace(named, arrays=arrays, first_batch=True),
+                         self._rule if rule else None)
+
+        return checks.first_checked(batches, check_first)
+
+    def _model_output(self, shape: tuple, dtype) -> jax.ShapeDtypeStruct:
+        """The model's output for a batch of one example of `shape` and
+        `dtype`, in eval mode, from shapes alone: traced once per input shape."""
+        key = (tuple(shape), np.dtype(dtype))
+        if key not in self._output_specs:
+            graphdef = self._graphdef
+
+            def call(params, rest, x):
+                model = nnx.merge(graphdef, params, rest)
+                model.eval()
+                return model(x)
+
+            example = jax.ShapeDtypeStruct((1, *shape), dtype)
+            self._output_specs[key] = jax.eval_shape(call, *self._model_specs, example)
+        return self._output_specs[key]
+
     def _warn_idle(self, batch_size: int, n_examples: int, size: int) -> None:
         """Padding fills the devices after the real rows: warn when some
         devices hold no real row at all (their compute is wasted)."""
@@ -447,29 +529,56 @@ class Trainer:
         row = metrics.summarize([self._steps.packing.unpack(h) for h in host])
         bad = int(row.pop("bad_in_a_row", 0))
         if self.max_bad_steps is not None and bad >= self.max_bad_steps:
-            # Without the guard nothing reads the gradient: the loss counts.
-            fixes = ("lower the learning rate, clip gradients (`clip_norm`) or check the "
-                     "data for NaNs and for batches with nothing to learn from")
-            if self.config.skip_nonfinite:
-                what, happened = "loss or gradient", "skipped; the params are the last good ones"
-            else:
-                what, happened = "loss", "applied (skip_nonfinite=False); the params are not finite"
-                fixes = ("resume from the last checkpoint with `skip_nonfinite=True`, which "
-                         f"skips such steps, or {fixes}")
-            raise TooManyBadSteps(
-                f"{bad} steps in a row (limit {self.max_bad_steps}) had a non-finite {what}, "
-                f"or no weight, and were {happened}. To go on, {fixes}")
+            raise self._too_many_bad_steps(bad, row)
         return row
+
+    def _too_many_bad_steps(self, bad: int, row: dict) -> TooManyBadSteps:
+        """The error of `bad` bad steps in a row, saying what was not finite:
+        from the row (the loss since the last log, the last step's gradient
+        norm where the step computes one) and the params, read now (an error
+        path: a host read is fine)."""
+        skipped = self.config.skip_nonfinite
+        norm = row.get("grad_norm")
+        gradient = None if norm is None else bool(np.isfinite(norm))
+        # A skipped step's loss is not in the row; a finite norm (its sum of
+        # squares over a weight > 0) leaves the loss as what was not finite.
+        loss = (False if gradient else None) if skipped else bool(np.isfinite(row["loss"]))
+        params = all(np.isfinite(a).all() for a in jax.tree.leaves(self.params)
+                     if jnp.issubdtype(a.dtype, jnp.inexact))
+        if loss is False:
+            found = "the loss was not finite"
+        elif gradient is False:
+            found = "the gradient was not finite, or the batch weighed nothing"
+        else:  # a finite loss (and gradient): the step's batch weighed nothing
+            found = "the batch weighed nothing (0/0)"
+        if skipped:
+            happened = "were skipped"
+        else:
+            happened = "were applied (skip_nonfinite=False)"
+        state = ("the params are the last good ones" if skipped and params
+                 else f"the params are {'' if params else 'not '}finite")
+        fixes = ("lower the learning rate, clip gradients (`clip_norm`) or check the data for "
+                 "NaNs and for batches with nothing to learn from")
+        if not params:
+            fixes = ("resume from the last checkpoint with `skip_nonfinite=True`, which skips "
+                     f"such steps, or {fixes}")
+        elif not skipped and loss is False:
+            fixes = ("check the data for NaNs and for values the loss cannot take (labels the "
+                     "model has no output for), or skip such steps with `skip_nonfinite=True`")
+        return TooManyBadSteps(
+            f"{bad} bad steps in a row (limit {self.max_bad_steps}) {happened}: {found}; "
+            f"{state}. To go on, {fixes}", steps=bad, limit=self.max_bad_steps,
+            skipped=skipped, loss_finite=loss, gradient_finite=gradient, params_finite=params)
 
     # -- evaluation and prediction --------------------------------------------------
     def evaluate(self, data: Any, y: Any = None, batch_size: int = EVAL_BATCH) -> dict:
         """Mean loss and metrics over every example (`data` as `fit` takes it),
         each counted once."""
-        data = examples(data, y)
+        data, given = self._checked(data, y, batch_size)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
         sums, queue, compiled = [], loop.InFlight(self._in_flight()), set()
-        for b in eval_batches(data, batch_size, rows):
+        for b in self._rest_checked(eval_batches(data, batch_size, rows), given):
             with watchdog.calling(compiled, self._steps.eval):
                 sums.append(self._steps.eval(self._leaves, self._input(b, size)))
             queue.add(sums[-1])
@@ -482,11 +591,12 @@ class Trainer:
         if self._steps.predict is None:
             raise DpaxError("this Trainer was built without `predict_fn`; pass one to Trainer, "
                             "e.g. `predict_fn=dpax.classification_predict`")
-        data = examples(data)
+        # No loss runs: `predict_fn` reads what it reads.
+        data, given = self._checked(data, None, batch_size, rule=False)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
         outs, queue, compiled = [], loop.InFlight(self._in_flight()), set()
-        for b in eval_batches(data, batch_size, rows):
+        for b in self._rest_checked(eval_batches(data, batch_size, rows), given, rule=False):
             with watchdog.calling(compiled, self._steps.predict):
                 outs.append(self._steps.predict(self._leaves, self._input(b, size)))
             queue.add(outs[-1])
