@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from dpax.cli import main
-from dpax.cli.outputs import open_trackers
+from dpax.cli.outputs import check_trackers, open_trackers
 from dpax.errors import DpaxError
 from dpax.writers import trackers, wandb_tracker
 
@@ -188,7 +188,7 @@ def test_tracker_flags_are_checked_before_any_work(tmp_path, monkeypatch, capsys
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(DpaxError, match=r"pip install wandb==[0-9.]+, or pip install -e "
                                         r"'\.\[wandb\]' in dpax's checkout$"):
-        trackers.check_installed("mlflow,wandb", out)
+        check_trackers("mlflow,wandb", out)
     assert main(["train", "--tracker", "wandb", "--out", out]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--tracker wandb needs wandb" in err

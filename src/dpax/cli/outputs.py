@@ -152,6 +152,21 @@ def keep_metrics_up_to(path: str, step: int) -> None:
     save_text(path, kept)
 
 
+def check_trackers(spec: str | None, out: str | None) -> None:
+    """Refuse, before any work, a tracker that could not open its store: its
+    library, or what the store it names needs, is not installed (a tracker
+    opens after the run's first files are written, and a missing module then
+    ends the run in a traceback). `out`: the run directory (MLflow's default
+    store is in it)."""
+    for kind, arg in trackers.parse(spec):
+        if kind == "mlflow":
+            from dpax.writers.mlflow_tracker import check_store
+
+            check_store(arg, out)
+        else:
+            trackers.require(["wandb"], "`tracker=wandb`", "wandb")
+
+
 def open_trackers(spec: str, out: str, config: dict, continue_run: bool) -> list:
     """The trackers `spec` names, logging for the run in `out`. `continue_run`:
     log into the tracker runs `out` started before (a resumed run), first the
@@ -218,7 +233,7 @@ class OutputConfig:
             if self.out is None:
                 raise DpaxError("`tracker` needs `out`: it names the tracker run and "
                                 "keeps which one a resumed run continues")
-            trackers.check_installed(self.tracker, self.out)
+            check_trackers(self.tracker, self.out)
         if self.quiet and self.verbose:
             raise DpaxError("give `quiet` or `verbose`, not both")
 

@@ -45,21 +45,6 @@ def parse(spec: str | None) -> list[tuple[str, str | None]]:
     return out
 
 
-def check_installed(spec: str | None, out: str | None) -> None:
-    """Refuse, before any work, a tracker that could not open its store: its
-    library, or what the store it names needs, is not installed (a tracker
-    opens after the run's first files are written, and a missing module then
-    ends the run in a traceback). `out`: the run directory (MLflow's default
-    store is in it)."""
-    for kind, arg in parse(spec):
-        if kind == "mlflow":
-            from dpax.writers import mlflow_tracker
-
-            mlflow_tracker.check_store(arg, out)
-        else:
-            require(["wandb"], "`tracker=wandb`", "wandb")
-
-
 def require(modules: list[str], who: str, extra: str, why: str = "") -> None:
     """Raise the one-line error naming those of `modules` that are not installed
     and the pip line that installs them (`who` needs them `why`)."""
