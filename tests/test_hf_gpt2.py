@@ -15,6 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from conftest import forward
 from dpax.cli import main
 from dpax.cli.job import TrainConfig, build, load_checkpoint
+from dpax.models import hf_gpt2
 from test_gpt import write_corpus
 
 pytestmark = pytest.mark.slow  # starts dpax runs
@@ -85,9 +86,10 @@ def test_a_dpax_checkpoint_exports_to_what_transformers_loads(tmp_path, corpus, 
 
 def test_export_overwrite_replaces_its_own_files_and_keeps_the_users(tmp_path, corpus, capsys):
     """`--overwrite` as `dpax train --overwrite` does it: the model's files go
-    (with a shard index and a tokenizer that the new export lacks: readers
-    would take them over the new model), the user's stay. Every file gets the
-    mode the umask gives (safetensors writes its file 0600)."""
+    (with a tokenizer that the new export lacks), the user's stay, a shard
+    index among them: readers, dpax's own too, take model.safetensors before
+    it. Every file gets the mode the umask gives (safetensors writes its file
+    0600)."""
     ck, out = str(tmp_path / "ck"), tmp_path / "hf"
     assert main(["train", *FLAGS, "--data", f"text:{corpus}", "--steps", "2",
                  "--checkpoint-dir", ck]) == 0
@@ -111,10 +113,12 @@ def test_export_overwrite_replaces_its_own_files_and_keeps_the_users(tmp_path, c
     (out / "tokenizer.json").write_text("{}")  # an earlier export's BPE: this one has none
     assert main(["export", "--checkpoint", ck, "--out", str(out), "--overwrite"]) == 0
     assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors",
-                                       "notes"]
+                                       "model.safetensors.index.json", "notes"]
     assert (out / "README.md").read_text() == "my notes"
     assert sorted(os.listdir(tmp_path)) == ["ck", "fresh", "hf"]  # no partial directory
-    assert "transformer.wte.weight" in load_file(out / "model.safetensors")
+    exported = load_file(out / "model.safetensors")
+    read = hf_gpt2._tensors(str(out))  # the index names no file: the weights come first
+    assert set(read) == {k.removeprefix("transformer.") for k in exported}
 
 
 def test_a_fine_tune_from_imported_weights_on_4_devices_equals_1(gpt2_dir, corpus, tmp_path):

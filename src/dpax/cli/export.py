@@ -20,11 +20,10 @@ from dpax.models import hf_gpt2
 NAME = "export"
 # What `dpax export --out DIR` writes; a directory holding any of them holds a
 # model, which `overwrite` replaces, keeping every other file (as `dpax train
-# --overwrite` keeps what is not a run's). A shard index is never written but
-# removed: readers, dpax's own among them, would take its shards over the
-# model.safetensors written here; a tokenizer left by an earlier export would
-# tokenize for a model that has none.
-FILES = (hf_gpt2.WEIGHTS, hf_gpt2.INDEX, *tokenizer.HF_FILES, hf_gpt2.CONFIG)
+# --overwrite` keeps what is not a run's). A tokenizer left by an earlier
+# export is removed with it: it would tokenize for a model that has none.
+# (A shard index may stay: readers take model.safetensors before it.)
+FILES = (hf_gpt2.WEIGHTS, *tokenizer.HF_FILES, hf_gpt2.CONFIG)
 
 
 @dataclasses.dataclass

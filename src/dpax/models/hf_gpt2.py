@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import numpy as np
 from flax import nnx
@@ -92,20 +93,14 @@ def save(model: GPT, directory: str, dropout: float = 0.0) -> None:
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors = {f"transformer.{name}": np.ascontiguousarray(params[path][...], np.float32)
                for path, name in hf_names(len(model.blocks)).items()}
+    config = os.path.join(directory, CONFIG)
+    with open(config, "w") as f:
+        json.dump(hf_config(model, dropout), f, indent=2)
     # `transformers` reads the format to know the tensors' framework.
     save_file(tensors, os.path.join(directory, WEIGHTS), metadata={"format": "pt"})
-    as_if_opened(os.path.join(directory, WEIGHTS))
-    with open(os.path.join(directory, CONFIG), "w") as f:
-        json.dump(hf_config(model, dropout), f, indent=2)
-
-
-def as_if_opened(path: str) -> None:
-    """Give `path` the mode `open` gives a new file (0666 less the umask):
-    safetensors writes a private temporary file (0600) and renames it into
-    place, and a model others should read would stay readable by its owner alone."""
-    umask = os.umask(0)  # the only way to read it is to set it; put back at once
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    # safetensors writes a private temporary file (0600) and renames it into
+    # place; the weights get the mode `open` gave config.json (the umask's).
+    shutil.copymode(config, os.path.join(directory, WEIGHTS))
 
 
 def read_config(directory: str) -> dict:
@@ -164,12 +159,13 @@ def check_flags(directory: str, layers: int, width: int, heads: int) -> Shape:
 def _tensors(directory: str) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
+    # One file before the shards an index lists, as `transformers` prefers it.
     index = os.path.join(directory, INDEX)
-    if os.path.isfile(index):
+    if os.path.isfile(os.path.join(directory, WEIGHTS)):
+        files = [WEIGHTS]
+    elif os.path.isfile(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(directory, WEIGHTS)):
-        files = [WEIGHTS]
     else:
         raise DpaxError(f"{directory} holds no {WEIGHTS}; save the model with safetensors "
                         "(save_pretrained does by default)")
