@@ -212,6 +212,8 @@ def test_an_out_that_holds_a_run_is_refused_and_overwrite_replaces_it(tmp_path, 
     flags = ["--model", "mlp", "--steps", "4", "--log-every", "2", "--devices", "2"]
     assert main(["train", *flags, "--out", str(run), "--quiet"]) == 0
     (run / "metrics.png").write_bytes(b"a stale plot")
+    for log in ("error.log", "error-rank1.log"):  # an earlier failure's details
+        (run / log).write_text("Traceback ...")
     before = {p: (run / p).read_bytes() for p in os.listdir(run)}
     capsys.readouterr()
     # config.yaml holds `out: a`: reusing it must not overwrite run a.
@@ -222,6 +224,11 @@ def test_an_out_that_holds_a_run_is_refused_and_overwrite_replaces_it(tmp_path, 
     assert main(["train", "--config", str(run / "config.yaml"), "--lr", "0.01", "--steps",
                  "2", "--overwrite", "--quiet"]) == 0
     assert not (run / "metrics.png").exists()  # the old run's plot would be stale
+    assert not (run / "error.log").exists() and not (run / "error-rank1.log").exists()
+    failed = tmp_path / "failed"  # an attempt that failed before writing a run
+    failed.mkdir()
+    (failed / "error.log").write_text("Traceback ...")
+    assert main(["train", *flags, "--out", str(failed), "--quiet"]) == 0
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 2]
     assert "lr: 0.01" in (run / "config.yaml").read_text()

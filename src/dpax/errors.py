@@ -117,6 +117,15 @@ class Preempted(DpaxException, RuntimeError):
     """SIGTERM/SIGINT arrived; the run stopped at a step boundary after saving."""
 
 
+def summary(error: BaseException, limit: int = 300) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    text = str(error).strip()
+    text = text.splitlines()[0] if text else ""
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 _ARG = re.compile(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`")
 
 

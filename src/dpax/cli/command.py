@@ -36,6 +36,7 @@ from dpax.errors import (
     RunFailed,
     TooManyBadSteps,
     as_flags,
+    summary,
 )
 
 COMMANDS = (train, evaluate, predict, sample, export, check, estimate, bench, plot, prepare,
@@ -102,7 +103,7 @@ def _main(argv: list[str], log: failures.FailureLog) -> int:
         print("dpax: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # the runtime, the disk, the network, or a bug of dpax's
-        print(f"dpax: error: {failures.first_line(e)}{_details(log, e)}", file=sys.stderr)
+        print(f"dpax: error: {summary(e)}{_details(log, e)}", file=sys.stderr)
         return EXIT_FAILED
 
 

@@ -132,15 +132,6 @@ class FailureLog:
         return path
 
 
-def first_line(error: BaseException, limit: int = 300) -> str:
-    """An exception's type and the first line of its message."""
-    text = str(error).strip()
-    text = text.splitlines()[0] if text else ""
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
 _current: FailureLog | None = None
 
 

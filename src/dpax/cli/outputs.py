@@ -6,6 +6,7 @@ half of one)."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -27,8 +28,10 @@ from dpax.writers.jsonl import JsonlWriter, read_rows
 RUN_FILES = ("config.yaml", "run.json", "tokenizer.json", "metrics.jsonl", "metrics.csv",
              "params.npz", "metrics.png", "tensorboard", "profile",
              # --tracker: which tracker runs it feeds, MLflow's local store, W&B's files
-             "trackers.json", "mlflow.db", "mlartifacts", "wandb",
-             "error.log")  # a failure's details (`dpax.cli.failures`)
+             "trackers.json", "mlflow.db", "mlartifacts", "wandb")
+# A failure's details (`dpax.cli.failures`): `--overwrite` removes them, but
+# alone they are not a run (an attempt that failed before writing one).
+ERROR_LOGS = ("error.log", "error-rank*.log")
 
 
 def writable_dir(path: str, what: str) -> bool:
@@ -90,7 +93,9 @@ def holds_run(path: str) -> bool:
 
 def clear_run(path: str) -> None:
     """Remove a previous run's files from `path` (`--overwrite`); anything else stays."""
-    for name in RUN_FILES:
+    logs = [os.path.basename(p) for pattern in ERROR_LOGS
+            for p in glob.glob(os.path.join(path, pattern))]
+    for name in (*RUN_FILES, *logs):
         target = os.path.join(path, name)
         if os.path.isdir(target):
             shutil.rmtree(target)

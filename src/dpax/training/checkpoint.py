@@ -30,7 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dpax import config as cfg
-from dpax.errors import DpaxError, RunFailed
+from dpax.errors import DpaxError, RunFailed, summary
 from dpax.parallel import distributed, watchdog
 from dpax.training import checksums
 
@@ -346,7 +346,7 @@ class _Fallback:
 
 def _unreadable(e: Exception) -> str:
     """A read's failure, for a damaged step's message."""
-    return f"unreadable: {type(e).__name__}: {_first_line(e)[:120]}"
+    return f"unreadable: {summary(e, 120)}"
 
 
 def _cause(e: Exception) -> str:
@@ -359,7 +359,7 @@ def _cause(e: Exception) -> str:
             code = int(found.group(1)) if found else None
         if code in errno.errorcode:
             return os.strerror(code).lower()
-    return f"{type(e).__name__}: {_first_line(e)}"
+    return summary(e, 160)
 
 
 def _chain(e: BaseException):
@@ -420,8 +420,3 @@ def locate(path: str) -> tuple[str, int | None]:
     if base.isdigit() and os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA")):
         return os.path.dirname(path), int(base)
     return path, None
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:160] if text else ""
