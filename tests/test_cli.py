@@ -331,6 +331,25 @@ def test_a_failure_is_one_line_and_its_story_is_in_a_file(tmp_path, capsys, monk
     # Outside the command, logging and the hooks are as they were.
     assert failures.current() is None and sys.excepthook is sys.__excepthook__
 
+    def run_that_gets_past_errors(args):
+        failures.current().run_dir = str(tmp_path / "ok")
+        (tmp_path / "ok").mkdir()
+        for _ in range(2):  # a warning shows once, without a traceback
+            logging.getLogger("orbax").warning("Waiting for the previous save\nsecond line")
+        worker = threading.Thread(target=lambda: 1 / 0, name="tracker")
+        worker.start()
+        worker.join()
+        return 0
+
+    monkeypatch.setattr(devices, "run", run_that_gets_past_errors)
+    assert main(["devices"]) == 0
+    log = tmp_path / "ok" / "error.log"
+    assert capsys.readouterr().err.splitlines() == [
+        "dpax: warning: Waiting for the previous save",
+        "dpax: warning: the libraries reported 1 error(s) while the command ran, which it "
+        f"got past; details in {log}"]
+    assert "the command succeeded" in log.read_text() and "ZeroDivisionError" in log.read_text()
+
 
 def test_messages_name_the_command_and_its_flags(capsys):
     assert "(see 'dpax -h')" in one_line_error(capsys, [])

@@ -86,7 +86,9 @@ def _main(argv: list[str], log: failures.FailureLog) -> int:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     command = next(c for c in COMMANDS if c.NAME == args.command)
     try:
-        return command.run(args)
+        code = command.run(args)
+        failures.report_errors(log)
+        return code
     except DpaxError as e:
         print(f"dpax: error: {as_flags(str(e))}", file=sys.stderr)
         return EXIT_USAGE

@@ -5,11 +5,13 @@ error with its traceback from each background thread, asyncio logs the tasks
 it dropped, JAX's runtime raises from deep inside a collective. The `dpax`
 command keeps every log record (WARNING and up) and every exception of a
 background thread (or printed by a library's C code) in memory instead of
-printing them, and when the command
-fails writes them, after the failure's own traceback, to `error.log` in the
-run directory (`error-rank{i}.log` for the other processes of a run), or to
-a file in the temporary directory when the command has no run directory.
-The terminal gets one line that names the cause and that file.
+printing them, and when the command fails writes them, after the failure's
+own traceback, to `error.log` in the run directory (`error-rank{i}.log` for
+the other processes of a run), or to a file in the temporary directory when
+the command has no run directory. The terminal gets one line that names the
+cause and that file. A warning without a traceback still shows, one line;
+errors reported by a command that succeeded anyway are one warning line and
+the file.
 """
 
 from __future__ import annotations
@@ -33,21 +35,26 @@ FILE = "error.log"
 
 class _Keep(logging.Handler):
     """Keeps formatted log records (with their tracebacks) instead of printing
-    them. JAX's own warnings (e.g. a GPU it sees but cannot use) still show,
-    as one line each: they are about the run, not about a failure."""
+    them. A warning without a traceback (JAX's about a GPU it cannot use,
+    say) still shows, as one line, once: it is about the run, not about a
+    failure. `log.errors` counts the records of errors."""
 
-    def __init__(self, records: collections.deque):
+    def __init__(self, log: FailureLog):
         super().__init__(logging.WARNING)
-        self.records = records
+        self.log, self.shown = log, set()
         self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.records.append(self.format(record))
-            if (record.levelno == logging.WARNING and not record.exc_info
-                    and record.name.split(".")[0] == "jax"):
-                text = record.getMessage().strip().splitlines()
-                print(f"dpax: warning: {text[0] if text else ''}", file=sys.stderr, flush=True)
+            self.log.records.append(self.format(record))
+            if record.levelno > logging.WARNING or record.exc_info:
+                self.log.errors += 1
+                return
+            lines = record.getMessage().strip().splitlines()
+            line = f"dpax: warning: {lines[0] if lines else ''}"
+            if line not in self.shown:
+                self.shown.add(line)
+                print(line, file=sys.stderr, flush=True)
         except Exception:  # a record that cannot be formatted is not worth a crash
             self.handleError(record)
 
@@ -64,6 +71,7 @@ class FailureLog:
         self.records: collections.deque[str] = collections.deque(maxlen=MAX_RECORDS)
         self.run_dir: str | None = None  # set by a command once its run directory exists
         self.rank = 0
+        self.errors = 0  # errors the libraries reported (logged, or a thread's exception)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[FailureLog]:
@@ -74,7 +82,7 @@ class FailureLog:
         root = logging.getLogger()
         handlers, level = root.handlers[:], root.level
         hooks = threading.excepthook, sys.excepthook, sys.unraisablehook
-        root.handlers = [_Keep(self.records)]
+        root.handlers = [_Keep(self)]
         root.setLevel(logging.WARNING)
         threading.excepthook = self._thread_failed
         # C code prints an exception its callback raised through sys.excepthook
@@ -91,6 +99,7 @@ class FailureLog:
     def _keep(self, what: str, exc_type, value, tb) -> None:
         text = "".join(traceback.format_exception(exc_type, value, tb))
         self.records.append(f"{what}:\n{text.rstrip()}")
+        self.errors += 1
 
     def _thread_failed(self, args: threading.ExceptHookArgs) -> None:
         name = args.thread.name if args.thread is not None else "?"
@@ -113,13 +122,15 @@ class FailureLog:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         return os.path.join(tempfile.gettempdir(), f"dpax-{stamp}-{os.getpid()}-{name}")
 
-    def write(self, error: BaseException) -> str | None:
-        """Write the failure's traceback and the kept records; returns the
-        file's path (None if it could not be written: a full disk, say)."""
+    def write(self, error: BaseException | None) -> str | None:
+        """Write the failure's traceback (if any) and the kept records;
+        returns the file's path (None if it could not be written: a full
+        disk, say)."""
         path = self.path()
         lines = [f"dpax {__version__}, Python {sys.version.split()[0]}, "
                  f"{datetime.datetime.now().isoformat(timespec='seconds')}",
                  "command: dpax " + " ".join(self.argv), "",
+                 "the command succeeded" if error is None else
                  "".join(traceback.format_exception(error)).rstrip()]
         if self.records:
             lines += ["", f"log records and background threads' exceptions "
@@ -130,6 +141,16 @@ class FailureLog:
         except OSError:
             return None
         return path
+
+
+def report_errors(log: FailureLog) -> None:
+    """After a command that succeeded: errors a library reported while it ran
+    (a tracker's thread that died, say) are one warning line and a file."""
+    if log.errors:
+        path = log.write(None)
+        where = f"; details in {path}" if path else ""
+        print(f"dpax: warning: the libraries reported {log.errors} error(s) while the "
+              f"command ran, which it got past{where}", file=sys.stderr, flush=True)
 
 
 _current: FailureLog | None = None
