@@ -323,11 +323,11 @@ def test_the_launcher_says_why_after_the_failed_ranks_last_words():
 
     def late_pump(stream):
         time.sleep(1.0)  # a pump thread behind the process it reads
-        launcher._pump(stream, 0, lambda line: True, out, set())
+        launcher._pump(stream, 0, lambda line: True, out, launcher.Muted())
 
     pumps = [[threading.Thread(target=late_pump, args=(procs[0].stdout,), daemon=True)], []]
     pumps[0][0].start()
-    assert launcher._wait(procs, out, pumps, set()) == EXIT_STALLED
+    assert launcher._wait(procs, out, pumps, launcher.Muted()) == EXIT_STALLED
     lines = out.getvalue().splitlines()
     assert lines == ["[rank 0] stacks of the stalled rank",
                      "dpax launch: rank 0 stalled (it waited on its peers longer than "
@@ -345,7 +345,7 @@ def test_after_a_rank_fails_the_others_output_is_not_shown():
 
     from dpax.cli import launch as launcher
 
-    out, muted = io.StringIO(), set()
+    out, muted = io.StringIO(), launcher.Muted()
     survivor = ("import sys, time; print('Traceback: the peer went away', file=sys.stderr, "
                 "flush=True); time.sleep(60)")
     procs = [subprocess.Popen([sys.executable, "-c", survivor], stderr=subprocess.PIPE,
@@ -368,3 +368,5 @@ def test_after_a_rank_fails_the_others_output_is_not_shown():
     lines = out.getvalue().splitlines()
     assert lines == ["[rank 1] last words",
                      "dpax launch: rank 1 was killed by SIGKILL; stopping the other ranks"], lines
+    kept = muted.close()  # nothing lost: the survivor's lines are in its file
+    assert open(os.path.join(kept, "rank0.log")).read() == "Traceback: the peer went away\n"

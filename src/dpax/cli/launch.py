@@ -17,8 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import typing
 
 from dpax.errors import (
     EXIT_BAD_STEPS,
@@ -79,9 +81,37 @@ def _describe(rc: int) -> str:
     return f"exited with code {rc}"
 
 
-def _pump(stream, rank: int, show, out, muted: set[int]) -> None:
+class Muted:
+    """The ranks whose output no longer shows (once another rank failed: it
+    is about losing that rank); what they print goes to a file each, in a
+    temporary directory made when the first line comes."""
+
+    def __init__(self):
+        self.ranks: set[int] = set()
+        self.dir: str | None = None
+        self._files: dict[int, typing.TextIO] = {}
+        self._lock = threading.Lock()  # one pump thread per stream
+
+    def write(self, rank: int, line: str) -> None:
+        with self._lock:
+            if rank not in self._files:
+                self.dir = self.dir or tempfile.mkdtemp(prefix="dpax-launch-")
+                self._files[rank] = open(os.path.join(self.dir, f"rank{rank}.log"), "a")
+            self._files[rank].write(line)
+
+    def close(self) -> str | None:
+        """Close the files; returns their directory (None if nothing came)."""
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            return self.dir
+
+
+def _pump(stream, rank: int, show, out, muted: Muted) -> None:
     for line in stream:
-        if show(line) and rank not in muted:
+        if rank in muted.ranks:
+            muted.write(rank, line)
+        elif show(line):
             out.write(f"[rank {rank}] {line}")
             out.flush()
     stream.close()
@@ -148,7 +178,7 @@ def _launch_once(train_args, nprocs, devices_per_process, port, verbose, out) ->
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
     pumps: list[list[threading.Thread]] = []  # per rank: its stdout's and stderr's
-    muted: set[int] = set()  # ranks whose output no longer shows (after another failed)
+    muted = Muted()
     for rank in range(nprocs):
         cmd = [sys.executable, "-m", "dpax", "train", *train_args,
                "--coordinator", f"localhost:{port}", "--num-processes", str(nprocs),
@@ -185,6 +215,10 @@ def _launch_once(train_args, nprocs, devices_per_process, port, verbose, out) ->
             signal.signal(sig, handler)
     for t in (t for rank in pumps for t in rank):
         t.join(timeout=GRACE_S)
+    kept = muted.close()
+    if kept:
+        out.write(f"dpax launch: what the other ranks printed since is in {kept}\n")
+        out.flush()
     return code
 
 
@@ -198,12 +232,12 @@ def _stopped(pid: int) -> bool:
 
 
 def _wait(procs: list[subprocess.Popen], out, pumps: list[list[threading.Thread]],
-          muted: set[int]) -> int:
+          muted: Muted) -> int:
     """The run's exit code, once every rank exited (0, or 4 when they stopped
     on a signal after saving), or at the first rank that failed (the others
     are then killed: a save needs every rank, so theirs cannot finish). Once
     a rank failed, only its own last words show: the others' are about
-    losing it (each writes its details to its error log)."""
+    losing it, and go to `muted`'s files."""
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -213,7 +247,7 @@ def _wait(procs: list[subprocess.Popen], out, pumps: list[list[threading.Thread]
                 # or stall; name the rank that did neither.
                 rank, rc = min(failed, key=lambda f: (f[1] in (-signal.SIGABRT, EXIT_STALLED),
                                                       f[0]))
-                muted.update(r for r in range(len(procs)) if r != rank)
+                muted.ranks.update(r for r in range(len(procs)) if r != rank)
                 stopped = [r for r, p in enumerate(procs) if codes[r] is None and _stopped(p.pid)]
                 # Its last words first (a stalled rank's stacks), then the verdict:
                 # written at once, the verdict could come before them.
