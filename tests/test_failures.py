@@ -97,6 +97,35 @@ def test_a_background_write_that_fails_names_its_own_step_and_what_is_kept(tmp_p
 
 
 @pytest.mark.slow
+def test_a_failure_dpax_did_not_foresee_says_what_it_kept(tmp_path, capsys, monkeypatch):
+    """An error no dpax code expects (the disk under `out` failing at the
+    step-10 log, before that step's checkpoint, say) is one line that names
+    it, what was kept (the params of that step, the newest checkpoint) and
+    the details file; the params are those of an uninterrupted run of 10 steps."""
+    ck, out = tmp_path / "ck", tmp_path / "run"
+    on_log = hooks.Write.on_log
+
+    def failing(self, step, row):
+        if step == 10:
+            raise OSError(5, "Input/output error")
+        on_log(self, step, row)
+
+    monkeypatch.setattr(hooks.Write, "on_log", failing)
+    assert main(["train", *RUN, "--steps", "20", "--out", str(out), "--checkpoint-dir",
+                 str(ck), "--checkpoint-every", "5"]) == 1
+    assert capsys.readouterr().err == (
+        "dpax: error: OSError: [Errno 5] Input/output error; the params of step 10 are in "
+        f"{out}/params.npz; the newest checkpoint is step 5 in {ck} "
+        f"(details in {out}/error.log)\n")
+    assert "Traceback" in (out / "error.log").read_text()
+    monkeypatch.setattr(hooks.Write, "on_log", on_log)
+    ref = tmp_path / "ten"
+    assert main(["train", *RUN, "--steps", "10", "--out", str(ref)]) == 0
+    with np.load(out / "params.npz") as a, np.load(ref / "params.npz") as b:
+        assert all(np.array_equal(a[k], b[k]) for k in b.files)
+
+
+@pytest.mark.slow
 def test_a_run_whose_params_are_not_finite_does_not_end_in_success(tmp_path, capsys,
                                                                   monkeypatch):
     """Finite gradients, but the optimizer makes NaN params (a NaN momentum, as

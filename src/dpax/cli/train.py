@@ -18,7 +18,7 @@ from dpax.cli import devices, failures, outputs
 from dpax.cli.flags import add_flags, config_from_args
 from dpax.cli.job import Job, TrainConfig, build, check_same_meaning
 from dpax.cli.plot import plot_runs
-from dpax.errors import DpaxError, Preempted, RunFailed, TooManyBadSteps
+from dpax.errors import DpaxError, Preempted, RunFailed, TooManyBadSteps, summary
 from dpax.models.gpt import flops_per_token
 from dpax.parallel import peak, watchdog
 from dpax.parallel.distributed import is_writer
@@ -182,6 +182,10 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
             raise
         except RunFailed as e:
             raise kept(e, save_params(), f"the params of step {position.step}") from None
+        except DpaxError:
+            raise
+        except Exception as e:  # the runtime, a peer that died, a bug: say what is kept
+            raise _unforeseen(e, save_params, trainer, ckpt) from e
         finally:
             if profile is not None:
                 profile.close()
@@ -210,6 +214,32 @@ def _run(job: Job, ckpt: Checkpointer | None, data_iter, start: int, writer,
         ev.pop("weight", None)
     writer.write(total, {f"eval_{k}": v for k, v in ev.items()})
     return RunResult(trainer, history, ev, total, speed)
+
+
+def _unforeseen(e: Exception, save_params, trainer: Trainer,
+                ckpt: Checkpointer | None) -> RunFailed:
+    """A failure dpax did not foresee, as a RunFailed that says what is kept:
+    the trainer's params where one process can still read them (with several,
+    reading them is a collective a failed peer would hang), and the newest
+    checkpoint."""
+    kept = []
+    if jax.process_count() == 1:
+        try:
+            step, path = trainer.step, save_params()
+        except Exception:  # the failure may be the devices'
+            path = None
+        if path:
+            kept.append(f"the params of step {step} are in {path}")
+        if ckpt is not None:  # a save in flight completes (with peers it waits on them)
+            with contextlib.suppress(Exception):
+                ckpt.close()
+    try:
+        steps = ckpt.steps() if ckpt is not None else []
+    except Exception:  # the checkpoint directory may be what failed
+        steps = []
+    if steps:
+        kept.append(f"the newest checkpoint is step {steps[-1]} in {ckpt.directory}")
+    return RunFailed(f"{summary(e)}; {'; '.join(kept) or 'nothing was saved'}")
 
 
 def _watched(config: TrainConfig):
