@@ -6,8 +6,7 @@ stderr and how many lines it prints there.
 
 `--src` is the dpax source tree to run (so an older checkout's `src` gives
 the "before" column). The disk-full case needs root (a small tmpfs); without
-it that row says so. Prints a Markdown table; benchmarks/README.md keeps the
-measured rows.
+it that row says so. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -227,8 +226,8 @@ def launch(t: Table) -> None:
         lines.append(line)
         if "step 40/" in line:
             break
-    ranks = subprocess.run(["pgrep", "-f", "--", "--process-id 1"], capture_output=True,
-                           text=True)
+    ranks = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "--", "--process-id 1( |$)"],
+                           capture_output=True, text=True)  # the launcher's rank 1 only
     for pid in ranks.stdout.split():
         os.kill(int(pid), signal.SIGKILL)
     after = p.stdout.readlines()
