@@ -4,6 +4,8 @@ subclass, naming the argument, through `fit`, `fit_stream`, `evaluate` and
 `predict`, with nothing compiled; legal inputs of unusual shapes still
 train; and `TooManyBadSteps` says what was not finite."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -175,6 +177,22 @@ def test_columns_read_per_batch_are_checked_on_their_first_batch_only(how):
         call(t, how, sources.Column(table), rng.integers(0, 10, 400), batch_size=100)
     assert table.rows == 100 and nothing_ran(t)
 
+
+
+def test_bool_labels_need_a_model_of_two_outputs():
+    """A bool label is class id 0 or 1: a model of one output has no output
+    for True (its loss is NaN). Refused by the dtype, whatever the values,
+    as the int labels of the same ids are by theirs."""
+    x, y = data()
+    model = dpax.models.MLP(x.shape[1:], 1, hidden=8, rngs=nnx.Rngs(0))
+    t = dpax.Trainer(model, dpax.classification_loss, optax.sgd(0.1), devices=N)
+    fix = re.escape("the model has 1 output (class id 0); relabel, or give the model 2 outputs")
+    with pytest.raises(BadLabels, match=r"`y` holds class ids up to 1, but " + fix):
+        t.fit(x, (y % 2).astype(np.int32), batch_size=16, until_step=2)  # the reference
+    for labels in (y % 2 == 1, np.zeros(len(y), bool)):
+        with pytest.raises(BadLabels, match=r"`y` holds bools, class ids 0 and 1, but " + fix):
+            t.fit(x, labels, batch_size=16, until_step=2)
+    assert nothing_ran(t)
 
 # -- legal input of unusual kinds still trains ------------------------------------------
 def fit_steps(t, x, y, steps=3):
