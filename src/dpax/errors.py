@@ -98,11 +98,12 @@ class TooManyBadSteps(DpaxException, RuntimeError):
     """Too many consecutive non-finite steps (`steps` of them, at most `limit`).
 
     What was found when they stopped: `loss_finite` (the loss logged since
-    the last log; None when the steps were skipped, whose losses are not
-    logged), `gradient_finite` (the last step's gradient norm; None unless
-    the step computes it: `skip_nonfinite=True` or `clip_norm`),
-    `params_finite` (read then). `skipped`: whether the steps were skipped
-    (the params are the last good ones) or applied."""
+    the last log; skipped steps log no loss, so then it is False where the
+    last step's gradient norm is finite, which leaves the loss as what was
+    not, and None where it is not), `gradient_finite` (the last step's
+    gradient norm; None unless the step computes it: `skip_nonfinite=True`
+    or `clip_norm`), `params_finite` (read then). `skipped`: whether the
+    steps were skipped (the params are the last good ones) or applied."""
 
     def __init__(self, message: str, *, steps: int | None = None, limit: int | None = None,
                  skipped: bool | None = None, loss_finite: bool | None = None,
