@@ -304,6 +304,23 @@ def test_bad_steps_skipped_name_the_gradient_or_the_loss():
     assert "were skipped: the loss was not finite" in str(e) and finite
 
 
+
+@pytest.mark.parametrize("options", [{}, {"sharding": "full"}, {"backend": "pmap"}])
+@pytest.mark.parametrize("bad,finite", [(nan_inputs, False), (labels_past_the_outputs, True)])
+def test_the_params_are_checked_finite_on_the_devices(options, bad, finite, monkeypatch):
+    """`params_finite` is one scalar reduced on the devices: no host copy of
+    the params (under FSDP a gather); the host's reading after agrees."""
+    x, y = data(32)
+    t = mlp_trainer(N, max_bad_steps=2, **options)
+    with monkeypatch.context() as m:
+        m.setattr(dpax.Trainer, "params", property(
+            lambda self: pytest.fail("the params were copied to the host")))
+        with pytest.raises(dpax.TooManyBadSteps) as e:
+            t.fit_stream(iter([{"x": x, "y": y}] + [bad(x, y)] * 3), log_every=1)
+    assert e.value.params_finite is finite
+    assert all(np.isfinite(a).all() for a in leaves(t)) is finite
+
+
 def test_a_loss_declares_its_rule_through_partial():
     import functools
 

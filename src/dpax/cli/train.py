@@ -21,10 +21,11 @@ from dpax.cli.plot import plot_runs
 from dpax.errors import DpaxError, Preempted, RunFailed, TooManyBadSteps
 from dpax.models.gpt import flops_per_token
 from dpax.parallel import peak, watchdog
+from dpax.parallel.arrays import all_finite
 from dpax.parallel.distributed import is_writer
 from dpax.parallel.mesh import describe
 from dpax.training import hooks
-from dpax.training.checkpoint import AUTO, LATEST, Checkpointer, all_finite, locate
+from dpax.training.checkpoint import AUTO, LATEST, Checkpointer, locate
 from dpax.training.trainer import Trainer
 
 NAME = "train"

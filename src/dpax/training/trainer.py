@@ -38,7 +38,7 @@ from dpax.errors import DpaxError, DpaxWarning, TooManyBadSteps
 from dpax.models.layers import draws_own_random, has_per_device_state, synchronize
 from dpax.parallel import layout as layouts
 from dpax.parallel import platform, watchdog
-from dpax.parallel.arrays import is_key
+from dpax.parallel.arrays import all_finite, is_key
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend, make_backend
 from dpax.parallel.layout import check_sharding, make_layout
 from dpax.parallel.mesh import MAX_SIMULATED_DEVICES, select_devices
@@ -535,16 +535,16 @@ class Trainer:
     def _too_many_bad_steps(self, bad: int, row: dict) -> TooManyBadSteps:
         """The error of `bad` bad steps in a row, saying what was not finite:
         from the row (the loss since the last log, the last step's gradient
-        norm where the step computes one) and the params, read now (an error
-        path: a host read is fine)."""
+        norm where the step computes one) and the params, reduced on the
+        devices as stored (a split leaf's padding is zeros): one scalar comes
+        back, where a host copy would gather a split state onto each host."""
         skipped = self.config.skip_nonfinite
         norm = row.get("grad_norm")
         gradient = None if norm is None else bool(np.isfinite(norm))
         # A skipped step's loss is not in the row; a finite norm (its sum of
         # squares over a weight > 0) leaves the loss as what was not finite.
         loss = (False if gradient else None) if skipped else bool(np.isfinite(row["loss"]))
-        params = all(np.isfinite(a).all() for a in jax.tree.leaves(self.params)
-                     if jnp.issubdtype(a.dtype, jnp.inexact))
+        params = all_finite(self._field("params"))
         if loss is False:
             found = "the loss was not finite"
         elif gradient is False:
