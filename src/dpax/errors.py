@@ -79,6 +79,16 @@ class NotFinite(BadExamples):
         self.rows, self.first = rows, first
 
 
+class BadExamplesElsewhere(BadExamples):
+    """Bad examples another process found in its rows of a first batch
+    (each process checks only its own, and all of them stop together):
+    `process` is the first that found some; its own error names them."""
+
+    def __init__(self, message: str, argument: str, process: int):
+        super().__init__(message, argument)
+        self.process = process
+
+
 class BadLabels(BadExamples):
     """Targets of a dtype, shape or range the loss that reads them cannot
     take (e.g. a class id the model has no output for)."""

@@ -34,10 +34,10 @@ from dpax.data.pipeline import (
     examples,
     train_input,
 )
-from dpax.errors import DpaxError, DpaxWarning, TooManyBadSteps
+from dpax.errors import BadExamplesElsewhere, DpaxError, DpaxWarning, TooManyBadSteps
 from dpax.models.layers import draws_own_random, has_per_device_state, synchronize
+from dpax.parallel import distributed, platform, watchdog
 from dpax.parallel import layout as layouts
-from dpax.parallel import platform, watchdog
 from dpax.parallel.arrays import all_finite, is_key
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend, make_backend
 from dpax.parallel.layout import check_sharding, make_layout
@@ -485,14 +485,17 @@ class Trainer:
                        rule: bool = True) -> Iterator[dict]:
         """`batches` (this process's padded host batches) with the real rows
         of the first one checked whole, its arrays named as `named` names
-        them; `rule`: the loss's too."""
+        them; `rule`: the loss's too. Each process checks its own rows, and
+        all of them refuse when one does (`distributed.refuse_together`)."""
         def check_first(batch):
             mask = np.asarray(batch[MASK])
             arrays = {k: v for k, v in batch.items() if k != MASK}
             if not mask.all():  # padding is zeros, and no example
                 arrays = jax.tree.map(lambda a: a[mask], arrays)
-            checks.check(dataclasses.replace(named, arrays=arrays, first_batch=True),
-                         self._rule if rule else None)
+            first = dataclasses.replace(named, arrays=arrays, first_batch=True)
+            distributed.refuse_together(
+                lambda: checks.check(first, self._rule if rule else None),
+                lambda process: _found_elsewhere(first, process))
 
         return checks.first_checked(batches, check_first)
 
@@ -692,6 +695,14 @@ class Trainer:
             raise DpaxError("this Trainer keeps no EMA; give it `ema_decay` to have one")
         params = self.ema_params if use_ema else self.params
         return nnx.merge(self._graphdef, params, self.backend.host(self.state.model_state))
+
+
+def _found_elsewhere(first: checks.Examples, process: int) -> BadExamplesElsewhere:
+    """The error of a process whose rows of a first batch were good, where
+    `process` found bad ones in its rows."""
+    return BadExamplesElsewhere(
+        f"process {process} found bad examples in its rows of {first.name()} (each process "
+        "checks its own); its error names them and the fix", first.argument_of(None), process)
 
 
 def _on_host(tree):
