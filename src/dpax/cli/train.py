@@ -81,8 +81,12 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     writer_process = is_writer()  # only process 0 prints progress and writes --out
     with _removed_if_unused(outputs.check_dirs(out, config.checkpoint, writer_process)):
         job = build(config)
-        # What is read per batch (streamed inputs) is checked before anything is written.
+        # What is read per batch (streamed inputs) is checked before anything is
+        # written: the training split on its first batch, and the eval split on
+        # the first batch `evaluate` (default batch size) reads, or a bad one
+        # stopped the run at its first evaluation.
         job.trainer.check(job.ds.x_train, job.ds.y_train, config.batch_size)
+        job.trainer.check(job.ds.x_eval, job.ds.y_eval)
         config.check_length(job.total)
         ckpt = None if config.checkpoint.dir is None else Checkpointer(
             config.checkpoint.dir, config.checkpoint.keep)
