@@ -100,6 +100,7 @@ class Checkpointer:
         exists = step in self.manager.all_steps()
         if exists and self._damage.get(step) is None:
             return True  # saved already (the periodic save of the last step)
+        # Every process gets the same answer: all of them save, or none.
         if not all_finite(state, step):
             print(f"dpax: warning: step {step} was not checkpointed: its state is not "
                   "finite (a non-finite step applied, which skip_nonfinite=True skips, "
