@@ -4,6 +4,8 @@ subclass, naming the argument, through `fit`, `fit_stream`, `evaluate` and
 `predict`, with nothing compiled; legal inputs of unusual shapes still
 train; and `TooManyBadSteps` says what was not finite."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -14,6 +16,7 @@ import dpax
 from conftest import digits, leaves, max_diff, mlp_trainer, small_mlp
 from dpax.data import checks, pipeline, sources
 from dpax.errors import BadArgument, BadExamples, BadLabels, NotFinite
+from dpax.parallel import distributed
 
 N = 2  # devices: every refusal below happens before any of them runs a step
 
@@ -160,9 +163,11 @@ class Reads(sources.ArrayTable):
 
 
 @pytest.mark.parametrize("how", ["fit", "evaluate", "predict", "check"])
-def test_columns_read_per_batch_are_checked_on_their_first_batch_only(how):
+def test_columns_read_per_batch_are_checked_on_their_first_batch_only(how, monkeypatch):
     """Inputs on disk are not read whole to be checked: a NaN in the first
-    batch is refused when that batch is read, before the step."""
+    batch is refused when that batch is read, before the step. One process
+    agrees with no one: no collective (test_multiprocess.py has two)."""
+    monkeypatch.setattr(distributed, "least", lambda value: pytest.fail("a collective"))
     rng = np.random.default_rng(0)
     x = rng.random((400, 4096)).astype(np.float32)  # a batch over 1 MB: one batch per read
     x[:, 7] = np.nan
@@ -175,6 +180,22 @@ def test_columns_read_per_batch_are_checked_on_their_first_batch_only(how):
         call(t, how, sources.Column(table), rng.integers(0, 10, 400), batch_size=100)
     assert table.rows == 100 and nothing_ran(t)
 
+
+
+def test_bool_labels_need_a_model_of_two_outputs():
+    """A bool label is class id 0 or 1: a model of one output has no output
+    for True (its loss is NaN). Refused by the dtype, whatever the values,
+    as the int labels of the same ids are by theirs."""
+    x, y = data()
+    model = dpax.models.MLP(x.shape[1:], 1, hidden=8, rngs=nnx.Rngs(0))
+    t = dpax.Trainer(model, dpax.classification_loss, optax.sgd(0.1), devices=N)
+    fix = re.escape("the model has 1 output (class id 0); relabel, or give the model 2 outputs")
+    with pytest.raises(BadLabels, match=r"`y` holds class ids up to 1, but " + fix):
+        t.fit(x, (y % 2).astype(np.int32), batch_size=16, until_step=2)  # the reference
+    for labels in (y % 2 == 1, np.zeros(len(y), bool)):
+        with pytest.raises(BadLabels, match=r"`y` holds bools, class ids 0 and 1, but " + fix):
+            t.fit(x, labels, batch_size=16, until_step=2)
+    assert nothing_ran(t)
 
 # -- legal input of unusual kinds still trains ------------------------------------------
 def fit_steps(t, x, y, steps=3):
@@ -284,6 +305,23 @@ def test_bad_steps_skipped_name_the_gradient_or_the_loss():
     e, finite = stream_then(labels_past_the_outputs, clip_norm=1.0, skip_nonfinite=True)
     assert (e.loss_finite, e.gradient_finite, e.params_finite) == (False, True, True)
     assert "were skipped: the loss was not finite" in str(e) and finite
+
+
+
+@pytest.mark.parametrize("options", [{}, {"sharding": "full"}, {"backend": "pmap"}])
+@pytest.mark.parametrize("bad,finite", [(nan_inputs, False), (labels_past_the_outputs, True)])
+def test_the_params_are_checked_finite_on_the_devices(options, bad, finite, monkeypatch):
+    """`params_finite` is one scalar reduced on the devices: no host copy of
+    the params (under FSDP a gather); the host's reading after agrees."""
+    x, y = data(32)
+    t = mlp_trainer(N, max_bad_steps=2, **options)
+    with monkeypatch.context() as m:
+        m.setattr(dpax.Trainer, "params", property(
+            lambda self: pytest.fail("the params were copied to the host")))
+        with pytest.raises(dpax.TooManyBadSteps) as e:
+            t.fit_stream(iter([{"x": x, "y": y}] + [bad(x, y)] * 3), log_every=1)
+    assert e.value.params_finite is finite
+    assert all(np.isfinite(a).all() for a in leaves(t)) is finite
 
 
 def test_a_loss_declares_its_rule_through_partial():

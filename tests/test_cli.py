@@ -48,6 +48,17 @@ def bad_inputs(tmp_path):
     nan_x[2, 1] = np.nan
     pq.write_table(pa.table({"x": pa.array(list(nan_x)), "y": pa.array(np.arange(10) % 2)}),
                    streamed)
+    # A NaN in the eval split only: found by the first evaluation, after the
+    # run wrote its files, unless checked before. Its row: the split's first.
+    streamed_eval = tmp_path / "streamed_eval.parquet"
+    ids = np.repeat(np.arange(10, dtype=np.float32)[:, None], 3, 1)  # each row its index
+    pq.write_table(pa.table({"x": pa.array(list(ids)), "y": pa.array(np.arange(10) % 2)}),
+                   streamed_eval)
+    eval_row = int(dpax.data.datasets.load(str(streamed_eval)).x_eval[np.arange(1)][0, 0])
+    nan_x = np.ones((10, 3), np.float32)
+    nan_x[eval_row, 0] = np.nan
+    pq.write_table(pa.table({"x": pa.array(list(nan_x)), "y": pa.array(np.arange(10) % 2)}),
+                   streamed_eval)
     return {
         "seed negative": (["--seed", "-1"], "--seed"),
         "momentum nan": (["--optimizer", "momentum", "--momentum", "nan"], "--momentum"),
@@ -72,6 +83,9 @@ def bad_inputs(tmp_path):
         "nan in streamed x": (["--model", "mlp", "--data", str(streamed)],
                               "the first batch of --data contains NaN or infinite values in 1 "
                               "of its 8 examples"),
+        "nan in streamed eval x": (["--model", "mlp", "--data", str(streamed_eval)],
+                                   "the first batch of --data contains NaN or infinite values "
+                                   "in 1 of its 2 examples (the first at row 0)"),
         "unknown task": (["--task", "ranking"], "unknown task 'ranking'"),
         "complex x": (["--model", "mlp", "--data", npz(tmp_path, "cx.npz", x=x + 1j,
                                                         y=np.zeros(10, int))], "complex"),

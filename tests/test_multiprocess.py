@@ -134,6 +134,51 @@ def test_killing_a_rank_stops_the_launch_and_leaves_no_process(tmp_path):
 
 
 
+
+def test_bad_rows_in_one_processs_part_of_the_first_batch_stop_every_process(tmp_path):
+    """A NaN among process 1's rows of the first (shuffled) batch, none of
+    them rows `Trainer.check` reads: each process checks only its own rows,
+    so they agree before the first step. Process 1 names the NaN, process 0
+    says where it was found; both exit 2 with one line, neither waiting on
+    the other (it waited in the step's all-reduce until --timeout)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n, batch, path = 40, 8, str(tmp_path / "data.parquet")
+
+    def write(x):
+        pq.write_table(pa.table({"x": pa.array(list(x)), "y": pa.array(np.arange(n) % 2)}),
+                       path)
+
+    write(np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, 1))  # each row holds its index
+    ds = dpax.data.datasets.load(path)
+    first = dpax.BatchPlan(len(ds.y_train), batch, seed=0).indices(0)
+    theirs = [i for i in first[batch // 2:] if i >= batch]  # not among check's rows 0..7
+    assert theirs, first
+    x = np.ones((n, 3), np.float32)
+    x[int(ds.x_train[np.array(theirs[:1])][0, 0]), 1] = np.nan
+    write(x)
+    cmd = [sys.executable, "-m", "dpax", "train", "--model", "mlp", "--data", path,
+           "--batch-size", str(batch), "--steps", "2", "--devices", "1", "--timeout", "60",
+           "--coordinator", f"localhost:{free_port()}", "--num-processes", "2"]
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([*cmd, "--process-id", str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        errs = [p.communicate(timeout=50)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    took = time.monotonic() - t0
+    lines = [[line for line in err.splitlines() if "[Gloo]" not in line] for err in errs]
+    assert [p.returncode for p in procs] == [2, 2], lines
+    assert lines == [
+        ["dpax: error: process 1 found bad examples in its rows of the first batch of --data "
+         "(each process checks its own); its error names them and the fix"],
+        ["dpax: error: the first batch of --data contains NaN or infinite values in 1 of its "
+         "4 examples (the first at row 0); clean the data first"]], lines
+    print(f"both processes refused the first batch in {took:.1f}s")
+
 @pytest.mark.parametrize("flags,needle", [
     (["--coordinator", "no-port-here", "--num-processes", "2", "--process-id", "0"],
      "not HOST:PORT"),

@@ -79,6 +79,16 @@ class NotFinite(BadExamples):
         self.rows, self.first = rows, first
 
 
+class BadExamplesElsewhere(BadExamples):
+    """Bad examples another process found in its rows of a first batch
+    (each process checks only its own, and all of them stop together):
+    `process` is the first that found some; its own error names them."""
+
+    def __init__(self, message: str, argument: str, process: int):
+        super().__init__(message, argument)
+        self.process = process
+
+
 class BadLabels(BadExamples):
     """Targets of a dtype, shape or range the loss that reads them cannot
     take (e.g. a class id the model has no output for)."""
@@ -98,11 +108,12 @@ class TooManyBadSteps(DpaxException, RuntimeError):
     """Too many consecutive non-finite steps (`steps` of them, at most `limit`).
 
     What was found when they stopped: `loss_finite` (the loss logged since
-    the last log; None when the steps were skipped, whose losses are not
-    logged), `gradient_finite` (the last step's gradient norm; None unless
-    the step computes it: `skip_nonfinite=True` or `clip_norm`),
-    `params_finite` (read then). `skipped`: whether the steps were skipped
-    (the params are the last good ones) or applied."""
+    the last log; skipped steps log no loss, so then it is False where the
+    last step's gradient norm is finite, which leaves the loss as what was
+    not, and None where it is not), `gradient_finite` (the last step's
+    gradient norm; None unless the step computes it: `skip_nonfinite=True`
+    or `clip_norm`), `params_finite` (read then). `skipped`: whether the
+    steps were skipped (the params are the last good ones) or applied."""
 
     def __init__(self, message: str, *, steps: int | None = None, limit: int | None = None,
                  skipped: bool | None = None, loss_finite: bool | None = None,

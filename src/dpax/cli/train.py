@@ -21,10 +21,11 @@ from dpax.cli.plot import plot_runs
 from dpax.errors import DpaxError, Preempted, RunFailed, TooManyBadSteps, summary
 from dpax.models.gpt import flops_per_token
 from dpax.parallel import peak, watchdog
+from dpax.parallel.arrays import all_finite
 from dpax.parallel.distributed import is_writer
 from dpax.parallel.mesh import describe
 from dpax.training import hooks
-from dpax.training.checkpoint import AUTO, LATEST, Checkpointer, all_finite, locate
+from dpax.training.checkpoint import AUTO, LATEST, Checkpointer, locate
 from dpax.training.trainer import Trainer
 
 NAME = "train"
@@ -80,8 +81,12 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     writer_process = is_writer()  # only process 0 prints progress and writes --out
     with _removed_if_unused(outputs.check_dirs(out, config.checkpoint, writer_process)):
         job = build(config)
-        # What is read per batch (streamed inputs) is checked before anything is written.
+        # What is read per batch (streamed inputs) is checked before anything is
+        # written: the training split on its first batch, and the eval split on
+        # the first batch `evaluate` (default batch size) reads, or a bad one
+        # stopped the run at its first evaluation.
         job.trainer.check(job.ds.x_train, job.ds.y_train, config.batch_size)
+        job.trainer.check(job.ds.x_eval, job.ds.y_eval)
         config.check_length(job.total)
         ckpt = None if config.checkpoint.dir is None else Checkpointer(
             config.checkpoint.dir, config.checkpoint.keep)

@@ -171,7 +171,8 @@ def ids(ex: Examples, key: str, *, ndim: int, below: int | None, what: str,
         reader: str, per_example: str, bound: Callable[[int], str] | None = None) -> None:
     """The array under `key` holds `what` (e.g. class ids): integers (or
     bools), `ndim` axes, each value in 0..`below`-1 (`bound(largest)` says
-    what is over). Its values are read once for the least and the largest."""
+    what is over). Its values are read once for the least and the largest;
+    a bool's are 0 and 1 by its dtype, whatever it holds."""
     y = ex.arrays[key]
     name, dtype = ex.name(key), np.dtype(y.dtype)
     if not (jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_):
@@ -180,15 +181,22 @@ def ids(ex: Examples, key: str, *, ndim: int, below: int | None, what: str,
     if y.ndim != ndim:
         raise ex.bad(BadLabels, f"{name} has shape {tuple(y.shape)}, but {reader} takes "
                      f"{per_example}", key)
-    if dtype == np.bool_ or not ex.readable(y) or not len(y):
+
+    def over(high):
+        return bound(high) if bound else f"{reader} takes them below {below}"
+
+    if dtype == np.bool_:
+        if below is not None and below < 2:
+            raise ex.bad(BadLabels, f"{name} holds bools, {what} 0 and 1, but {over(1)}", key)
+        return
+    if not ex.readable(y) or not len(y):
         return
     low, high = int(y.min()), int(y.max())
     if low < 0:
         raise ex.bad(BadLabels, f"{name} holds {what} below 0 (the least is {low}); "
                      f"{what} count from 0", key)
     if below is not None and high >= below:
-        raise ex.bad(BadLabels, f"{name} holds {what} up to {high}, but "
-                     f"{bound(high) if bound else f'{reader} takes them below {below}'}", key)
+        raise ex.bad(BadLabels, f"{name} holds {what} up to {high}, but {over(high)}", key)
 
 
 def _as_ids(y, readable: bool) -> str:

@@ -26,15 +26,17 @@ def _outputs(ex: checks.Examples, inputs) -> tuple[int, ...] | None:
 
 def check_classification(ex: checks.Examples) -> None:
     """`classification_loss`'s examples: inputs `x`, and under `y` one class id
-    per example, an integer (or bool) below the model's number of outputs."""
+    per example, an integer below the model's number of outputs, or a bool
+    (ids 0 and 1: a model of at least 2 outputs)."""
     reader = "dpax.classification_loss"
     checks.has_keys(ex, ("x", "y"), reader)
     out = _outputs(ex, ex.arrays["x"])
     classes = out[-1] if out else None
 
     def bound(high):
-        return (f"the model has {classes} outputs (class ids 0..{classes - 1}); relabel, "
-                f"or give the model {high + 1} outputs")
+        has = (f"{classes} outputs (class ids 0..{classes - 1})" if classes > 1
+               else f"{classes} output (class id 0)")
+        return f"the model has {has}; relabel, or give the model {high + 1} outputs"
 
     checks.ids(ex, "y", ndim=1, below=classes, what="class ids", reader=reader,
                per_example="one class id per example", bound=bound)

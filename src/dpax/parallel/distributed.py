@@ -11,7 +11,7 @@ JAX aborts the process (a C++ stack trace, no Python exception) when the
 coordinator cannot be reached, so dpax checks the address from Python first
 and turns a wrong one into a one-line error. Ranks that must act together on a
 host-side decision (a time-based checkpoint, a signal) agree on it through a
-tiny collective (`any_process`, `from_process_0`).
+tiny collective (`any_process`, `from_process_0`, `refuse_together`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import dataclasses
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -232,3 +233,26 @@ def from_process_0(flag: bool) -> bool:
         return flag
     with watchdog.waiting():
         return bool(multihost_utils.broadcast_one_to_all(np.array(flag, np.int32)))
+
+
+def refuse_together(check: Callable[[], None], elsewhere: Callable[[int], DpaxError]) -> None:
+    """`check()`, which may raise a `DpaxError`, on every process, all of
+    them raising when any does: one that raised alone would leave its peers
+    waiting in their next collective. A process whose `check` raised raises
+    its own error, the others `elsewhere(process)`, the first process that
+    found one. A collective with several processes (every process calls it
+    at the same point); a single process only runs `check`."""
+    if jax.process_count() == 1:
+        check()
+        return
+    try:
+        check()
+        found = None
+    except DpaxError as e:
+        found = e
+    # One collective says both whether any process found one and which first.
+    first = least(jax.process_index() if found is not None else jax.process_count())
+    if found is not None:
+        raise found
+    if first < jax.process_count():
+        raise elsewhere(first)

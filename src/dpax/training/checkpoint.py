@@ -25,13 +25,12 @@ from typing import Any
 
 import grain
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from dpax import config as cfg
 from dpax.errors import DpaxError, RunFailed, summary
 from dpax.parallel import distributed, watchdog
+from dpax.parallel.arrays import all_finite
 from dpax.training import checksums
 
 LATEST, AUTO = "latest", "auto"  # --resume alone; --resume auto
@@ -101,6 +100,7 @@ class Checkpointer:
         exists = step in self.manager.all_steps()
         if exists and self._damage.get(step) is None:
             return True  # saved already (the periodic save of the last step)
+        # Every process gets the same answer: all of them save, or none.
         if not all_finite(state, step):
             print(f"dpax: warning: step {step} was not checkpointed: its state is not "
                   "finite (a non-finite step applied, which skip_nonfinite=True skips, "
@@ -369,32 +369,6 @@ def _chain(e: BaseException):
         seen.add(id(e))
         yield e
         e = e.__cause__ or e.__context__
-
-
-@jax.jit
-def _finite(arrays: list) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.isfinite(a).all() for a in arrays]))
-
-
-def all_finite(state: dict, step: int | None = None) -> bool:
-    """Whether every floating-point array of a state dict is finite: one
-    reduction on the devices for device arrays (every process gets the same
-    answer, so all of them save or none), numpy for host ones (pmap's copy).
-
-    Reading the answer waits on every process: the state may be split over
-    them (`state_dict` gathers only a padded split leaf, just before).
-    A peer that stopped hangs it, so the watchdog times that read; the
-    compile (the first save's only) stays outside the timer."""
-    floats = [v for v in state.values() if jnp.issubdtype(v.dtype, jnp.inexact)]
-    on_device = [v for v in floats if isinstance(v, jax.Array)]
-    on_host = [v for v in floats if not isinstance(v, jax.Array)]
-    if not all(np.isfinite(v).all() for v in on_host):
-        return False
-    if not on_device:
-        return True
-    check = _finite.lower(on_device).compile()  # cached by JAX after the first save
-    with watchdog.waiting(step):
-        return bool(check(on_device))
 
 
 def _mismatch(saved: dict[str, tuple], template: dict) -> str | None:

@@ -34,11 +34,11 @@ from dpax.data.pipeline import (
     examples,
     train_input,
 )
-from dpax.errors import DpaxError, DpaxWarning, TooManyBadSteps
+from dpax.errors import BadExamplesElsewhere, DpaxError, DpaxWarning, TooManyBadSteps
 from dpax.models.layers import draws_own_random, has_per_device_state, synchronize
+from dpax.parallel import distributed, platform, watchdog
 from dpax.parallel import layout as layouts
-from dpax.parallel import platform, watchdog
-from dpax.parallel.arrays import is_key
+from dpax.parallel.arrays import all_finite, is_key
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend, make_backend
 from dpax.parallel.layout import check_sharding, make_layout
 from dpax.parallel.mesh import MAX_SIMULATED_DEVICES, select_devices
@@ -485,14 +485,17 @@ class Trainer:
                        rule: bool = True) -> Iterator[dict]:
         """`batches` (this process's padded host batches) with the real rows
         of the first one checked whole, its arrays named as `named` names
-        them; `rule`: the loss's too."""
+        them; `rule`: the loss's too. Each process checks its own rows, and
+        all of them refuse when one does (`distributed.refuse_together`)."""
         def check_first(batch):
             mask = np.asarray(batch[MASK])
             arrays = {k: v for k, v in batch.items() if k != MASK}
             if not mask.all():  # padding is zeros, and no example
                 arrays = jax.tree.map(lambda a: a[mask], arrays)
-            checks.check(dataclasses.replace(named, arrays=arrays, first_batch=True),
-                         self._rule if rule else None)
+            first = dataclasses.replace(named, arrays=arrays, first_batch=True)
+            distributed.refuse_together(
+                lambda: checks.check(first, self._rule if rule else None),
+                lambda process: _found_elsewhere(first, process))
 
         return checks.first_checked(batches, check_first)
 
@@ -535,16 +538,16 @@ class Trainer:
     def _too_many_bad_steps(self, bad: int, row: dict) -> TooManyBadSteps:
         """The error of `bad` bad steps in a row, saying what was not finite:
         from the row (the loss since the last log, the last step's gradient
-        norm where the step computes one) and the params, read now (an error
-        path: a host read is fine)."""
+        norm where the step computes one) and the params, reduced on the
+        devices as stored (a split leaf's padding is zeros): one scalar comes
+        back, where a host copy would gather a split state onto each host."""
         skipped = self.config.skip_nonfinite
         norm = row.get("grad_norm")
         gradient = None if norm is None else bool(np.isfinite(norm))
         # A skipped step's loss is not in the row; a finite norm (its sum of
         # squares over a weight > 0) leaves the loss as what was not finite.
         loss = (False if gradient else None) if skipped else bool(np.isfinite(row["loss"]))
-        params = all(np.isfinite(a).all() for a in jax.tree.leaves(self.params)
-                     if jnp.issubdtype(a.dtype, jnp.inexact))
+        params = all_finite(self._field("params"))
         if loss is False:
             found = "the loss was not finite"
         elif gradient is False:
@@ -692,6 +695,14 @@ class Trainer:
             raise DpaxError("this Trainer keeps no EMA; give it `ema_decay` to have one")
         params = self.ema_params if use_ema else self.params
         return nnx.merge(self._graphdef, params, self.backend.host(self.state.model_state))
+
+
+def _found_elsewhere(first: checks.Examples, process: int) -> BadExamplesElsewhere:
+    """The error of a process whose rows of a first batch were good, where
+    `process` found bad ones in its rows."""
+    return BadExamplesElsewhere(
+        f"process {process} found bad examples in its rows of {first.name()} (each process "
+        "checks its own); its error names them and the fix", first.argument_of(None), process)
 
 
 def _on_host(tree):
