@@ -87,8 +87,14 @@ class Checkpointer:
         # The checksums are written by the primary process once every process's
         # files are, before Orbax renames the step into place: a step directory
         # without them was not committed by this code.
+        # Process 0 lists the steps and every process takes its list (a
+        # collective with several processes, none with one): listing their
+        # own, a process that listed before another run committed a step and
+        # one that listed after tried different steps in the checks they make
+        # together, and disagreed on whether a save is past the newest step.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, create=True,
+            single_host_load_and_broadcast=True,
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
                                            post_finalization_callback=self._write_checksums))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -168,10 +174,12 @@ class Checkpointer:
                             f"{self.directory}; {self._kept()}") from None
 
     def _kept(self) -> str:
-        """The newest complete checkpoint on disk, for a failure's message."""
+        """The newest complete checkpoint on disk, for a failure's message.
+        Listed by this process alone: a failure may stop one process only,
+        and the manager's own listing is a collective."""
         try:
-            self.manager.reload()
-            steps = self.manager.all_steps()
+            steps = [m.step for m in
+                     ocp.path.step.standard_name_format().find_all(self.directory)]
         except Exception:  # the directory itself may be what failed
             steps = []
         if not steps:
@@ -179,7 +187,9 @@ class Checkpointer:
         return f"the newest complete checkpoint there is step {max(steps)}"
 
     def steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        """The step directories in Orbax's view, oldest first: process 0's
+        listing, the same on every process (broadcast as numpy integers)."""
+        return sorted(int(s) for s in self.manager.all_steps())
 
     def _saved_processes(self, step: int) -> int | None:
         data_dir = os.path.join(self.directory, str(step), "data")
