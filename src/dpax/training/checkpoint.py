@@ -81,6 +81,9 @@ class Checkpointer:
         self._writing: int | None = None  # the step whose files are being written
         self._swept = False  # of the unfinished saves of earlier runs
         self._damage: dict[int, checksums.Damage | None] = {}  # steps checked so far
+        self._ours: set[int] = set()  # steps this Checkpointer saved, or restored
+        self._restored: int | None = None  # the step restored, until the next save
+        self._passed: set[int] = set()  # the newer steps that restore passed over
         # Step directories are made before save() returns, so a directory that
         # cannot be made fails there, at once; made in the background, the
         # failure left Orbax's other threads waiting minutes for its signal.
@@ -102,10 +105,24 @@ class Checkpointer:
     def save(self, step: int, state: dict, data: Any, meta: dict) -> bool:
         """Start an async save. Returns once the state is copied off the devices,
         so the next (donating) step may run; the files are written in the background.
-        A state that is not finite is not saved (False): it would push a good
-        checkpoint out of the newest `keep`."""
-        exists = step in self.manager.all_steps()
-        if exists and self._damage.get(step) is None:
+
+        The first save after `restore` renames the steps newer than the
+        restored one out of Orbax's view (`30.damaged`, `30.superseded`),
+        deleting none: Orbax saves only steps past its newest, and they are
+        another trajectory's.
+
+        Returns:
+          True when the save started, or when this Checkpointer saved or
+          restored `step` already (the periodic save of the last step); False
+          when the state is not finite: it is not saved, as it would push a
+          good checkpoint out of the newest `keep`.
+
+        Raises:
+          RunFailed: the save could not start, a previous save's background
+            write failed, or the directory holds a newer step that this
+            Checkpointer did not restore.
+        """
+        if step in self._ours and step in self.manager.all_steps():
             return True  # saved already (the periodic save of the last step)
         if not all_finite(state, step):
             print(f"dpax: warning: step {step} was not checkpointed: its state is not "
@@ -120,18 +137,55 @@ class Checkpointer:
         # failure of its write is told as that step's, and the checksums
         # callback never sees `_writing` change under it.
         self._wait()
-        if exists:  # a restore found it damaged and fell back past it: saved anew
-            self.manager.delete(step)
-            del self._damage[step]
         if not self._swept:
             self._remove_unfinished()
             self._swept = True
         # A save waits on the previous one and meets every process at a
         # barrier: a peer that stopped would hang it, so the watchdog times it.
-        self._writing = step
         with self._failing(step), watchdog.waiting(step):
-            self.manager.save(step, args=ocp.args.Composite(**args))
+            if self._restored is not None:
+                self._set_aside(self._restored)
+            self._writing = step
+            saved = self.manager.save(step, args=ocp.args.Composite(**args))
+        if not saved:  # Orbax saves only past its newest step, and says so only thus
+            self._writing = None
+            raise RunFailed(f"checkpoint step {step} was not saved: {self.directory} holds "
+                            f"step {self.manager.latest_step()}, newer, which this run did not "
+                            "resume from; give another `checkpoint_dir`, or `resume` from it")
+        self._ours.add(step)
         return True
+
+    def _set_aside(self, restored: int) -> None:
+        """Rename the steps newer than `restored` out of Orbax's view (it
+        lists only digit names): `30.damaged` if the restore passed over it,
+        else `30.superseded`. Process 0 renames; every process waits for it
+        and then reloads its view, so that all save the same steps."""
+        newer = [s for s in self.manager.all_steps() if s > restored]  # alike on every process
+        if newer:
+            error = None
+            if jax.process_index() == 0:
+                try:
+                    for s in newer:
+                        kind = "damaged" if s in self._passed else "superseded"
+                        os.rename(os.path.join(self.directory, str(s)), self._aside(s, kind))
+                except OSError as e:
+                    error = e
+            if distributed.any_process(error is not None):  # also the wait for process 0
+                raise error or OSError(f"process 0 could not rename steps {newer} aside")
+            self.manager.reload()
+            for s in newer:  # a step saved anew under the name is another's
+                self._damage.pop(s, None)
+        self._restored = None
+
+    def _aside(self, step: int, kind: str) -> str:
+        """A free name for `step` set aside: `30.superseded`, else
+        `30.superseded.2`, ... (a step saved anew may be set aside again)."""
+        base = os.path.join(self.directory, f"{step}.{kind}")
+        path, n = base, 1
+        while os.path.lexists(path):
+            n += 1
+            path = f"{base}.{n}"
+        return path
 
     def close(self) -> None:
         """Wait until every started save is on disk (a background write that
@@ -273,6 +327,8 @@ class Checkpointer:
                 fallback.skip(s, _unreadable(e))
                 continue
             fallback.settle(s, warn)
+            self._ours, self._restored = {s}, s
+            self._passed = {step for step, _ in fallback.skipped}
             return s, dict(restored.state), dict(meta, data_restored="data" in args)
         raise fallback.exhausted()
 
