@@ -371,6 +371,7 @@ def test_after_a_rank_fails_the_others_output_is_not_shown():
 
 
 AGREE_SCRIPT = """
+import os
 import sys
 import numpy as np
 import dpax
@@ -403,12 +404,30 @@ if pid == 1:
         p for p in glob(self, base) if p.name != "30"]
 restore(Checkpointer(ck), "listed")
 name_format._glob_step_paths = glob
+# Process 1 cannot read step 30's state; process 0 can.
+ckpt = Checkpointer(ck)
+read = ckpt.manager.restore
+def unreadable(step, args):
+    if step == 30 and "state" in args:
+        raise OSError("a shard of step 30 is unreadable here")
+    return read(step, args=args)
+if pid == 1:
+    ckpt.manager.restore = unreadable
+restore(ckpt, "unreadable")
+ckpt.manager.restore = read
+# Its first save: process 0 sets step 30 aside, then both save step 25.
+ckpt.save(25, state(25), None, {})
+ckpt.close()
+print("steps", Checkpointer(ck).steps(), sorted(os.listdir(ck)), flush=True)
+restore(Checkpointer(ck), "newest")
 """
 
 
-def test_two_processes_restore_the_same_step(tmp_path):
+def test_two_processes_restore_the_same_step_and_save_past_it_together(tmp_path):
     """Process 1 lists the steps without the newest (a run committed it in
-    between): both restore process 0's newest step."""
+    between) and cannot read the state of a step process 0 reads: both
+    restore process 0's newest step, then both fall back past the unreadable
+    one, and the first save sets it aside before either saves."""
     script = tmp_path / "agree.py"
     script.write_text(AGREE_SCRIPT)
     address = f"localhost:{free_port()}"
@@ -424,4 +443,9 @@ def test_two_processes_restore_the_same_step(tmp_path):
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, err[-3000:]
         said = [ln for ln in out.splitlines() if not ln.startswith("[Gloo]")]
-        assert said == ["listed 30 30.0"], (rank, out, err[-3000:])
+        assert said == ["listed 30 30.0", "unreadable 20 20.0",
+                        "steps [10, 20, 25] ['10', '20', '25', '30.damaged']",
+                        "newest 25 25.0"], (rank, out, err[-3000:])
+    warned = [ln for ln in outs[0][1].splitlines() if "warning" in ln]
+    assert warned == [f"dpax: warning: checkpoint step 30 in {tmp_path / 'ck'} is damaged "
+                      "(unreadable by another process); using step 20"], outs[0][1][-3000:]

@@ -35,6 +35,8 @@ from dpax.parallel import distributed, watchdog
 from dpax.training import checksums
 
 LATEST, AUTO = "latest", "auto"  # --resume alone; --resume auto
+# Orbax's barriers are named after it (`_restore_items` takes one by name).
+_BARRIERS = "dpax"
 
 
 @dataclasses.dataclass
@@ -98,6 +100,8 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, create=True,
             single_host_load_and_broadcast=True,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=_BARRIERS),
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
                                            post_finalization_callback=self._write_checksums))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -321,10 +325,9 @@ class Checkpointer:
                 args["data"] = grain.checkpoint.CheckpointRestore(data)
             if before_read is not None:
                 before_read()
-            try:
-                restored = self.manager.restore(s, args=ocp.args.Composite(**args))
-            except Exception as e:  # Orbax raises many types for damaged files
-                fallback.skip(s, _unreadable(e))
+            restored, why = _read_on_all(self._restore_items, s, ocp.args.Composite(**args))
+            if why is not None:
+                fallback.skip(s, why)
                 continue
             fallback.settle(s, warn)
             self._ours, self._restored = {s}, s
@@ -350,19 +353,29 @@ class Checkpointer:
         if found is not None:
             fallback.skip(step, found.text)
             return None
-        error = None
+        read, why = _read_on_all(self._meta_and_shapes, step)
+        if why is not None:
+            fallback.skip(step, why)
+        return read
+
+    def _meta_and_shapes(self, step: int) -> tuple[dict, dict[str, tuple[int, ...]]]:
+        meta = self._restore_items(step, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        return meta, self._saved_shapes(step)
+
+    def _restore_items(self, step: int, args: ocp.args.Composite) -> ocp.args.Composite:
+        """`manager.restore`. Orbax ends a restore with a barrier of every
+        process, a collective, and raises before it: a process whose restore
+        raised takes that barrier itself, or its next collective (the
+        agreement on the failure) paired with its peers' barrier, and every
+        later one with a different step's."""
         try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore())).meta
-            saved = self._saved_shapes(step)
-        except Exception as e:  # Orbax raises many types for damaged files
-            error = e
-        # Agreed, as the damage is: a process that could not read it must not
-        # be the only one to fall back.
-        if distributed.any_process(error is not None):
-            fallback.skip(step, _unreadable(error) if error else "unreadable by another process")
-            return None
-        return meta, saved
+            return self.manager.restore(step, args=args)
+        except Exception:
+            if jax.process_count() > 1:
+                with watchdog.waiting():
+                    ocp.multihost.sync_global_processes(ocp.multihost.unique_barrier_key(
+                        "Checkpointer:restore", prefix=_BARRIERS))
+            raise
 
     def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
         """{path: shape} of a step's saved state, from its metadata alone."""
@@ -408,6 +421,20 @@ class _Fallback:
             return ""
         return (" (a step you trust that has no checksums gets them from "
                 "`dpax.training.checksums.write(STEP_DIR)`)")
+
+
+def _read_on_all(read: Callable[..., Any], *args, **kwargs) -> tuple[Any, str | None]:
+    """(`read(*args, **kwargs)`, None), or (None, why) when it raised here or
+    on another process: agreed, as damage is, so that a process that could
+    not read a step is never the only one to fall back past it."""
+    value, error = None, None
+    try:
+        value = read(*args, **kwargs)
+    except Exception as e:  # Orbax raises many types for damaged files
+        error = e
+    if distributed.any_process(error is not None):
+        return None, _unreadable(error) if error else "unreadable by another process"
+    return value, None
 
 
 def _unreadable(e: Exception) -> str:
