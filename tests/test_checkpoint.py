@@ -1,6 +1,7 @@
 """Checkpoints: exact resume after kill -9 and SIGTERM, elastic resume on other
 device counts, fallback past damaged checkpoints, eval and predict from one."""
 
+import errno
 import json
 import os
 import shutil
@@ -276,6 +277,34 @@ def test_a_save_orbax_skips_is_an_error_not_a_checkpoint(steps_10_20_30, tmp_pat
         with pytest.raises(dpax.errors.RunFailed, match=f"step {step} was not saved: {ck} "
                            "holds step 30, newer, which this run did not resume from"):
             ckpt.save(step, loaded.trainer.state_dict(), None, loaded.meta)
+    ckpt.close()
+    assert sorted(os.listdir(ck)) == ["10", "20", "30"]
+
+
+def test_a_failed_save_after_a_fallback_does_not_name_the_damaged_step(steps_10_20_30,
+                                                                      tmp_path, monkeypatch):
+    """A restore passed over the damaged 30; the next save fails before it
+    starts (renaming 30 aside): the step it names as kept is 20, and no step
+    was renamed or removed."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(steps_10_20_30, ck)
+    flip_bytes(f"{ck}/30")
+    loaded = dpax.cli.job.load_checkpoint(f"{ck}/10")
+    ckpt = dpax.training.checkpoint.Checkpointer(ck)
+    assert loaded.trainer.restore(ckpt)[0] == 20
+    rename = os.rename
+
+    def refused(src, dst):
+        if os.path.basename(src) == "30":
+            raise PermissionError(errno.EACCES, "Permission denied", src)
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", refused)
+    with pytest.raises(dpax.errors.RunFailed) as failed:
+        ckpt.save(25, loaded.trainer.state_dict(), None, loaded.meta)
+    assert str(failed.value) == (f"checkpoint failed: permission denied while saving step 25 "
+                                 f"in {ck}; the newest complete checkpoint there is step 20")
+    monkeypatch.undo()
     ckpt.close()
     assert sorted(os.listdir(ck)) == ["10", "20", "30"]
 

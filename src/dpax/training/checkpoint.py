@@ -232,12 +232,12 @@ class Checkpointer:
                             f"{self.directory}; {self._kept()}") from None
 
     def _kept(self) -> str:
-        """The newest complete checkpoint on disk, for a failure's message.
-        Listed by this process alone: a failure may stop one process only,
-        and the manager's own listing is a collective."""
+        """The newest complete checkpoint on disk that is not known damaged,
+        for a failure's message. Listed by this process alone: a failure may
+        stop one process only, and the manager's own listing is a collective."""
         try:
-            steps = [m.step for m in
-                     ocp.path.step.standard_name_format().find_all(self.directory)]
+            found = ocp.path.step.standard_name_format().find_all(self.directory)
+            steps = [m.step for m in found if self._damage.get(m.step) is None]
         except Exception:  # the directory itself may be what failed
             steps = []
         if not steps:
