@@ -1,8 +1,10 @@
 """Checkpoints: exact resume after kill -9 and SIGTERM, elastic resume on other
 device counts, fallback past damaged checkpoints, eval and predict from one."""
 
+import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -185,17 +187,126 @@ def test_flipped_bytes_in_the_newest_step_are_never_evaluated_nor_trained_from(
         dpax.cli.job.load_checkpoint(f"{ck}/30")
     capsys.readouterr()
 
+    # Resumed with saves every 5 steps: Orbax saves only past its newest
+    # step, so the damaged 30 is renamed out of its view at the first save, 25.
+    more = [*flags, "--checkpoint-every", "5", "--keep", "5"]  # the later flags win
     out = str(tmp_path / "resumed")
-    assert main(["train", *flags, "--resume", "--out", out]) == 0
+    assert main(["train", *more, "--resume", "--out", out]) == 0
     captured = capsys.readouterr()
     warned = warning_lines(captured.err)
     assert len(warned) == 1 and "step 30" in warned[0], captured.err
     assert "resumed at step 20" in captured.out
     assert max_diff(params(out), params(ref)) == 0.0  # retrained 20 -> 30 exactly
     ckpt = dpax.training.checkpoint.Checkpointer(ck)
-    assert ckpt.steps() == [10, 20, 30] and ckpt.damage(30) is None  # saved anew
+    assert ckpt.steps() == [10, 20, 25, 30] and ckpt.damage(30) is None  # saved anew
+    assert sorted(os.listdir(ck)) == ["10", "20", "25", "30", "30.damaged"]
+    kept = dpax.training.checksums.check(f"{ck}/30.damaged")  # kept as it was
+    assert kept is not None and damaged in kept.text
     final = dpax.cli.outputs.flat_params(dpax.cli.job.load_checkpoint(ck).trainer.params)
     assert max_diff(final, params(ref)) == 0.0
+
+    # The new 30 damaged too: set aside under a name of its own.
+    flip_bytes(f"{ck}/30")
+    assert main(["train", *more, "--resume", "--out", out]) == 0
+    assert "resumed at step 25" in capsys.readouterr().out
+    assert max_diff(params(out), params(ref)) == 0.0
+    assert sorted(os.listdir(ck)) == ["10", "20", "25", "30", "30.damaged", "30.damaged.2"]
+
+
+def test_a_resume_from_an_older_step_sets_the_newer_ones_aside(tmp_path, capsys, monkeypatch):
+    """`--resume ck/10` with the longer schedule while ck holds the old run's
+    20 and 30: the new run's first save renames them out of Orbax's view
+    (which saves only past its newest step), so its own 20 and its stop at
+    a signal are saved; a later `--resume` continues the new run exactly."""
+    flags = [*RUN, "--devices", "2", "--schedule", "warmup-cosine"]
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "run")
+    saves = ["--checkpoint-dir", ck, "--checkpoint-every", "10"]
+    assert main(["train", *flags, "--steps", "30", *saves]) == 0
+    assert dpax.training.checkpoint.Checkpointer(ck).steps() == [10, 20, 30]
+    old_30 = dpax.cli.job.load_checkpoint(ck).trainer.params
+    ref = str(tmp_path / "ref")  # the new flags from step 10, uninterrupted
+    shutil.copytree(f"{ck}/10", tmp_path / "copy" / "10")
+    assert main(["train", *flags, "--steps", "40", "--resume", str(tmp_path / "copy" / "10"),
+                 "--out", ref]) == 0
+    save = dpax.training.hooks.Checkpoint.save
+
+    def stop_after_20(self, step):  # a SIGUSR1 once step 20 is saved
+        saved = save(self, step)
+        if step == 20:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return saved
+
+    monkeypatch.setattr(dpax.training.hooks.Checkpoint, "save", stop_after_20)
+    capsys.readouterr()
+    assert main(["train", *flags, "--steps", "40", *saves, "--resume", f"{ck}/10",
+                 "--out", out]) == 4
+    assert "checkpoint saved" in capsys.readouterr().err
+    monkeypatch.undo()
+    stopped = dpax.training.checkpoint.Checkpointer(ck).steps()
+    assert stopped[:2] == [10, 20] and len(stopped) == 3 and stopped[2] > 20, stopped
+    assert sorted(os.listdir(ck)) == sorted(["10", "20", str(stopped[2]), "20.superseded",
+                                             "30.superseded"])
+    assert dpax.training.checksums.check(f"{ck}/30.superseded") is None  # kept intact
+    os.mkdir(tmp_path / "old")  # as the docs say, to read it
+    os.rename(f"{ck}/30.superseded", tmp_path / "old" / "30")
+    aside = dpax.cli.job.load_checkpoint(str(tmp_path / "old" / "30")).trainer.params
+    assert max_diff(aside, old_30) == 0.0
+
+    assert main(["train", *flags, "--steps", "40", *saves, "--resume", "--out", out]) == 0
+    assert f"resumed at step {stopped[2]}" in capsys.readouterr().out
+    assert max_diff(params(out), params(ref)) == 0.0  # the new run's, not the old 30's
+
+
+@pytest.fixture(scope="module")
+def steps_10_20_30(tmp_path_factory):
+    """A checkpoint directory holding steps 10, 20 and 30 of one run."""
+    ck = str(tmp_path_factory.mktemp("trained") / "ck")
+    assert main(["train", *RUN, "--devices", "2", "--steps", "30", "--checkpoint-dir", ck,
+                 "--checkpoint-every", "10", "--quiet"]) == 0
+    return ck
+
+
+def test_a_save_orbax_skips_is_an_error_not_a_checkpoint(steps_10_20_30, tmp_path):
+    """Orbax writes nothing for a step at or before its newest: a Checkpointer
+    that did not restore the newer steps says so, and keeps every step."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(steps_10_20_30, ck)
+    loaded = dpax.cli.job.load_checkpoint(f"{ck}/10")
+    ckpt = dpax.training.checkpoint.Checkpointer(ck)
+    for step in (10, 15):  # 10 exists, but is not this Checkpointer's
+        with pytest.raises(dpax.errors.RunFailed, match=f"step {step} was not saved: {ck} "
+                           "holds step 30, newer, which this run did not resume from"):
+            ckpt.save(step, loaded.trainer.state_dict(), None, loaded.meta)
+    ckpt.close()
+    assert sorted(os.listdir(ck)) == ["10", "20", "30"]
+
+
+def test_a_failed_save_after_a_fallback_does_not_name_the_damaged_step(steps_10_20_30,
+                                                                      tmp_path, monkeypatch):
+    """A restore passed over the damaged 30; the next save fails before it
+    starts (renaming 30 aside): the step it names as kept is 20, and no step
+    was renamed or removed."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(steps_10_20_30, ck)
+    flip_bytes(f"{ck}/30")
+    loaded = dpax.cli.job.load_checkpoint(f"{ck}/10")
+    ckpt = dpax.training.checkpoint.Checkpointer(ck)
+    assert loaded.trainer.restore(ckpt)[0] == 20
+    rename = os.rename
+
+    def refused(src, dst):
+        if os.path.basename(src) == "30":
+            raise PermissionError(errno.EACCES, "Permission denied", src)
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", refused)
+    with pytest.raises(dpax.errors.RunFailed) as failed:
+        ckpt.save(25, loaded.trainer.state_dict(), None, loaded.meta)
+    assert str(failed.value) == (f"checkpoint failed: permission denied while saving step 25 "
+                                 f"in {ck}; the newest complete checkpoint there is step 20")
+    monkeypatch.undo()
+    ckpt.close()
+    assert sorted(os.listdir(ck)) == ["10", "20", "30"]
 
 
 def test_truncated_unlisted_and_all_damaged_steps(tmp_path, capsys):

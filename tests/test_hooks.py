@@ -1,6 +1,8 @@
 """A run's periodic duties (`dpax.training.hooks`): each fires when a call crosses a
 multiple of its cadence, whatever the log cadence or the steps per call."""
 
+import signal
+
 import pytest
 
 import dpax
@@ -69,3 +71,28 @@ def test_a_hook_that_wants_a_row_gets_one():
     rows = t.fit(ds.x_train, ds.y_train, batch_size=32, until_step=12, log_every=5,
                  hooks=[At()])
     assert [r["step"] for r in rows] == [5, 7, 10, 12]
+
+
+def test_a_stop_whose_state_is_not_finite_does_not_say_it_saved(tmp_path):
+    """The save at a signal returns False for a state that is not finite:
+    the stop says no checkpoint was saved, and names where `resume` reads."""
+
+    class NotFinite:  # a Checkpointer that refuses the state, as for a NaN
+        directory = str(tmp_path)
+
+        def save(self, step, *args):
+            return False
+
+        def state_dict(self):
+            return {}
+
+        def close(self):
+            pass
+
+    stop = hooks.StopOnSignal(hooks.Checkpoint(NotFinite(), NotFinite(), None, {}, every=0))
+    stop.signum = signal.SIGTERM
+    with pytest.raises(dpax.errors.Preempted) as stopped:
+        stop.after_step(7)
+    assert str(stopped.value) == (
+        "stopped by SIGTERM at step 7; its state is not finite, so it was not checkpointed: "
+        f"`resume` continues the newest checkpoint in {tmp_path}")

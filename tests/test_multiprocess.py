@@ -415,3 +415,84 @@ def test_after_a_rank_fails_the_others_output_is_not_shown():
                      "dpax launch: rank 1 was killed by SIGKILL; stopping the other ranks"], lines
     kept = muted.close()  # nothing lost: the survivor's lines are in its file
     assert open(os.path.join(kept, "rank0.log")).read() == "Traceback: the peer went away\n"
+
+
+AGREE_SCRIPT = """
+import os
+import sys
+import numpy as np
+import dpax
+from dpax.parallel import distributed
+pid, ck = int(sys.argv[1]), sys.argv[3]
+dpax.simulate_devices(1)
+distributed.initialize(distributed.DistributedConfig(coordinator=sys.argv[2], num_processes=2,
+                                                     process_id=pid))
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from dpax.training.checkpoint import Checkpointer
+like = jax.ShapeDtypeStruct((4,), np.float32,
+                            sharding=NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P()))
+def state(value):
+    return {"w": jax.make_array_from_callback((4,), like.sharding,
+                                              lambda i: np.full(4, value, np.float32)[i])}
+def restore(ckpt, what):
+    step, flat, _ = ckpt.restore({"w": like}, None)
+    print(what, step, float(np.asarray(flat["w"].addressable_data(0))[0]), flush=True)
+ckpt = Checkpointer(ck)
+for step in (10, 20, 30):
+    ckpt.save(step, state(step), None, {})
+ckpt.close()
+# Process 1 lists the directory before another run commits step 30, process 0 after.
+name_format = type(ocp.path.step.standard_name_format())
+glob = name_format._glob_step_paths
+if pid == 1:
+    name_format._glob_step_paths = lambda self, base: [
+        p for p in glob(self, base) if p.name != "30"]
+restore(Checkpointer(ck), "listed")
+name_format._glob_step_paths = glob
+# Process 1 cannot read step 30's state; process 0 can.
+ckpt = Checkpointer(ck)
+read = ckpt.manager.restore
+def unreadable(step, args):
+    if step == 30 and "state" in args:
+        raise OSError("a shard of step 30 is unreadable here")
+    return read(step, args=args)
+if pid == 1:
+    ckpt.manager.restore = unreadable
+restore(ckpt, "unreadable")
+ckpt.manager.restore = read
+# Its first save: process 0 sets step 30 aside, then both save step 25.
+ckpt.save(25, state(25), None, {})
+ckpt.close()
+print("steps", Checkpointer(ck).steps(), sorted(os.listdir(ck)), flush=True)
+restore(Checkpointer(ck), "newest")
+"""
+
+
+def test_two_processes_restore_the_same_step_and_save_past_it_together(tmp_path):
+    """Process 1 lists the steps without the newest (a run committed it in
+    between) and cannot read the state of a step process 0 reads: both
+    restore process 0's newest step, then both fall back past the unreadable
+    one, and the first save sets it aside before either saves."""
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE_SCRIPT)
+    address = f"localhost:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), address,
+                               str(tmp_path / "ck")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:  # a pair whose collectives went astray may hang: no leftovers
+            p.kill()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, err[-3000:]
+        said = [ln for ln in out.splitlines() if not ln.startswith("[Gloo]")]
+        assert said == ["listed 30 30.0", "unreadable 20 20.0",
+                        "steps [10, 20, 25] ['10', '20', '25', '30.damaged']",
+                        "newest 25 25.0"], (rank, out, err[-3000:])
+    warned = [ln for ln in outs[0][1].splitlines() if "warning" in ln]
+    assert warned == [f"dpax: warning: checkpoint step 30 in {tmp_path / 'ck'} is damaged "
+                      "(unreadable by another process); using step 20"], outs[0][1][-3000:]

@@ -34,6 +34,8 @@ from dpax.parallel.arrays import all_finite
 from dpax.training import checksums
 
 LATEST, AUTO = "latest", "auto"  # --resume alone; --resume auto
+# Orbax's barriers are named after it (`_restore_items` takes one by name).
+_BARRIERS = "dpax"
 
 
 @dataclasses.dataclass
@@ -80,14 +82,25 @@ class Checkpointer:
         self._writing: int | None = None  # the step whose files are being written
         self._swept = False  # of the unfinished saves of earlier runs
         self._damage: dict[int, checksums.Damage | None] = {}  # steps checked so far
+        self._ours: set[int] = set()  # steps this Checkpointer saved, or restored
+        self._restored: int | None = None  # the step restored, until the next save
+        self._passed: set[int] = set()  # the newer steps that restore passed over
         # Step directories are made before save() returns, so a directory that
         # cannot be made fails there, at once; made in the background, the
         # failure left Orbax's other threads waiting minutes for its signal.
         # The checksums are written by the primary process once every process's
         # files are, before Orbax renames the step into place: a step directory
         # without them was not committed by this code.
+        # Process 0 lists the steps and every process takes its list (a
+        # collective with several processes, none with one): listing their
+        # own, a process that listed before another run committed a step and
+        # one that listed after tried different steps in the checks they make
+        # together, and disagreed on whether a save is past the newest step.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=True, create=True,
+            single_host_load_and_broadcast=True,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=_BARRIERS),
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False,
                                            post_finalization_callback=self._write_checksums))
         self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -95,10 +108,24 @@ class Checkpointer:
     def save(self, step: int, state: dict, data: Any, meta: dict) -> bool:
         """Start an async save. Returns once the state is copied off the devices,
         so the next (donating) step may run; the files are written in the background.
-        A state that is not finite is not saved (False): it would push a good
-        checkpoint out of the newest `keep`."""
-        exists = step in self.manager.all_steps()
-        if exists and self._damage.get(step) is None:
+
+        The first save after `restore` renames the steps newer than the
+        restored one out of Orbax's view (`30.damaged`, `30.superseded`),
+        deleting none: Orbax saves only steps past its newest, and they are
+        another trajectory's.
+
+        Returns:
+          True when the save started, or when this Checkpointer saved or
+          restored `step` already (the periodic save of the last step); False
+          when the state is not finite: it is not saved, as it would push a
+          good checkpoint out of the newest `keep`.
+
+        Raises:
+          RunFailed: the save could not start, a previous save's background
+            write failed, or the directory holds a newer step that this
+            Checkpointer did not restore.
+        """
+        if step in self._ours and step in self.manager.all_steps():
             return True  # saved already (the periodic save of the last step)
         # Every process gets the same answer: all of them save, or none.
         if not all_finite(state, step):
@@ -114,18 +141,55 @@ class Checkpointer:
         # failure of its write is told as that step's, and the checksums
         # callback never sees `_writing` change under it.
         self._wait()
-        if exists:  # a restore found it damaged and fell back past it: saved anew
-            self.manager.delete(step)
-            del self._damage[step]
         if not self._swept:
             self._remove_unfinished()
             self._swept = True
         # A save waits on the previous one and meets every process at a
         # barrier: a peer that stopped would hang it, so the watchdog times it.
-        self._writing = step
         with self._failing(step), watchdog.waiting(step):
-            self.manager.save(step, args=ocp.args.Composite(**args))
+            if self._restored is not None:
+                self._set_aside(self._restored)
+            self._writing = step
+            saved = self.manager.save(step, args=ocp.args.Composite(**args))
+        if not saved:  # Orbax saves only past its newest step, and says so only thus
+            self._writing = None
+            raise RunFailed(f"checkpoint step {step} was not saved: {self.directory} holds "
+                            f"step {self.manager.latest_step()}, newer, which this run did not "
+                            "resume from; give another `checkpoint_dir`, or `resume` from it")
+        self._ours.add(step)
         return True
+
+    def _set_aside(self, restored: int) -> None:
+        """Rename the steps newer than `restored` out of Orbax's view (it
+        lists only digit names): `30.damaged` if the restore passed over it,
+        else `30.superseded`. Process 0 renames; every process waits for it
+        and then reloads its view, so that all save the same steps."""
+        newer = [s for s in self.manager.all_steps() if s > restored]  # alike on every process
+        if newer:
+            error = None
+            if jax.process_index() == 0:
+                try:
+                    for s in newer:
+                        kind = "damaged" if s in self._passed else "superseded"
+                        os.rename(os.path.join(self.directory, str(s)), self._aside(s, kind))
+                except OSError as e:
+                    error = e
+            if distributed.any_process(error is not None):  # also the wait for process 0
+                raise error or OSError(f"process 0 could not rename steps {newer} aside")
+            self.manager.reload()
+            for s in newer:  # a step saved anew under the name is another's
+                self._damage.pop(s, None)
+        self._restored = None
+
+    def _aside(self, step: int, kind: str) -> str:
+        """A free name for `step` set aside: `30.superseded`, else
+        `30.superseded.2`, ... (a step saved anew may be set aside again)."""
+        base = os.path.join(self.directory, f"{step}.{kind}")
+        path, n = base, 1
+        while os.path.lexists(path):
+            n += 1
+            path = f"{base}.{n}"
+        return path
 
     def close(self) -> None:
         """Wait until every started save is on disk (a background write that
@@ -168,10 +232,12 @@ class Checkpointer:
                             f"{self.directory}; {self._kept()}") from None
 
     def _kept(self) -> str:
-        """The newest complete checkpoint on disk, for a failure's message."""
+        """The newest complete checkpoint on disk that is not known damaged,
+        for a failure's message. Listed by this process alone: a failure may
+        stop one process only, and the manager's own listing is a collective."""
         try:
-            self.manager.reload()
-            steps = self.manager.all_steps()
+            found = ocp.path.step.standard_name_format().find_all(self.directory)
+            steps = [m.step for m in found if self._damage.get(m.step) is None]
         except Exception:  # the directory itself may be what failed
             steps = []
         if not steps:
@@ -179,7 +245,9 @@ class Checkpointer:
         return f"the newest complete checkpoint there is step {max(steps)}"
 
     def steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        """The step directories in Orbax's view, oldest first: process 0's
+        listing, the same on every process (broadcast as numpy integers)."""
+        return sorted(int(s) for s in self.manager.all_steps())
 
     def _saved_processes(self, step: int) -> int | None:
         data_dir = os.path.join(self.directory, str(step), "data")
@@ -257,12 +325,13 @@ class Checkpointer:
                 args["data"] = grain.checkpoint.CheckpointRestore(data)
             if before_read is not None:
                 before_read()
-            try:
-                restored = self.manager.restore(s, args=ocp.args.Composite(**args))
-            except Exception as e:  # Orbax raises many types for damaged files
-                fallback.skip(s, _unreadable(e))
+            restored, why = _read_on_all(self._restore_items, s, ocp.args.Composite(**args))
+            if why is not None:
+                fallback.skip(s, why)
                 continue
             fallback.settle(s, warn)
+            self._ours, self._restored = {s}, s
+            self._passed = {step for step, _ in fallback.skipped}
             return s, dict(restored.state), dict(meta, data_restored="data" in args)
         raise fallback.exhausted()
 
@@ -284,19 +353,29 @@ class Checkpointer:
         if found is not None:
             fallback.skip(step, found.text)
             return None
-        error = None
+        read, why = _read_on_all(self._meta_and_shapes, step)
+        if why is not None:
+            fallback.skip(step, why)
+        return read
+
+    def _meta_and_shapes(self, step: int) -> tuple[dict, dict[str, tuple[int, ...]]]:
+        meta = self._restore_items(step, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        return meta, self._saved_shapes(step)
+
+    def _restore_items(self, step: int, args: ocp.args.Composite) -> ocp.args.Composite:
+        """`manager.restore`. Orbax ends a restore with a barrier of every
+        process, a collective, and raises before it: a process whose restore
+        raised takes that barrier itself, or its next collective (the
+        agreement on the failure) paired with its peers' barrier, and every
+        later one with a different step's."""
         try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore())).meta
-            saved = self._saved_shapes(step)
-        except Exception as e:  # Orbax raises many types for damaged files
-            error = e
-        # Agreed, as the damage is: a process that could not read it must not
-        # be the only one to fall back.
-        if distributed.any_process(error is not None):
-            fallback.skip(step, _unreadable(error) if error else "unreadable by another process")
-            return None
-        return meta, saved
+            return self.manager.restore(step, args=args)
+        except Exception:
+            if jax.process_count() > 1:
+                with watchdog.waiting():
+                    ocp.multihost.sync_global_processes(ocp.multihost.unique_barrier_key(
+                        "Checkpointer:restore", prefix=_BARRIERS))
+            raise
 
     def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
         """{path: shape} of a step's saved state, from its metadata alone."""
@@ -342,6 +421,20 @@ class _Fallback:
             return ""
         return (" (a step you trust that has no checksums gets them from "
                 "`dpax.training.checksums.write(STEP_DIR)`)")
+
+
+def _read_on_all(read: Callable[..., Any], *args, **kwargs) -> tuple[Any, str | None]:
+    """(`read(*args, **kwargs)`, None), or (None, why) when it raised here or
+    on another process: agreed, as damage is, so that a process that could
+    not read a step is never the only one to fall back past it."""
+    value, error = None, None
+    try:
+        value = read(*args, **kwargs)
+    except Exception as e:  # Orbax raises many types for damaged files
+        error = e
+    if distributed.any_process(error is not None):
+        return None, _unreadable(error) if error else "unreadable by another process"
+    return value, None
 
 
 def _unreadable(e: Exception) -> str:

@@ -106,10 +106,12 @@ class Checkpoint(Hook):
         if self.every_s is not None:
             self._time_due = from_process_0(time.monotonic() - self._last >= self.every_s)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> bool:
+        """Save `step`; False when its state is not finite, so nothing was saved."""
         # state_dict() only when saving: with pmap it copies the state to the host.
-        self.ckpt.save(step, self.trainer.state_dict(), self.data_iter, self.meta)
+        saved = self.ckpt.save(step, self.trainer.state_dict(), self.data_iter, self.meta)
         self._last, self._time_due = time.monotonic(), False
+        return saved
 
     def after_step(self, step):
         if self.due(step) or self._time_due:
@@ -160,13 +162,17 @@ class StopOnSignal(Hook):
         if not stop:
             return
         ckpt = self.checkpoint.ckpt if self.checkpoint else None
+        if ckpt is None:
+            kept = "; no `checkpoint_dir`, so it cannot be resumed"
+        elif self.checkpoint.save(step):
+            kept = f"; checkpoint saved in {ckpt.directory}, continue with `resume`"
+        else:
+            kept = (f"; its state is not finite, so it was not checkpointed: `resume` "
+                    f"continues the newest checkpoint in {ckpt.directory}")
         if ckpt is not None:
-            self.checkpoint.save(step)
             ckpt.close()
         cause = signal.Signals(self.signum).name if self.signum else "a signal to another rank"
-        raise Preempted(f"stopped by {cause} at step {step}"
-                        + (f"; checkpoint saved in {ckpt.directory}, continue with `resume`"
-                           if ckpt else "; no `checkpoint_dir`, so it cannot be resumed"))
+        raise Preempted(f"stopped by {cause} at step {step}{kept}")
 
 
 class Profile(Hook):
