@@ -403,6 +403,14 @@ def test_resume_auto_starts_without_a_checkpoint_and_continues_with_one(tmp_path
     assert [r["step"] for r in rows if "loss" in r] == [6, 10, 12]
     assert main(["train", "--resume", "auto"]) == 2
     assert "--resume auto needs --checkpoint-dir" in capsys.readouterr().err
+    # Without `resume` the directory is another run's: its saves would not be made.
+    before = sorted(os.listdir(ck))
+    assert main(["train", "--model", "mlp", "--devices", "2", "--steps", "3",
+                 "--checkpoint-dir", ck, "--quiet"]) == 2
+    assert capsys.readouterr().err == (
+        f"dpax: error: --checkpoint-dir {ck} holds another run's checkpoints (steps 6, 12); "
+        "give --resume to continue that run, or an empty --checkpoint-dir\n")
+    assert sorted(os.listdir(ck)) == before
 
 
 def test_prepare_names_every_source_it_takes(tmp_path, capsys):

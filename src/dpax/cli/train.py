@@ -95,6 +95,11 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
         resume = config.checkpoint.resume
         if resume == AUTO:  # resume if there is something to resume, else start
             resume = LATEST if ckpt.steps() else None
+        if resume is None and ckpt is not None and ckpt.steps():
+            # Orbax saves only past the newest step: this run's saves would fail.
+            raise DpaxError(f"`checkpoint_dir={ckpt.directory}` holds another run's "
+                            f"checkpoints (steps {', '.join(map(str, ckpt.steps()))}); give "
+                            "`resume` to continue that run, or an empty `checkpoint_dir`")
         if resume is not None:
             start, data_restored = _resume(resume, config, ckpt, job.trainer, data_iter)
             if not data_restored:  # saved by another process count: rebuilt from the step
