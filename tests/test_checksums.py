@@ -72,3 +72,17 @@ def test_processes_that_check_a_share_each_agree_with_one_that_checks_all(step_d
     assert least == alone.rank
     assert checksums.damage(str(step_dir), least) == alone  # named alike by every process
     assert any(f is None for f in found)  # a process whose share is intact
+
+
+def test_a_file_system_that_cannot_map_files_gets_the_same_checksums(step_dir, monkeypatch):
+    """Where mmap fails (some FUSE mounts), the files are read in blocks."""
+    import mmap
+
+    def unmappable(*args, **kwargs):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(mmap, "mmap", unmappable)
+    monkeypatch.setattr(checksums, "_BLOCK", 1 << 20)  # several blocks for the 3 MiB file
+    assert checksums.check(str(step_dir)) is None
+    flip(step_dir / "state/d/big", 2 << 20)
+    assert "state/d/big does not match its checksum" in checksums.check(str(step_dir)).text

@@ -23,6 +23,7 @@ _FORMAT = 1
 # time), and writes its commit marker after the manifest: neither is listed.
 _UNLISTED = frozenset({MANIFEST, "_CHECKPOINT_METADATA", "commit_success.txt"})
 _THREADS = min(4, os.cpu_count() or 1)
+_BLOCK = 1 << 24  # bytes per read where a file cannot be mapped
 
 # A damaged file's rank is 2 + 3 * its index + one of these.
 _MISSING, _SIZE, _CRC = range(3)
@@ -135,12 +136,19 @@ def crc32s(paths: list[str]) -> list[str]:
 
 def crc32(path: str) -> int:
     """The CRC-32 of a file, summed over its pages mapped in place (no copy
-    through a read buffer)."""
+    through a read buffer), or read in blocks where the file system cannot
+    map files (some FUSE mounts)."""
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return 0  # an empty file cannot be mapped
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return zlib.crc32(mapped)
+        try:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                return zlib.crc32(mapped)
+        except (OSError, ValueError):
+            crc = 0
+            while block := f.read(_BLOCK):
+                crc = zlib.crc32(block, crc)
+            return crc
 
 
 def _rank(index: int, kind: int) -> int:
