@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import orbax.checkpoint
 import pytest
 
 import dpax
@@ -307,6 +308,56 @@ def test_a_failed_save_after_a_fallback_does_not_name_the_damaged_step(steps_10_
     monkeypatch.undo()
     ckpt.close()
     assert sorted(os.listdir(ck)) == ["10", "20", "30"]
+
+
+def test_an_intact_step_that_cannot_be_read_stops_the_read_and_is_kept(steps_10_20_30,
+                                                                        tmp_path, monkeypatch):
+    """Step 30 matches its checksums but its state cannot be read (memory,
+    the file system): `load_checkpoint` of the directory and a restore stop
+    with one RunFailed line; nothing falls back to 20, nothing is set aside,
+    and once the read works again step 30 is read."""
+    ck = str(tmp_path / "ck")
+    shutil.copytree(steps_10_20_30, ck)
+    read = orbax.checkpoint.CheckpointManager.restore
+
+    def failing(self, step, args=None):
+        if step == 30 and "state" in args:
+            raise OSError(errno.EIO, "Input/output error")
+        return read(self, step, args=args)
+
+    monkeypatch.setattr(orbax.checkpoint.CheckpointManager, "restore", failing)
+    expected = (f"checkpoint step 30 in {ck} could not be read (OSError: [Errno 5] "
+                "Input/output error); its files match their checksums, so it was kept")
+    with pytest.raises(dpax.errors.RunFailed) as failed:
+        dpax.cli.job.load_checkpoint(ck)
+    assert str(failed.value).endswith(expected)
+    monkeypatch.undo()
+    loaded = dpax.cli.job.load_checkpoint(f"{ck}/10")
+    ckpt = dpax.training.checkpoint.Checkpointer(ck)
+    monkeypatch.setattr(orbax.checkpoint.CheckpointManager, "restore", failing)
+    with pytest.raises(dpax.errors.RunFailed, match="step 30 .* could not be read"):
+        loaded.trainer.restore(ckpt)
+    monkeypatch.undo()  # the failed restore left that Trainer without a state
+    loaded = dpax.cli.job.load_checkpoint(f"{ck}/10")
+    assert loaded.trainer.restore(ckpt)[0] == 30
+    ckpt.save(31, loaded.trainer.state_dict(), None, loaded.meta)
+    ckpt.close()
+    assert sorted(os.listdir(ck)) == ["20", "30", "31"]  # the newest 3 (--keep): none aside
+
+
+def test_a_step_whose_files_cannot_be_checked_is_not_called_damaged(steps_10_20_30,
+                                                                      monkeypatch):
+    """A file the check cannot open (permissions, the file system) says so
+    in one RunFailed line; it is not damage, so no older step is taken."""
+    def refused(step_dir, *args):
+        raise PermissionError(errno.EACCES, "Permission denied", f"{step_dir}/state")
+
+    monkeypatch.setattr(dpax.training.checksums, "check", refused)
+    with pytest.raises(dpax.errors.RunFailed) as failed:
+        dpax.training.checkpoint.Checkpointer(steps_10_20_30).newest_meta()
+    assert str(failed.value) == (f"checkpoint step 30 in {steps_10_20_30} could not be "
+                                 f"checked (PermissionError: [Errno 13] Permission denied: "
+                                 f"'{steps_10_20_30}/30/state')")
 
 
 def test_truncated_unlisted_and_all_damaged_steps(tmp_path, capsys):

@@ -133,8 +133,6 @@ def test_killing_a_rank_stops_the_launch_and_leaves_no_process(tmp_path):
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read()
 
 
-
-
 def test_bad_rows_in_one_processs_part_of_the_first_batch_stop_every_process(tmp_path):
     """A NaN among process 1's rows of the first (shuffled) batch, none of
     them rows `Trainer.check` reads: each process checks only its own rows,
@@ -430,6 +428,7 @@ distributed.initialize(distributed.DistributedConfig(coordinator=sys.argv[2], nu
 import jax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from dpax.errors import RunFailed
 from dpax.training.checkpoint import Checkpointer
 like = jax.ShapeDtypeStruct((4,), np.float32,
                             sharding=NamedSharding(Mesh(np.array(jax.devices()), ("d",)), P()))
@@ -451,7 +450,8 @@ if pid == 1:
         p for p in glob(self, base) if p.name != "30"]
 restore(Checkpointer(ck), "listed")
 name_format._glob_step_paths = glob
-# Process 1 cannot read step 30's state; process 0 can.
+# Process 1 cannot read step 30's state, process 0 can: it matches its
+# checksums, so both stop, and neither passes it over.
 ckpt = Checkpointer(ck)
 read = ckpt.manager.restore
 def unreadable(step, args):
@@ -460,8 +460,23 @@ def unreadable(step, args):
     return read(step, args=args)
 if pid == 1:
     ckpt.manager.restore = unreadable
-restore(ckpt, "unreadable")
-ckpt.manager.restore = read
+try:
+    restore(ckpt, "unreadable")
+except RunFailed as e:
+    print("failed", str(e).split(" (")[0], flush=True)
+# Bytes flipped in step 30's largest file: the process whose share holds it
+# finds it, and both pass over the step.
+if pid == 0:
+    step_dir = os.path.join(ck, "30", "state")
+    files = [os.path.join(r, n) for r, _, ns in os.walk(step_dir) for n in ns]
+    with open(max(files, key=os.path.getsize), "r+b") as f:
+        f.seek(os.path.getsize(f.name) // 2)
+        data = f.read(64)
+        f.seek(-len(data), 1)
+        f.write(bytes(b ^ 0xFF for b in data))
+distributed.any_process(False)  # process 1 waits for the flip
+ckpt = Checkpointer(ck)
+restore(ckpt, "damaged")
 # Its first save: process 0 sets step 30 aside, then both save step 25.
 ckpt.save(25, state(25), None, {})
 ckpt.close()
@@ -472,9 +487,10 @@ restore(Checkpointer(ck), "newest")
 
 def test_two_processes_restore_the_same_step_and_save_past_it_together(tmp_path):
     """Process 1 lists the steps without the newest (a run committed it in
-    between) and cannot read the state of a step process 0 reads: both
-    restore process 0's newest step, then both fall back past the unreadable
-    one, and the first save sets it aside before either saves."""
+    between): both restore process 0's newest step. Process 1 cannot read a
+    step that matches its checksums: both stop, neither passing it over.
+    Damage that one process's share of the checksums finds: both fall back
+    past the step, and the first save sets it aside before either saves."""
     script = tmp_path / "agree.py"
     script.write_text(AGREE_SCRIPT)
     address = f"localhost:{free_port()}"
@@ -490,9 +506,12 @@ def test_two_processes_restore_the_same_step_and_save_past_it_together(tmp_path)
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, err[-3000:]
         said = [ln for ln in out.splitlines() if not ln.startswith("[Gloo]")]
-        assert said == ["listed 30 30.0", "unreadable 20 20.0",
+        assert said == ["listed 30 30.0",
+                        f"failed checkpoint step 30 in {tmp_path / 'ck'} could not be read",
+                        "damaged 20 20.0",
                         "steps [10, 20, 25] ['10', '20', '25', '30.damaged']",
                         "newest 25 25.0"], (rank, out, err[-3000:])
     warned = [ln for ln in outs[0][1].splitlines() if "warning" in ln]
-    assert warned == [f"dpax: warning: checkpoint step 30 in {tmp_path / 'ck'} is damaged "
-                      "(unreadable by another process); using step 20"], outs[0][1][-3000:]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"dpax: warning: checkpoint step 30 in {tmp_path / 'ck'} is damaged (state/"), warned
+    assert warned[0].endswith("does not match its checksum); using step 20"), warned

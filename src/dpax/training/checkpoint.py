@@ -228,21 +228,23 @@ class Checkpointer:
         except Exception as e:  # Orbax and the filesystem raise many types
             if step is not None and jax.process_index() == 0:
                 shutil.rmtree(self._unfinished(step), ignore_errors=True)
+            newest = self.newest_complete()
+            kept = ("it holds no complete checkpoint" if newest is None
+                    else f"the newest complete checkpoint there is step {newest}")
             raise RunFailed(f"checkpoint failed: {_cause(e)} while saving step {step} in "
-                            f"{self.directory}; {self._kept()}") from None
+                            f"{self.directory}; {kept}") from None
 
-    def _kept(self) -> str:
-        """The newest complete checkpoint on disk that is not known damaged,
-        for a failure's message. Listed by this process alone: a failure may
-        stop one process only, and the manager's own listing is a collective."""
+    def newest_complete(self) -> int | None:
+        """The newest step committed on disk and not found damaged, for a
+        failure's message. Read from the disk by this process alone: the
+        manager's list has a step from when its save starts, and a failure
+        may have stopped this process's peers."""
         try:
             found = ocp.path.step.standard_name_format().find_all(self.directory)
             steps = [m.step for m in found if self._damage.get(m.step) is None]
         except Exception:  # the directory itself may be what failed
             steps = []
-        if not steps:
-            return "it holds no complete checkpoint"
-        return f"the newest complete checkpoint there is step {max(steps)}"
+        return max(steps, default=None)
 
     def steps(self) -> list[int]:
         """The step directories in Orbax's view, oldest first: process 0's
@@ -261,7 +263,15 @@ class Checkpointer:
         so every process reads the same step; checked once per Checkpointer."""
         if step not in self._damage:
             step_dir = os.path.join(self.directory, str(step))
-            found = checksums.check(step_dir, jax.process_index(), jax.process_count())
+            found, error = None, None
+            try:
+                found = checksums.check(step_dir, jax.process_index(), jax.process_count())
+            except OSError as e:  # permissions, the file system: not damage
+                error = e
+            if distributed.any_process(error is not None):
+                cause = summary(error, 160) if error is not None else "on another process"
+                raise RunFailed(f"checkpoint step {step} in {self.directory} could not be "
+                                f"checked ({cause})")
             rank = distributed.least(checksums.INTACT if found is None else found.rank)
             if rank == checksums.INTACT:
                 found = None
@@ -280,10 +290,11 @@ class Checkpointer:
         damaged, or every step is."""
         fallback = _Fallback(self.directory, named=step is not None)
         for s in self._candidates(step):
-            accepted = self._accept(s, fallback)
-            if accepted is not None:
+            if self._intact(s, fallback):
+                meta = self._read_on_all(s, self._restore_items, s,
+                                         ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
                 fallback.settle(s, warn)
-                return s, accepted[0]
+                return s, meta
         raise fallback.exhausted()
 
     def restore(self, template: dict, data: Any, step: int | None = None, warn=None,
@@ -308,10 +319,9 @@ class Checkpointer:
         """
         fallback = _Fallback(self.directory, named=step is not None)
         for s in self._candidates(step):
-            accepted = self._accept(s, fallback)
-            if accepted is None:
+            if not self._intact(s, fallback):
                 continue
-            meta, saved = accepted
+            meta, saved = self._read_on_all(s, self._meta_and_shapes, s)
             if check is not None:
                 check(meta)
             mismatch = _mismatch(saved, template)
@@ -325,13 +335,10 @@ class Checkpointer:
                 args["data"] = grain.checkpoint.CheckpointRestore(data)
             if before_read is not None:
                 before_read()
-            restored, why = _read_on_all(self._restore_items, s, ocp.args.Composite(**args))
-            if why is not None:
-                fallback.skip(s, why)
-                continue
+            restored = self._read_on_all(s, self._restore_items, s, ocp.args.Composite(**args))
             fallback.settle(s, warn)
             self._ours, self._restored = {s}, s
-            self._passed = {step for step, _ in fallback.skipped}
+            self._passed = {skipped for skipped, _ in fallback.skipped}
             return s, dict(restored.state), dict(meta, data_restored="data" in args)
         raise fallback.exhausted()
 
@@ -346,17 +353,30 @@ class Checkpointer:
             raise DpaxError(f"no checkpoint in {self.directory}")
         return [step] if step is not None else steps[::-1]
 
-    def _accept(self, step: int, fallback: _Fallback) -> tuple[dict, dict] | None:
-        """(meta, saved shapes) of an intact, readable step; else None, told to
+    def _intact(self, step: int, fallback: _Fallback) -> bool:
+        """Whether `step` matches its checksums; if not, it is told to
         `fallback` (which raises when the step was named)."""
         found = self.damage(step)
         if found is not None:
             fallback.skip(step, found.text)
-            return None
-        read, why = _read_on_all(self._meta_and_shapes, step)
-        if why is not None:
-            fallback.skip(step, why)
-        return read
+        return found is None
+
+    def _read_on_all(self, step: int, read: Callable[..., Any], *args) -> Any:
+        """`read(*args)`, or a `RunFailed` on every process when it raised on
+        any: a step that matches its checksums is intact, so a failure to read
+        it is the machine's (memory, the file system, a peer), not damage:
+        the step is neither passed over nor set aside. Agreed, so that no
+        process raises alone while its peers wait in a collective."""
+        value, error = None, None
+        try:
+            value = read(*args)
+        except Exception as e:  # Orbax, JAX and the file system raise many types
+            error = e
+        if distributed.any_process(error is not None):
+            cause = summary(error, 160) if error is not None else "on another process"
+            raise RunFailed(f"checkpoint step {step} in {self.directory} could not be read "
+                            f"({cause}); its files match their checksums, so it was kept")
+        return value
 
     def _meta_and_shapes(self, step: int) -> tuple[dict, dict[str, tuple[int, ...]]]:
         meta = self._restore_items(step, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
@@ -367,7 +387,8 @@ class Checkpointer:
         process, a collective, and raises before it: a process whose restore
         raised takes that barrier itself, or its next collective (the
         agreement on the failure) paired with its peers' barrier, and every
-        later one with a different step's."""
+        later one with a different step's. (Orbax 0.12's order, which the
+        two-process test of tests/test_multiprocess.py holds it to.)"""
         try:
             return self.manager.restore(step, args=args)
         except Exception:
@@ -395,8 +416,8 @@ class _Fallback:
     def skip(self, step: int, why: str) -> None:
         self.skipped.append((step, why))
         if self.named:
-            raise DpaxError(f"checkpoint {self._damaged()}; give the directory "
-                            f"{self.directory} to use its newest intact step{self._vouch()}")
+            raise DpaxError(f"checkpoint {self._damaged()}; {self._vouch()}give the "
+                            f"directory {self.directory} to use its newest intact step")
 
     def settle(self, step: int, warn=None) -> None:
         if self.skipped and jax.process_index() == 0:
@@ -404,8 +425,8 @@ class _Fallback:
                   file=warn or sys.stderr, flush=True)
 
     def exhausted(self) -> DpaxError:
-        return DpaxError(f"no intact checkpoint: {self._damaged()}; restore the directory "
-                         f"from a copy, or train again{self._vouch()}")
+        return DpaxError(f"no intact checkpoint: {self._damaged()}; {self._vouch()}restore "
+                         "the directory from a copy, or train again")
 
     def _damaged(self) -> str:
         """e.g. `step 30 in DIR is damaged (state/x does not match its checksum)`."""
@@ -416,31 +437,12 @@ class _Fallback:
         return f"steps {each} in {self.directory} are damaged"
 
     def _vouch(self) -> str:
-        """How to vouch for a step without checksums (an older dpax's, maybe)."""
+        """How to vouch for a step without checksums (an older dpax's, maybe):
+        first, as it is the likely fix after an upgrade."""
         if not any(checksums.MANIFEST in why for _, why in self.skipped):
             return ""
-        return (" (a step you trust that has no checksums gets them from "
-                "`dpax.training.checksums.write(STEP_DIR)`)")
-
-
-def _read_on_all(read: Callable[..., Any], *args, **kwargs) -> tuple[Any, str | None]:
-    """(`read(*args, **kwargs)`, None), or (None, why) when it raised here or
-    on another process: agreed, as damage is, so that a process that could
-    not read a step is never the only one to fall back past it."""
-    value, error = None, None
-    try:
-        value = read(*args, **kwargs)
-    except Exception as e:  # Orbax raises many types for damaged files
-        error = e
-    if distributed.any_process(error is not None):
-        return None, _unreadable(error) if error else "unreadable by another process"
-    return value, None
-
-
-def _unreadable(e: Exception) -> str:
-    """A read's failure, for a damaged step's message."""
-    return f"unreadable: {summary(e, 120)}"
-
+        return ("a step you trust that has no checksums gets them from "
+                "`dpax.training.checksums.write(STEP_DIR)`; else ")
 
 def _cause(e: Exception) -> str:
     """A failed save's cause in words: the OS error's, where there is one

@@ -635,14 +635,14 @@ class Trainer:
     def restore(self, checkpointer, data=None, step: int | None = None,
                 check: Callable[[dict], None] | None = None) -> tuple[int, dict]:
         """Replace the state with a checkpoint's (`Checkpointer.restore`: `step`,
-        else the newest readable one; `data`: a `train_input` to restore too;
+        else the newest intact one; `data`: a `train_input` to restore too;
         `check`: called with its meta first). Returns (step, meta).
 
         The current state is freed once the checkpoint is accepted (`check`,
         the shapes), before it is read: its evenly split leaves are read
         straight onto the devices, and a resume never holds two states there.
         A refused checkpoint leaves this Trainer as it was; if an accepted one
-        cannot be read, nor any older one, it holds no state."""
+        cannot be read (a `RunFailed`), it holds no state."""
         template, skeleton = self.state_template(), self._skeleton()
         step, flat, meta = checkpointer.restore(template, data, step, check=check,
                                                 before_read=self._drop_state)
