@@ -93,12 +93,13 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
         data_iter = job.input(0)  # batches of steps 0..total-1
         start = 0
         resume = config.checkpoint.resume
+        held = ckpt.steps() if ckpt is not None else []
         if resume == AUTO:  # resume if there is something to resume, else start
-            resume = LATEST if ckpt.steps() else None
-        if resume is None and ckpt is not None and ckpt.steps():
+            resume = LATEST if held else None
+        if resume is None and held:
             # Orbax saves only past the newest step: this run's saves would fail.
             raise DpaxError(f"`checkpoint_dir={ckpt.directory}` holds another run's "
-                            f"checkpoints (steps {', '.join(map(str, ckpt.steps()))}); give "
+                            f"checkpoints (steps {', '.join(map(str, held))}); give "
                             "`resume` to continue that run, or an empty `checkpoint_dir`")
         if resume is not None:
             start, data_restored = _resume(resume, config, ckpt, job.trainer, data_iter)
@@ -243,12 +244,9 @@ def _unforeseen(e: Exception, save_params, trainer: Trainer,
         if ckpt is not None:  # a save in flight completes (with peers it waits on them)
             with contextlib.suppress(Exception):
                 ckpt.close()
-    try:
-        steps = ckpt.steps() if ckpt is not None else []
-    except Exception:  # the checkpoint directory may be what failed
-        steps = []
-    if steps:
-        kept.append(f"the newest checkpoint is step {steps[-1]} in {ckpt.directory}")
+    newest = ckpt.newest_complete() if ckpt is not None else None
+    if newest is not None:
+        kept.append(f"the newest checkpoint is step {newest} in {ckpt.directory}")
     return RunFailed(f"{summary(e)}; {'; '.join(kept) or 'nothing was saved'}")
 
 
