@@ -300,6 +300,7 @@ def test_every_commands_help_works(capsys):
             main([*argv, "--help"])
         out = capsys.readouterr().out
         assert e.value.code == 0 and out.startswith("usage: dpax"), argv
+
     def squeezed(text):  # argparse rewraps help, and may break a line at a hyphen
         return "".join(text.split())
 

@@ -91,9 +91,12 @@ class Muted:
         self.dir: str | None = None
         self._files: dict[int, typing.TextIO] = {}
         self._lock = threading.Lock()  # one pump thread per stream
+        self._closed = False
 
     def write(self, rank: int, line: str) -> None:
         with self._lock:
+            if self._closed:  # a pump that outlived the launcher's wait for it
+                return
             if rank not in self._files:
                 self.dir = self.dir or tempfile.mkdtemp(prefix="dpax-launch-")
                 self._files[rank] = open(os.path.join(self.dir, f"rank{rank}.log"), "a")
@@ -102,6 +105,7 @@ class Muted:
     def close(self) -> str | None:
         """Close the files; returns their directory (None if nothing came)."""
         with self._lock:
+            self._closed = True
             for f in self._files.values():
                 f.close()
             return self.dir
