@@ -1,6 +1,7 @@
 """Checkpoints: exact resume after kill -9 and SIGTERM, elastic resume on other
 device counts, fallback past damaged checkpoints, eval and predict from one."""
 
+import csv
 import errno
 import json
 import os
@@ -30,8 +31,12 @@ def params(out):
 
 
 def train_rows(out):
+    """The steps logged with a loss, in metrics.jsonl and alike in metrics.csv."""
     rows = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
-    return [r["step"] for r in rows if "loss" in r]
+    steps = [r["step"] for r in rows if "loss" in r]
+    with open(os.path.join(out, "metrics.csv"), newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f) if r["loss"]] == steps
+    return steps
 
 
 def start(*args):
@@ -222,7 +227,7 @@ def test_a_resume_from_an_older_step_sets_the_newer_ones_aside(tmp_path, capsys,
     flags = [*RUN, "--devices", "2", "--schedule", "warmup-cosine"]
     ck, out = str(tmp_path / "ck"), str(tmp_path / "run")
     saves = ["--checkpoint-dir", ck, "--checkpoint-every", "10"]
-    assert main(["train", *flags, "--steps", "30", *saves]) == 0
+    assert main(["train", *flags, "--steps", "30", *saves, "--out", out]) == 0
     assert dpax.training.checkpoint.Checkpointer(ck).steps() == [10, 20, 30]
     old_30 = dpax.cli.job.load_checkpoint(ck).trainer.params
     ref = str(tmp_path / "ref")  # the new flags from step 10, uninterrupted
@@ -256,6 +261,7 @@ def test_a_resume_from_an_older_step_sets_the_newer_ones_aside(tmp_path, capsys,
     assert main(["train", *flags, "--steps", "40", *saves, "--resume", "--out", out]) == 0
     assert f"resumed at step {stopped[2]}" in capsys.readouterr().out
     assert max_diff(params(out), params(ref)) == 0.0  # the new run's, not the old 30's
+    assert train_rows(out) == list(range(5, 41, 5))  # the old run's 15..30 dropped
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,10 @@ half of one)."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import glob
+import io
 import json
 import os
 import shutil
@@ -149,12 +151,20 @@ def save_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def keep_metrics_up_to(path: str, step: int) -> None:
-    """Drop log rows past a resumed step, so every step is logged once."""
-    if not os.path.exists(path):
-        return
-    kept = "".join(json.dumps(r) + "\n" for r in read_rows(path) if r["step"] <= step)
-    save_text(path, kept)
+def keep_metrics_up_to(out: str, step: int) -> None:
+    """Drop the log rows past a resumed step from `metrics.jsonl` and
+    `metrics.csv`, so every step is logged once."""
+    path = os.path.join(out, "metrics.jsonl")
+    if os.path.exists(path):
+        save_text(path, "".join(json.dumps(r) + "\n" for r in read_rows(path)
+                                if r["step"] <= step))
+    path = os.path.join(out, "metrics.csv")
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+        text = io.StringIO()
+        csv.writer(text).writerows(rows[:1] + [r for r in rows[1:] if int(r[0]) <= step])
+        save_text(path, text.getvalue())
 
 
 def check_trackers(spec: str | None, out: str | None) -> None:
@@ -257,9 +267,9 @@ class OutputConfig:
         trackers (given the run's `config`; `resumed`: continue their runs)."""
         writers = []
         if self.out is not None and writer_process:
-            jsonl = os.path.join(self.out, "metrics.jsonl")
-            keep_metrics_up_to(jsonl, start)
-            writers.append(JsonlWriter(jsonl, append=start > 0))
+            keep_metrics_up_to(self.out, start)
+            writers.append(JsonlWriter(os.path.join(self.out, "metrics.jsonl"),
+                                       append=start > 0))
             writers.append(CsvWriter(os.path.join(self.out, "metrics.csv"), append=start > 0))
             if self.tensorboard:
                 from dpax.writers.tensorboard import TensorBoardWriter  # tensorboardX: slow import
