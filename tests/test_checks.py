@@ -54,6 +54,9 @@ BAD = {  # name: ((x, y), the exception, its message ({x}, {y}: how it names the
     "nan in x": (nan_x(), NotFinite, "{x} contains NaN or infinite values in 2 of its 64 "
                  "examples (the first at row 5); clean the data first"),
     "complex x": ((data()[0] + 1j, data()[1]), BadExamples, "{x} is complex (complex64)"),
+    "x the model cannot take": ((data()[0][:, :4], data()[1]), BadExamples,
+                                "the model cannot take {x}: examples of shape (4, 8, 1) and "
+                                "dtype float32 (TypeError: "),
     "strings": (label(lambda y: y.astype(str)), BadExamples, "{y} has non-numeric dtype <U"),
 }
 STRUCTURE = {  # checked on every batch of a stream: no "first batch"
@@ -98,7 +101,7 @@ def test_bad_examples_are_refused_before_any_step(case, how):
     with pytest.raises(error) as e:
         call(t, how, x, y)
     assert message.format(**names) in str(e.value), str(e.value)
-    of_x = case in ("nan in x", "complex x", "empty")
+    of_x = case in ("nan in x", "complex x", "empty", "x the model cannot take")
     assert e.value.argument == ("batches" if how == "fit_stream" else
                                 "data" if of_x else "y"), e.value.argument
     assert "\n" not in str(e.value) and nothing_ran(t)

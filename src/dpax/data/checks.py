@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpax.errors import BadArgument, BadExamples, BadLabels, NotFinite
+from dpax.errors import BadArgument, BadExamples, BadLabels, NotFinite, summary
 
 Rule = Callable[["Examples"], None]  # a loss's own check of the examples it reads
 _RULE = "dpax_batch_rule"  # where `declare` keeps a loss's rule
@@ -86,6 +86,21 @@ class Examples:
     def readable(self, a) -> bool:
         """Whether `a` is read whole here: in memory, or part of a first batch."""
         return self.first_batch or in_memory(a)
+
+    def output_shape(self, key: str, shape: tuple | None = None) -> tuple[int, ...] | None:
+        """The model's output shape for one example of the array under `key`
+        (or of that array's dtype and `shape`), None where no model is known;
+        a `BadExamples` naming the array when the model cannot take it."""
+        if self.outputs is None:
+            return None
+        a = self.arrays[key]
+        shape = tuple(a.shape[1:]) if shape is None else tuple(shape)
+        try:
+            return tuple(self.outputs(shape, a.dtype).shape[1:])
+        except Exception as e:  # JAX raises TypeError, ValueError, ... from the model
+            raise self.bad(BadExamples, f"the model cannot take {self.name(key)}: examples "
+                           f"of shape {shape} and dtype {np.dtype(a.dtype)} "
+                           f"({summary(e, 200)})", key) from None
 
     def bad(self, cls, message: str, key: str | None = None, **extra) -> Exception:
         return cls(message, self.argument_of(key), key, **extra)

@@ -17,20 +17,13 @@ import optax
 from dpax.data import checks
 
 
-def _outputs(ex: checks.Examples, inputs) -> tuple[int, ...] | None:
-    """The model's output shape for one example of `inputs`, if a model is known."""
-    if ex.outputs is None:
-        return None
-    return tuple(ex.outputs(tuple(inputs.shape[1:]), inputs.dtype).shape[1:])
-
-
 def check_classification(ex: checks.Examples) -> None:
     """`classification_loss`'s examples: inputs `x`, and under `y` one class id
     per example, an integer below the model's number of outputs, or a bool
     (ids 0 and 1: a model of at least 2 outputs)."""
     reader = "dpax.classification_loss"
     checks.has_keys(ex, ("x", "y"), reader)
-    out = _outputs(ex, ex.arrays["x"])
+    out = ex.output_shape("x")
     classes = out[-1] if out else None
 
     def bound(high):
@@ -60,7 +53,7 @@ def check_regression(ex: checks.Examples) -> None:
     per example as the model outputs."""
     reader = "dpax.regression_loss"
     checks.has_keys(ex, ("x", "y"), reader)
-    out = _outputs(ex, ex.arrays["x"])
+    out = ex.output_shape("x")
     if out is not None:
         checks.per_example_size(ex, "y", math.prod(out), reader, "the model outputs")
 
@@ -87,8 +80,9 @@ def check_lm(ex: checks.Examples) -> None:
     checks.has_keys(ex, ("x", "y"), reader)
     x = ex.arrays["x"]
     vocab = None
-    if ex.outputs is not None and x.ndim == 2:
-        vocab = ex.outputs((x.shape[1] - 1,), x.dtype).shape[-1]
+    if x.ndim == 2:  # the model reads all but a window's last token
+        out = ex.output_shape("x", (x.shape[1] - 1,))
+        vocab = out[-1] if out else None
     checks.ids(ex, "x", ndim=2, below=vocab, what="token ids", reader=reader,
                per_example="a window of seq_len + 1 token ids per example",
                bound=lambda high: f"the model's vocabulary has {vocab} tokens")
