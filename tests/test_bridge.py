@@ -224,6 +224,9 @@ def test_bad_bridge_input_is_one_line():
         dpax.from_linen(dpax.models.Linear((4,), 3, rngs=nnx.Rngs(0)), np.ones((1, 4)))
     with pytest.raises(DpaxError, match="needs params"):
         dpax.from_function(mlp_apply, {})
+    with pytest.raises(DpaxError, match=r"params hold a function at params\['act'\]; give a "
+                       "pytree of arrays only"):  # e.g. an Equinox module not partitioned
+        dpax.from_function(mlp_apply, {"w": np.ones(3), "act": lambda x: x})
     model = dpax.from_linen(nn.Dense(3), np.ones((1, 4)), train_kwarg=None)
     assert model(np.ones((2, 4))).shape == (2, 3)
 

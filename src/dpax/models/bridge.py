@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import linen, nnx
 from flax.linen import normalization
 from flax.nnx.bridge import variables as bridge_variables
@@ -180,6 +181,13 @@ def from_function(apply: Callable, params: Any) -> FunctionModel:
     """
     if not callable(apply):
         raise DpaxError(f"from_function takes apply(params, *inputs), got {type(apply).__name__}")
-    if not jax.tree.leaves(params):
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    if not leaves:
         raise DpaxError("from_function needs params: a pytree of arrays")
+    for path, leaf in leaves:
+        if not isinstance(leaf, (jax.Array, np.ndarray)):
+            raise DpaxError(
+                f"from_function's params hold a {type(leaf).__name__} at "
+                f"params{jax.tree_util.keystr(path)}; give a pytree of arrays only (an "
+                "Equinox module: its arrays from `eqx.partition(model, eqx.is_array)`)")
     return FunctionModel(apply, params)
