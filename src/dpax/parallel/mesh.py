@@ -70,9 +70,11 @@ def select_devices(n: int | None = None) -> list[jax.Device]:
         raise DpaxError(f"`devices` must be a whole number >= 1, got {n!r}")
     if n > len(available):
         kind = available[0].platform
+        simulate = (f", or call `dpax.simulate_devices({n})` before JAX starts"
+                    if kind == "cpu" else "")
         raise DpaxError(
             f"asked for {n} devices but only {len(available)} {kind} device(s) are "
-            f"available; use `devices={len(available)}` or fewer"
+            f"available; use `devices={len(available)}` or fewer{simulate}"
         )
     return list(available[:n])
 
