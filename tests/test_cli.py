@@ -375,7 +375,8 @@ def test_messages_name_the_command_and_its_flags(capsys):
     # The Python API names arguments; the CLI shows the same message with flags.
     with pytest.raises(dpax.DpaxError, match="`devices=8` or fewer") as e:
         dpax.select_devices(9)
-    assert as_flags(str(e.value)).endswith("use --devices 8 or fewer")
+    assert as_flags(str(e.value)).endswith("use --devices 8 or fewer, or call "
+                                           "`dpax.simulate_devices(9)` before JAX starts")
     assert as_flags("`sync_batchnorm=False`, `out`, `backend=shard_map`") == \
         "--no-sync-batchnorm, --out, --backend shard_map"
     with pytest.raises(dpax.DpaxError, match="`predict_fn=dpax.classification_predict`"):
@@ -412,6 +413,18 @@ def test_resume_auto_starts_without_a_checkpoint_and_continues_with_one(tmp_path
         f"dpax: error: --checkpoint-dir {ck} holds another run's checkpoints (steps 6, 12); "
         "give --resume to continue that run, or an empty --checkpoint-dir\n")
     assert sorted(os.listdir(ck)) == before
+    # The same run again without --resume: the refusal names the checkpoints
+    # that --overwrite keeps, so it is not followed by a second refusal.
+    again = ["train", "--model", "mlp", "--devices", "2", "--steps", "12", "--checkpoint-dir",
+             ck, "--out", out, "--quiet"]
+    assert main(again) == 2
+    assert capsys.readouterr().err == (
+        f"dpax: error: --out {out} already holds a run; give a new --out, --overwrite to "
+        f"replace it (with an empty --checkpoint-dir: {ck} holds checkpoints, which "
+        "--overwrite keeps), or --resume to continue it\n")
+    assert main([*again, "--overwrite"]) == 2
+    assert "(steps 6, 12), which --overwrite keeps; give --resume" in capsys.readouterr().err
+    assert sorted(os.listdir(ck)) == before and os.path.exists(f"{out}/metrics.jsonl")
 
 
 def test_prepare_names_every_source_it_takes(tmp_path, capsys):

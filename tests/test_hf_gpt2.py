@@ -3,6 +3,7 @@
 from a GPT2Config: nothing is downloaded): the same logits both ways, and a
 fine-tune from imported weights on 4 devices equal to 1."""
 
+import errno
 import json
 import os
 
@@ -12,6 +13,7 @@ import torch
 from safetensors.numpy import load_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import dpax.cli.outputs
 from conftest import forward
 from dpax.cli import main
 from dpax.cli.job import TrainConfig, build, load_checkpoint
@@ -62,7 +64,8 @@ def test_hugging_faces_gpt2_loads_with_the_same_logits(gpt2_dir, corpus):
     assert diff <= TOLERANCE
 
 
-def test_a_dpax_checkpoint_exports_to_what_transformers_loads(tmp_path, corpus, capsys):
+def test_a_dpax_checkpoint_exports_to_what_transformers_loads(tmp_path, corpus, capsys,
+                                                              monkeypatch):
     ck, out = str(tmp_path / "ck"), str(tmp_path / "hf")
     assert main(["train", *FLAGS, "--data", f"text:{corpus}", "--steps", "6", "--dropout",
                  "0.1", "--checkpoint-dir", ck, "--out", str(tmp_path / "run")]) == 0
@@ -82,6 +85,19 @@ def test_a_dpax_checkpoint_exports_to_what_transformers_loads(tmp_path, corpus, 
     capsys.readouterr()
     assert main(["export", "--checkpoint", ck, "--out", out]) == 2
     assert "already holds a model (model.safetensors, config.json)" in capsys.readouterr().err
+    # Where nothing can be written: one line, exit 2, before the checkpoint is read.
+    under_a_file = os.path.join(out, "config.json", "hf")
+    assert main(["export", "--checkpoint", ck, "--out", under_a_file]) == 2
+    assert capsys.readouterr().err == (f"dpax: error: --out {under_a_file}: "
+                                       f"{out}/config.json is a file, not a directory\n")
+    def read_only(*args, **kwargs):  # as a read-only or immutable directory answers
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(dpax.cli.outputs.tempfile, "NamedTemporaryFile", read_only)
+    assert main(["export", "--checkpoint", ck, "--out", f"{out}/hf"]) == 2
+    assert capsys.readouterr().err == (f"dpax: error: cannot write --out {out}/hf: Read-only "
+                                       "file system; give a writable directory\n")
+    assert not os.path.exists(f"{out}/hf.partial")
 
 
 def test_export_overwrite_replaces_its_own_files_and_keeps_the_users(tmp_path, corpus, capsys):

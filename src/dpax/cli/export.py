@@ -10,7 +10,7 @@ import os
 import shutil
 
 from dpax import config as cfg
-from dpax.cli import devices
+from dpax.cli import devices, outputs
 from dpax.cli.flags import add_flags, config_from_args
 from dpax.cli.job import load_checkpoint
 from dpax.data import tokenizer
@@ -47,10 +47,10 @@ class ExportConfig:
             raise DpaxError(f"`out={self.out}` already holds a model ({', '.join(held)}); give "
                             "`overwrite` to replace it (its other files stay), or another "
                             "directory")
-        parent = os.path.dirname(os.path.abspath(self.out))
-        if not os.path.isdir(parent):
-            raise DpaxError(f"`out={self.out}`: directory {parent} does not exist; create it "
-                            "first")
+        # The export is written next to `out` first (`export_checkpoint`).
+        outputs.probe(outputs.existing_parent(self.out, "out"), f"`out={self.out}`")
+        if os.path.isdir(self.out):
+            outputs.probe(self.out, f"`out={self.out}`")
 
 
 def add_parser(sub) -> None:

@@ -43,12 +43,32 @@ def writable_dir(path: str, what: str) -> bool:
     created = not os.path.exists(path)
     try:
         os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".dpax-probe-"):
-            pass
     except OSError as e:
         raise DpaxError(f"cannot write `{what}={path}`: {e.strerror or e}; "
                         "give a writable directory") from None
+    probe(path, f"`{what}={path}`")
     return created
+
+
+def probe(directory: str, what: str) -> None:
+    """Check that a file can be made in `directory` (permissions, a read-only
+    or immutable file system), for `what` the message names."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".dpax-probe-"):
+            pass
+    except OSError as e:
+        raise DpaxError(f"cannot write {what}: {e.strerror or e}; give a writable "
+                        "directory") from None
+
+
+def existing_parent(path: str, what: str) -> str:
+    """The directory `path` goes in; a `DpaxError` if it is missing or a file."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise DpaxError(f"`{what}={path}`: {parent} is a file, not a directory")
+    if not os.path.isdir(parent):
+        raise DpaxError(f"`{what}={path}`: directory {parent} does not exist; create it first")
+    return parent
 
 
 def writable_file(path: str, what: str, suffixes: tuple[str, ...]) -> None:
@@ -56,14 +76,7 @@ def writable_file(path: str, what: str, suffixes: tuple[str, ...]) -> None:
     if not path or not path.endswith(suffixes) or os.path.isdir(path):
         raise DpaxError(f"`{what}={path}` must be a file path ending in "
                         f"{' or '.join(suffixes)}")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise DpaxError(f"`{what}={path}`: directory {parent} does not exist; create it first")
-    try:
-        with tempfile.NamedTemporaryFile(dir=parent, prefix=".dpax-probe-"):
-            pass
-    except OSError as e:
-        raise DpaxError(f"cannot write `{what}={path}`: {e.strerror or e}") from None
+    probe(existing_parent(path, what), f"`{what}={path}`")
 
 
 def check_dirs(out: OutputConfig, checkpoint, writer_process: bool) -> list[str]:
@@ -84,8 +97,17 @@ def refuse_another_run(out: OutputConfig, checkpoint) -> None:
     """Refuse an `out` that holds another run, unless overwriting or resuming."""
     if out.out is not None and holds_run(out.out) and not out.overwrite \
             and checkpoint.resume is None:
+        kept = ""
+        if checkpoint.dir is not None and holds_checkpoints(checkpoint.dir):
+            kept = (f" (with an empty `checkpoint_dir`: {checkpoint.dir} holds checkpoints, "
+                    "which `overwrite` keeps)")
         raise DpaxError(f"`out={out.out}` already holds a run; give a new `out`, "
-                        "`overwrite=True` to replace it, or `resume` to continue it")
+                        f"`overwrite=True` to replace it{kept}, or `resume` to continue it")
+
+
+def holds_checkpoints(path: str) -> bool:
+    """Whether `path` holds step directories (Orbax names them by their step)."""
+    return os.path.isdir(path) and any(name.isdigit() for name in os.listdir(path))
 
 
 def holds_run(path: str) -> bool:

@@ -98,8 +98,9 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             resume = LATEST if held else None
         if resume is None and held:
             # Orbax saves only past the newest step: this run's saves would fail.
+            kept = ", which `overwrite` keeps" if out.overwrite else ""
             raise DpaxError(f"`checkpoint_dir={ckpt.directory}` holds another run's "
-                            f"checkpoints (steps {', '.join(map(str, held))}); give "
+                            f"checkpoints (steps {', '.join(map(str, held))}){kept}; give "
                             "`resume` to continue that run, or an empty `checkpoint_dir`")
         if resume is not None:
             start, data_restored = _resume(resume, config, ckpt, job.trainer, data_iter)
