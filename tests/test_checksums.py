@@ -46,6 +46,8 @@ def test_an_intact_step_passes_and_orbax_rewriting_its_metadata_does_not_matter(
     (lambda d: os.remove(d / checksums.MANIFEST), "it has no dpax_checksums.json"),
     (lambda d: (d / checksums.MANIFEST).write_text('{"files": '), "dpax_checksums.json is "
                                                                   "damaged"),
+    (lambda d: (d / checksums.MANIFEST).write_text(
+        '{"format": 1, "algorithm": "crc32", "files": {}}'), "dpax_checksums.json is damaged"),
 ])
 def test_each_kind_of_damage_is_found_and_named(step_dir, damage, words):
     damage(step_dir)

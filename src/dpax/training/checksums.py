@@ -84,7 +84,8 @@ def read_manifest(step_dir: str) -> dict[str, dict] | Damage:
         with open(path) as f:
             manifest = json.load(f)
         files = manifest["files"]
-        if manifest.get("format") != _FORMAT or not all(
+        # A step always has files: a manifest that lists none vouches for nothing.
+        if manifest.get("format") != _FORMAT or not files or not all(
                 isinstance(v["bytes"], int) and isinstance(v["crc32"], str)
                 for v in files.values()):
             raise ValueError(manifest.get("format"))
