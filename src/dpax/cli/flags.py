@@ -17,7 +17,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         f, tp = leaf.field, leaf.types[0]
         meta = f.metadata
         helptext = meta.get("help", "")
-        if f.default is not None:
+        if f.default is not None and "(default: " not in helptext:  # a help may say it better
             helptext += f" (default: {f.default})"
         flag = "--" + leaf.flag.replace("_", "-")
         helptext = helptext.replace("%", "%%")  # argparse %-formats every help string
@@ -43,8 +43,9 @@ def config_from_args(args: argparse.Namespace, cls: type) -> Any:
     base = cls()
     path = getattr(args, "config", None)
     if path:
+        loaded = cfg.read_yaml(path)  # its errors name the file already
         try:
-            base = cfg.from_dict(cls, cfg.read_yaml(path))
+            base = cfg.from_dict(cls, loaded)
         except DpaxError as e:
             raise DpaxError(f"--config {path}: {e}") from None
         except TypeError as e:
