@@ -12,7 +12,7 @@ import pytest
 import dpax
 from dpax.cli import main
 from dpax.cli.command import build_parser
-from dpax.errors import as_flags
+from dpax.cli.exits import as_flags
 
 
 @pytest.fixture

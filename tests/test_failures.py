@@ -243,5 +243,5 @@ def test_check_with_batchnorm_sync_off_says_to_turn_it_back_on():
                                     ds.x_train, ds.y_train, devices=2, steps=2,
                                     sync_batchnorm=False)
     assert result.cause == "batchnorm-off"
-    cli = dpax.errors.as_flags(result.report())
+    cli = dpax.cli.exits.as_flags(result.report())
     assert "synchronization is off (--no-sync-batchnorm)" in cli and "use nnx.BatchNorm" not in cli

@@ -355,7 +355,7 @@ def test_the_launcher_says_why_after_the_failed_ranks_last_words():
     import threading
 
     from dpax.cli import launch as launcher
-    from dpax.errors import EXIT_STALLED
+    from dpax.cli.exits import EXIT_STALLED
 
     out = io.StringIO()
     code = f"print('stacks of the stalled rank', flush=True); raise SystemExit({EXIT_STALLED})"

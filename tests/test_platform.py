@@ -1,6 +1,7 @@
 """The XLA:CPU tuning behind one switch (`dpax.parallel.platform`): GPU and TPU
 devices never take it (nor import it), CPU devices take it unless it is off,
-and off it gives the same numbers as on."""
+and off it gives the same params as on, up to the last bits its timed
+choices may round differently."""
 
 import subprocess
 import sys

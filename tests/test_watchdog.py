@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpax.errors import EXIT_STALLED
+from dpax.cli.exits import EXIT_STALLED
 from dpax.parallel import watchdog
 from dpax.training.checkpoint import Checkpointer
 
@@ -23,17 +23,13 @@ LATE_S = 2.5  # how long the stand-in peer keeps a device computation waiting
 
 
 @pytest.fixture
-def dog(tmp_path, monkeypatch):
-    """An installed watchdog; yields a function that returns (exit codes, report)."""
-    exits = []
+def dog(tmp_path):
+    """An installed watchdog; yields a function that returns (stalls, report)."""
+    stalls = []
     report = tmp_path / "report.txt"
-    with open(report, "w+") as out, watchdog.installed(TIMEOUT_S, rank=0, stream=out) as d:
-        def exit_(code):
-            exits.append(code)
-            d.stop()  # one report
-
-        monkeypatch.setattr(watchdog.os, "_exit", exit_)
-        yield lambda: (exits, report.read_text())
+    with open(report, "w+") as out, watchdog.installed(
+            TIMEOUT_S, rank=0, stream=out, on_stall=lambda: stalls.append(EXIT_STALLED)):
+        yield lambda: (stalls, report.read_text())
 
 
 def late(x: jax.Array) -> jax.Array:

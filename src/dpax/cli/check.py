@@ -14,9 +14,10 @@ from flax import linen, nnx
 
 from dpax import config as cfg
 from dpax.cli import devices
+from dpax.cli.exits import as_flags
 from dpax.cli.flags import add_flags, config_from_args
 from dpax.data.datasets import check_name, is_text, load
-from dpax.errors import DpaxError, as_flags
+from dpax.errors import DpaxError
 from dpax.models import losses
 from dpax.models.bridge import from_linen, takes
 from dpax.models.registry import MODELS, TEXT_MODELS

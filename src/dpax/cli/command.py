@@ -25,17 +25,13 @@ from dpax.cli import (
     sample,
     train,
 )
+from dpax.cli.exits import EXIT_BAD_STEPS, EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE, as_flags
 from dpax.errors import (
-    EXIT_BAD_STEPS,
-    EXIT_FAILED,
-    EXIT_PREEMPTED,
-    EXIT_USAGE,
     DpaxError,
     DpaxWarning,
     Preempted,
     RunFailed,
     TooManyBadSteps,
-    as_flags,
     summary,
 )
 

@@ -8,6 +8,7 @@ import argparse
 from typing import Any
 
 from dpax import config as cfg
+from dpax.cli.exits import as_flags
 from dpax.errors import DpaxError
 
 
@@ -16,7 +17,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     for leaf in cfg.flags(cls).values():
         f, tp = leaf.field, leaf.types[0]
         meta = f.metadata
-        helptext = meta.get("help", "")
+        helptext = as_flags(meta.get("help", ""))  # a config's help names arguments
         if f.default is not None and "(default: " not in helptext:  # a help may say it better
             helptext += f" (default: {f.default})"
         flag = "--" + leaf.flag.replace("_", "-")
@@ -62,5 +63,5 @@ def flags_markdown(cls: type) -> str:
     for leaf in cfg.leaves(cls):
         f = leaf.field
         default = "" if f.default is None else f"`{f.default}`"
-        lines.append(f"| `--{leaf.flag.replace('_', '-')}` | {default} | {f.metadata['help']} |")
+        lines.append(f"| `--{leaf.flag.replace('_', '-')}` | {default} | {as_flags(f.metadata['help'])} |")
     return "\n".join(lines)

@@ -22,13 +22,8 @@ import threading
 import time
 import typing
 
-from dpax.errors import (
-    EXIT_BAD_STEPS,
-    EXIT_PREEMPTED,
-    EXIT_STALLED,
-    EXIT_USAGE,
-    DpaxError,
-)
+from dpax.cli.exits import EXIT_BAD_STEPS, EXIT_PREEMPTED, EXIT_STALLED, EXIT_USAGE
+from dpax.errors import DpaxError
 
 NAME = "launch"
 GRACE_S = 5  # SIGTERM, then SIGKILL after this long

@@ -15,6 +15,7 @@ import jax
 
 from dpax import config as cfg
 from dpax.cli import devices, failures, outputs
+from dpax.cli.exits import EXIT_STALLED
 from dpax.cli.flags import add_flags, config_from_args
 from dpax.cli.job import Job, TrainConfig, build, check_same_meaning
 from dpax.cli.plot import plot_runs
@@ -259,7 +260,8 @@ def _watched(config: TrainConfig):
     # JAX's own failure detection (a peer's missed heartbeats) aborts from C++;
     # Python's stacks then still show where this rank was.
     faulthandler.enable()
-    return watchdog.installed(config.distributed.timeout, jax.process_index())
+    return watchdog.installed(config.distributed.timeout, jax.process_index(),
+                              on_stall=lambda: os._exit(EXIT_STALLED))  # no unwinding
 
 
 def _language_model(job: Job, peak_flops: peak.Peak | None) -> hooks.LanguageModel | None:

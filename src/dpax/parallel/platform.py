@@ -4,9 +4,11 @@ GPU and TPU runs take the generic path: JAX's own backward pass, XLA's
 default compile options, one plain `psum` of the gradient tree, a rolled
 `scan` for several steps per call. On CPU devices, with the XLA:CPU tuning on
 (the default there), the step takes what `dpax.xla_cpu` measured faster on
-XLA:CPU, with the same numbers: its backward rewrite, compile options chosen
-per step, small all-reduce operands packed into one buffer behind a barrier,
-an unrolled scan. `dpax.xla_cpu` is imported here only, and only for CPU
+XLA:CPU: its backward rewrite, compile options chosen per step, small
+all-reduce operands packed into one buffer behind a barrier, an unrolled
+scan. Its timed choices (a dot's form, YNNPACK's kernels for sums) can round
+the last bits differently from the generic path; they are kept per machine
+(`dpax.xla_cpu.choices`), so every run there takes the same ones. `dpax.xla_cpu` is imported here only, and only for CPU
 devices with the tuning on: a JAX release that moves the internals it uses
 cannot break GPU or TPU runs.
 

@@ -5,8 +5,9 @@ partition) leaves its peers waiting inside a collective forever, with no word.
 While a watchdog is installed, every wait of the training loop on its devices
 (`waiting`) is timed; one that lasts longer than `timeout` prints which rank
 stalled at which step, then the Python stack of every thread of the process,
-and exits with `EXIT_STALLED`, so that `dpax launch` or the scheduler can stop
-and restart the run from its newest checkpoint.
+and calls its `on_stall`: the `dpax` command's ends the process with exit
+code 5, so that `dpax launch` or the scheduler can stop and restart the run
+from its newest checkpoint.
 
 Only waits are timed, never compilation or host work: the loop bounds the
 calls in flight (`dpax.parallel.platform`), so one wait is at most a couple
@@ -22,21 +23,22 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
-
-from dpax.errors import EXIT_STALLED
+from collections.abc import Callable, Iterator
 
 
 class Watchdog:
     """Times the waits of one process; a daemon thread checks them."""
 
-    def __init__(self, timeout: float, rank: int, stream=None):
+    def __init__(self, timeout: float, rank: int, stream=None,
+                 on_stall: Callable[[], None] | None = None):
         self.timeout, self.rank = timeout, rank
         self.stream = stream or sys.stderr
+        # Called from the watchdog's thread: the main thread is stuck in the
+        # wait, so only ending the process (os._exit) gets it out.
+        self.on_stall = on_stall
         self.step = 0  # the step the loop is at, for the message
         self._since: float | None = None  # when the current wait began
         self._done = threading.Event()
@@ -76,17 +78,20 @@ class Watchdog:
               file=out, flush=True)
         faulthandler.dump_traceback(file=out, all_threads=True)
         out.flush()
-        os._exit(EXIT_STALLED)  # the main thread is stuck in the wait: no unwinding
+        if self.on_stall is not None:
+            self.on_stall()
+        self.stop()  # reported once
 
 
 _current: Watchdog | None = None
 
 
 @contextlib.contextmanager
-def installed(timeout: float, rank: int, stream=None) -> Iterator[Watchdog]:
+def installed(timeout: float, rank: int, stream=None,
+              on_stall: Callable[[], None] | None = None) -> Iterator[Watchdog]:
     """A watchdog on this process's waits for the duration of the block."""
     global _current
-    dog = Watchdog(timeout, rank, stream).start()
+    dog = Watchdog(timeout, rank, stream, on_stall).start()
     previous, _current = _current, dog
     try:
         yield dog

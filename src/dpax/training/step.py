@@ -44,7 +44,8 @@ from dpax.training.update import Reduced, UpdateOptions, make_update
 class StepOptions:
     """What the training step computes beyond the loss's mean gradient (bf16
     rounding, clipping, an EMA, skipped non-finite steps), and how (the
-    platform's choices, which change no number)."""
+    platform's choices: on XLA:CPU with its tuning, a dot's or a sum's form,
+    which can round the last bits differently)."""
 
     grad_accum: int = 1  # micro-batches per device shard, summed inside the step
     compute_dtype: Any = None  # e.g. jnp.bfloat16 for forward/backward; params stay f32

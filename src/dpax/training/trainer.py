@@ -75,26 +75,27 @@ class TrainerConfig:
     ema_decay: float | None = cfg.field(
         None, "keep an EMA of the params with this decay (e.g. 0.999); eval uses it")
     max_bad_steps: int | None = cfg.field(
-        10, "stop (exit 3) after this many non-finite steps in a row, checked at log steps",
+        10, "stop (TooManyBadSteps) after this many non-finite steps in a row, checked at "
+        "log steps",
         how=True)
     skip_nonfinite: bool = cfg.field(
         False, "skip a step whose loss or gradient is not finite, or whose batch weighs "
                "nothing (the state stays), and log grad_norm: a pass over the gradient and "
-               "an update that waits for all of it (on one CPU device 0-5% of the step, more "
-               "where the optimizer bounds it). Off, every step is applied as a "
-               "hand-written loop applies it: a NaN step is counted (--max-bad-steps) and "
-               "ruins the params",
+               "an update that waits for all of it (docs/speed.md). Off, every step is "
+               "applied as a hand-written loop applies it: a NaN step is counted "
+               "(`max_bad_steps`) and ruins the params",
         # A finite step is the same either way: a resume may turn it on to get
         # past the batch that stopped a run.
         how=True)
     sync_batchnorm: bool = cfg.field(
-        True, "BatchNorm statistics over the global batch (--no-sync-batchnorm: per "
+        True, "BatchNorm statistics over the global batch (`sync_batchnorm=False`: per "
               "device, not equivalent to one device)")
     steps_per_call: int = cfg.field(
         1, "training steps per compiled call (a scan over batches on the device)", how=True)
     xla_cpu_tuning: bool | None = cfg.field(
-        None, "on CPU devices, dpax's XLA:CPU tuning (the same numbers; default on, or "
-        f"{platform.ENV}=0/1); GPUs and TPUs never take it", how=True)
+        None, "on CPU devices, dpax's XLA:CPU tuning (its timed choices may change the "
+        f"last bits of results; default on, or {platform.ENV}=0/1); GPUs and TPUs never "
+        "take it", how=True)
 
     def check(self) -> None:
         for name in ("devices", "grad_accum", "max_bad_steps", "steps_per_call"):
@@ -165,7 +166,8 @@ class Trainer:
         decay (in (0, 1); it ramps up from 0.1 over the first steps), laid out
         like the params, in checkpoints, and used by `evaluate` and `predict`.
       xla_cpu_tuning: on CPU devices, build the steps with dpax's XLA:CPU
-        tuning (`dpax.parallel.platform`); the same numbers either way. None:
+        tuning (`dpax.parallel.platform`), whose timed choices can round a
+        dot's or a sum's last bits differently (kept per machine). None:
         on, unless the environment sets `DPAX_XLA_CPU_TUNING=0`. GPU and TPU
         devices never take it.
     """
