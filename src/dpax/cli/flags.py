@@ -63,5 +63,6 @@ def flags_markdown(cls: type) -> str:
     for leaf in cfg.leaves(cls):
         f = leaf.field
         default = "" if f.default is None else f"`{f.default}`"
-        lines.append(f"| `--{leaf.flag.replace('_', '-')}` | {default} | {as_flags(f.metadata['help'])} |")
+        meaning = as_flags(f.metadata["help"])
+        lines.append(f"| `--{leaf.flag.replace('_', '-')}` | {default} | {meaning} |")
     return "\n".join(lines)

@@ -8,9 +8,10 @@ XLA:CPU: its backward rewrite, compile options chosen per step, small
 all-reduce operands packed into one buffer behind a barrier, an unrolled
 scan. Its timed choices (a dot's form, YNNPACK's kernels for sums) can round
 the last bits differently from the generic path; they are kept per machine
-(`dpax.xla_cpu.choices`), so every run there takes the same ones. `dpax.xla_cpu` is imported here only, and only for CPU
-devices with the tuning on: a JAX release that moves the internals it uses
-cannot break GPU or TPU runs.
+(`dpax.xla_cpu.choices`), so every run there takes the same ones.
+`dpax.xla_cpu` is imported here only, and only for CPU devices with the
+tuning on: a JAX release that moves the internals it uses cannot break GPU
+or TPU runs.
 
 One thing stays on CPU whatever the switch, because it prevents a failure
 rather than a slowdown: XLA:CPU's cross-device rendezvous aborts ("Termination
