@@ -165,8 +165,7 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
                  "gradients": p if k > 1 else sharded, "update": sharded}
     # A micro-batch's whole gradients, before they join the sum. Not under
     # ZeRO-1, whose sum XLA updates leaf by leaf as the backward pass makes
-    # them (deep-mlp on 2 devices, k = 2 and 4: 232 and 463 MiB of
-    # temporaries in all, against a 397 MiB sum; tests/test_estimate.py).
+    # them (tests/test_estimate.py holds the estimate to XLA's analysis).
     if k > 1 and layout != "optimizer":
         state["gradients"] += p
     # The model as built: the user's model object keeps its arrays on the
@@ -187,7 +186,7 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
 
     # Counted on the host's CPU backend, whatever the machine: the count is the
     # model's, and GPU plugins do not analyse a lowered module (on an H100 the
-    # count came back empty, and the predicted step 0 ms).
+    # count came back empty).
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         cost = jax.jit(grad_step).lower(params, rest, batch_of(micro)).cost_analysis() or {}
     flops = float(cost.get("flops", 0.0)) * n * k

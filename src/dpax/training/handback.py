@@ -36,7 +36,7 @@ def _quick_walk(model: nnx.Module) -> list | None:
 def _copies(arrays: list[jax.Array]) -> list[jax.Array]:
     # A compiled program's outputs never alias its (undonated) inputs: one
     # launch for every array, where `device_put(..., may_alias=False)`
-    # copies one at a time (the GPT's 70 arrays: 0.23 ms against 1.4 ms).
+    # copies one at a time.
     return [a.copy() for a in arrays]
 
 

@@ -40,9 +40,8 @@ class UpdateOptions:
     # A NaN/inf loss or gradient (or a batch of no weight) leaves the state
     # unchanged. Opt-in: the update then waits for the whole gradient and its
     # norm, where a hand loop updates each leaf while the next gradient is
-    # made (one XLA:CPU device: the bench's MLP 0.95x, a 12 x 768 GPT on 32
-    # tokens 0.66x of the loop without it; benchmarks/README.md). Off, the
-    # step does a hand loop's work and a non-finite step is counted.
+    # made (its cost: docs/speed.md). Off, the step does a hand loop's work
+    # and a non-finite step is counted.
     skip_nonfinite: bool = False
     clip_norm: float | None = None  # clip the mean gradient to this global norm
     ema_decay: float | None = None  # keep an EMA of the params with this decay
@@ -150,9 +149,8 @@ def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | Non
         if options.skip_nonfinite:
             # A branch, not a select of new against old: the good path writes
             # the update once, in place, where with a select XLA:CPU copies
-            # Adam's moments first (scripts/guard_forms.py: mlp 0.96x vs
-            # 0.84x of no guard). A non-finite step leaves the state as it
-            # was, the counters aside.
+            # Adam's moments first (scripts/guard_forms.py times both). A
+            # non-finite step leaves the state as it was, the counters aside.
             params, opt_state = jax.lax.cond(finite, apply,
                                              lambda: (state.params, state.opt_state))
             model_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), model_state,
