@@ -81,7 +81,7 @@ def test_a_recurrent_model_names_the_backend_that_trains_it():
         t.fit(ids, y, batch_size=7, until_step=3, log_every=10**9)
         return t.params
 
-    with pytest.raises(DpaxError, match=r"backend='pmap'") as e:
+    with pytest.raises(DpaxError, match=r"pass `backend=pmap`") as e:
         train(2, "shard_map")
     assert "\n" not in str(e.value)
     for a, b in zip(jax.tree.leaves(train(1, "shard_map")), jax.tree.leaves(train(2, "pmap"))):

@@ -239,24 +239,3 @@ def to_yaml(config: Any) -> str:
     import yaml
 
     return yaml.safe_dump(to_dict(config), sort_keys=False)
-
-
-def read_yaml(path: str) -> dict:
-    """A YAML file's mapping, with one-line errors for what is not one."""
-    import yaml
-
-    try:
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise DpaxError(f"cannot read --config {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise DpaxError(f"--config {path} is not a text file; give a YAML file such as a "
-                        "run's config.yaml") from None
-    except yaml.YAMLError as e:
-        line = getattr(getattr(e, "problem_mark", None), "line", None)
-        where = f" at line {line + 1}" if line is not None else ""
-        raise DpaxError(f"--config {path} is not valid YAML{where}") from None
-    if not isinstance(loaded, dict):
-        raise DpaxError(f"--config {path} must hold a mapping of field: value")
-    return loaded

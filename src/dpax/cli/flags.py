@@ -44,7 +44,7 @@ def config_from_args(args: argparse.Namespace, cls: type) -> Any:
     base = cls()
     path = getattr(args, "config", None)
     if path:
-        loaded = cfg.read_yaml(path)  # its errors name the file already
+        loaded = read_yaml(path)  # its errors name the file already
         try:
             base = cfg.from_dict(cls, loaded)
         except DpaxError as e:
@@ -66,3 +66,24 @@ def flags_markdown(cls: type) -> str:
         meaning = as_flags(f.metadata["help"])
         lines.append(f"| `--{leaf.flag.replace('_', '-')}` | {default} | {meaning} |")
     return "\n".join(lines)
+
+
+def read_yaml(path: str) -> dict:
+    """A YAML file's mapping, with one-line errors for what is not one."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise DpaxError(f"cannot read --config {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise DpaxError(f"--config {path} is not a text file; give a YAML file such as a "
+                        "run's config.yaml") from None
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        where = f" at line {line + 1}" if line is not None else ""
+        raise DpaxError(f"--config {path} is not valid YAML{where}") from None
+    if not isinstance(loaded, dict):
+        raise DpaxError(f"--config {path} must hold a mapping of field: value")
+    return loaded

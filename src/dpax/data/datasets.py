@@ -113,7 +113,7 @@ def read_npz(path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
             if missing:
                 has = ", ".join(f.files) or "none"
                 raise DpaxError(f"{path} lacks array(s) {', '.join(missing)} (it has {has}); "
-                                f"name them with --x-column/--y-column, or save it with {how}")
+                                f"name them with `x_column`/`y_column`, or save it with {how}")
             return {n: f[n] for n in names}
     except DpaxError:
         raise

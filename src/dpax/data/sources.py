@@ -113,7 +113,7 @@ class ArrayRecordTable:
 
         if key not in ("x", "y"):
             raise DpaxError(f"{name}: dpax prepare's records hold the columns x and y, not "
-                            f"{key!r}; drop --x-column or give x")
+                            f"{key!r}; drop `x_column` or give x")
         self.name, self.key = name, key
         self.x_shape = tuple(meta["x_shape"]) if key == "x" else ()
         self.x_dtype = np.dtype(meta[f"{key}_dtype"])
@@ -240,7 +240,7 @@ class ParquetTable(_ArrowTable):
             except Exception as e:
                 raise DpaxError(f"{path} is not a readable Parquet file ({type(e).__name__}); "
                                 "write it again") from None
-            _check_columns(f.schema_arrow.names, x_key, y_key, path, "--x-column/--y-column")
+            _check_columns(f.schema_arrow.names, x_key, y_key, path, "`x_column`/`y_column`")
             for g in range(f.num_row_groups):
                 groups.append((path, g, f.metadata.row_group(g).num_rows))
             if y_key is not None:
@@ -297,7 +297,7 @@ class HuggingFaceTable(_ArrowTable):
         if isinstance(ds, datasets.DatasetDict):
             raise DpaxError(f"{path} holds splits {', '.join(ds)}; give one split's "
                             f"directory, e.g. {os.path.join(path, next(iter(ds)))}")
-        _check_columns(ds.column_names, x_key, y_key, path, "--x-column/--y-column")
+        _check_columns(ds.column_names, x_key, y_key, path, "`x_column`/`y_column`")
         self._ds = ds.with_format("arrow")
         self.y = None if y_key is None else _arrow_to_numpy(self._ds.data.column(y_key),
                                                              f"{path}: {y_key!r}")
@@ -316,7 +316,7 @@ def _array_record(paths: list[str], name: str, key: str = "x",
     """Shards and the dpax.json + labels.npy `dpax prepare` wrote beside them."""
     if y_key not in (None, "y"):
         raise DpaxError(f"{name}: dpax prepare's records hold the columns x and y, not "
-                        f"{y_key!r}; drop --y-column or give y")
+                        f"{y_key!r}; drop `y_column` or give y")
     where = os.path.dirname(paths[0])
     meta_path = os.path.join(where, META)
     if not os.path.isfile(meta_path):

@@ -151,8 +151,8 @@ def check_flags(directory: str, layers: int, width: int, heads: int) -> Shape:
     s = shape(read_config(directory))
     if (s.layers, s.width, s.heads) != (layers, width, heads):
         raise DpaxError(f"{directory} holds a GPT-2 of {s.layers} layers, width {s.width} and "
-                        f"{s.heads} heads; give --layers {s.layers} --width {s.width} "
-                        f"--heads {s.heads}")
+                        f"{s.heads} heads; give `layers={s.layers}` `width={s.width}` "
+                        f"`heads={s.heads}`")
     return s
 
 
@@ -187,8 +187,8 @@ def load_into(model: GPT, directory: str) -> None:
         raise DpaxError(f"{directory} has a vocabulary of {s.vocab} tokens, the data's "
                         f"tokenizer {vocab}; train with the tokenizer the model was made with")
     if s.positions < model.seq_len:
-        raise DpaxError(f"{directory} has {s.positions} positions, fewer than --seq-len "
-                        f"{model.seq_len}; give --seq-len {s.positions} or less")
+        raise DpaxError(f"{directory} has {s.positions} positions, fewer than "
+                        f"`seq_len={model.seq_len}`; give `seq_len={s.positions}` or less")
     tensors = _tensors(directory)
     head = tensors.pop("lm_head.weight", None)
     if head is not None and not np.array_equal(head, tensors.get("wte.weight")):
@@ -220,18 +220,18 @@ def tokenizer_json(directory: str) -> str | None:
 
 
 def check_tokenizer(directory: str, spec: str) -> None:
-    """Refuse a `--tokenizer` that would not give the token ids the
+    """Refuse a `tokenizer` that would not give the token ids the
     directory's embeddings were trained on."""
     text = tokenizer_json(directory)
     if text is None:
         if spec != "bytes":
             raise DpaxError(f"{directory} has no {TOKENIZER}: a BPE trained here would give "
-                            "other token ids than its embeddings learned; use --tokenizer bytes "
-                            f"or a directory with its {TOKENIZER}")
+                            "other token ids than its embeddings learned; use "
+                            f"`tokenizer=bytes` or a directory with its {TOKENIZER}")
         return
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_str(text).get_vocab_size()
     if spec != f"bpe:{vocab}":
         raise DpaxError(f"{directory} carries its tokenizer (a BPE of {vocab} tokens); give "
-                        f"--tokenizer bpe:{vocab} to train with it")
+                        f"`tokenizer=bpe:{vocab}` to train with it")

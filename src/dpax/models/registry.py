@@ -38,7 +38,7 @@ class ModelConfig:
                           flag="model")
     layers: int = cfg.field(4, "gpt: transformer blocks")
     width: int = cfg.field(128, "gpt: embedding width")
-    heads: int = cfg.field(4, "gpt: attention heads (a divisor of --width)")
+    heads: int = cfg.field(4, "gpt: attention heads (a divisor of `width`)")
     dropout: float = cfg.field(0.0, "gpt: dropout rate (masks independent of the device "
                                "count)")
     remat: str = cfg.field("none", "gpt: activation checkpointing per block: none, block "
@@ -57,7 +57,7 @@ class ModelConfig:
         if self.init_from is not None:
             if not self.takes_text:
                 raise DpaxError(f"`init_from` starts a GPT from Hugging Face weights; "
-                                f"--model {self.name} takes none")
+                                f"`model={self.name}` takes none")
             hf_gpt2.check_flags(self.init_from, self.layers, self.width, self.heads)
 
     @property
@@ -96,9 +96,9 @@ def make_model(name: str, in_shape: tuple[int, ...], n_out: int, seed: int,
     if name in ("cnn", "cnn-bn") and len(in_shape) != 3:
         raise DpaxError(
             f"{name} needs NHWC images, the data has examples of shape {in_shape}; "
-            "use --model mlp or linear"
+            "use `model=mlp` or linear"
         )
     if task is not None and (task == "lm") != (name in TEXT_MODELS):
-        raise DpaxError(f"{name} does not fit {task} data; use --model gpt with --data text "
+        raise DpaxError(f"{name} does not fit {task} data; use `model=gpt` with `data=text` "
                         "(or text:PATH), and other models with other data")
     return MODELS[name](tuple(in_shape), n_out, rngs=nnx.Rngs(seed), **options)

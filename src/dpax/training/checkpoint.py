@@ -52,8 +52,8 @@ class CheckpointConfig:
         flag="checkpoint_every_minutes")
     keep: int = cfg.field(3, "checkpoints to keep", how=True)
     resume: str | None = cfg.field(
-        None, "resume from the newest checkpoint in --checkpoint-dir, or from PATH; "
-        "--resume auto: resume if --checkpoint-dir holds one, else start (for requeued and "
+        None, "resume from the newest checkpoint in `checkpoint_dir`, or from PATH; "
+        "`resume=auto`: resume if `checkpoint_dir` holds one, else start (for requeued and "
         "restarted jobs)", nargs="?", const=LATEST, how=True)
 
     def check(self) -> None:

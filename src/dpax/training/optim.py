@@ -27,7 +27,7 @@ class OptimizerConfig:
     schedule: str = cfg.field("constant", "constant or warmup-cosine")
     warmup_steps: int = cfg.field(0, "linear warmup steps")
     scale_lr: bool = cfg.field(False, "scale lr by batch-size / reference-batch (linear rule)")
-    reference_batch: int = cfg.field(128, "batch size the lr was tuned for (with --scale-lr)")
+    reference_batch: int = cfg.field(128, "batch size the lr was tuned for (with `scale_lr`)")
     momentum: float = cfg.field(0.9, "momentum of the momentum optimizer")
     weight_decay: float = cfg.field(1e-4, "weight decay of adamw")
 

@@ -267,7 +267,7 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
             raise DpaxError(
                 "the model loops (a scan, e.g. nnx.RNN) with a carry that starts the same on "
                 "every device and comes back computed from each device's rows, which "
-                "jax.shard_map's type check refuses: pass backend='pmap' (`--backend pmap`), "
+                "jax.shard_map's type check refuses: pass `backend=pmap`, "
                 "or start the carry from the inputs (e.g. jnp.zeros_like of a row's slice)"
             ) from None
 
