@@ -1,6 +1,7 @@
 """The XLA:CPU tuning's per-step compile options: timed on the step that
-holds a windowed op, the faster taken, and they change no number (the
-reference is the same Trainer with the tuning off: XLA's defaults)."""
+holds a windowed op, the faster taken, and the params they train are those
+of the same Trainer with the tuning off (XLA's defaults) up to the last bits
+a kernel's choice can round differently."""
 
 import json
 

@@ -54,7 +54,7 @@ def test_yaml_nests_by_group_and_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("text,message", [
-    ("optimizer:\n  lrr: 0.1\n", "unknown field(s) lrr in `optimizer`"),
+    ("optimizer:\n  lrr: 0.1\n", "unknown field(s) lrr in `optimizer:`"),
     ("lr: 0.1\n", "unknown field(s) lr;"),  # flat names belong on the command line
     ("model: cnn\n", "model must be a mapping"),
 ])

@@ -18,6 +18,7 @@ from flax import nnx
 import dpax
 from dpax import data, models
 from dpax.cli import main
+from dpax.cli.exits import as_flags
 from dpax.models import losses
 from dpax.training import hooks
 from dpax.writers.console import FALLBACK_COLUMNS, ProgressBar
@@ -243,5 +244,5 @@ def test_check_with_batchnorm_sync_off_says_to_turn_it_back_on():
                                     ds.x_train, ds.y_train, devices=2, steps=2,
                                     sync_batchnorm=False)
     assert result.cause == "batchnorm-off"
-    cli = dpax.cli.exits.as_flags(result.report())
+    cli = as_flags(result.report())
     assert "synchronization is off (--no-sync-batchnorm)" in cli and "use nnx.BatchNorm" not in cli

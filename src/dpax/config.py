@@ -131,7 +131,7 @@ def from_dict(cls: type, values: dict, where: str = "") -> Any:
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(known))
     if unknown:
-        at = f" in `{where}`" if where else ""
+        at = f" in `{where}:`" if where else ""  # a YAML section (the colon: not a flag)
         raise DpaxError(f"unknown field(s) {', '.join(unknown)}{at}; known: "
                         f"{', '.join(known)}")
     types = _types(cls)

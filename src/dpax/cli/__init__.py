@@ -1,7 +1,8 @@
 """The `dpax` command: a thin shell over the Python API, one module per
 command, each with `add_parser(sub)` and `run(args)`.
 
-  command    `main`: the parser made of every command's, and the exit codes
+  command    `main`: the parser made of every command's, an exit code per failure
+  exits      the exit codes, and a message's arguments written as flags
   flags      command-line flags derived from a config tree
   job        `TrainConfig`, and the data, model and Trainer a config builds
   outputs    the run directory, the writers, the summary line; `OutputConfig`

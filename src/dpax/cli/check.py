@@ -34,7 +34,7 @@ class CheckConfig:
     model: str = cfg.field("cnn-bn", "a built-in model")
     factory: str | None = cfg.field(
         None, "your model: FN(input_shape, n_out, rngs=nnx.Rngs) -> nnx.Module (or a Linen "
-              "module, initialised on one example; its flag `train`, if it takes one)",
+              "module, initialised on one example; its flag 'train', if it takes one)",
         metavar="MODULE:FN")
     loss: str | None = cfg.field(
         None, "your loss: FN(model, batch) -> per-example losses (default: the data's "

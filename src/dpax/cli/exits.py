@@ -35,4 +35,3 @@ def as_flags(message: str) -> str:
         return f"--{name} {value.strip(chr(39))}"
 
     return _ARG.sub(flag, message)
-

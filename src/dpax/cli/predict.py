@@ -28,7 +28,7 @@ class PredictConfig(EvalConfig):
 
     data: str = cfg.field(None, ".npz with an array x of inputs", required=True,
                           metavar="X.npz")
-    out: str = cfg.field(None, "where to write the array `predictions`", required=True,
+    out: str = cfg.field(None, "where to write the array 'predictions'", required=True,
                          metavar="PREDS.npz")
 
 

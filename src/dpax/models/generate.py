@@ -20,7 +20,7 @@ from dpax.errors import DpaxError
 def check(prompt, tokens: int, temperature: float) -> None:
     """Refuse arguments no generation can use, naming the fix."""
     if not len(prompt):
-        raise DpaxError("`prompt` is empty; give at least one character, e.g. `prompt=def`")
+        raise DpaxError("`prompt` is empty; give at least one character, e.g. `prompt='def'`")
     if tokens < 1:
         raise DpaxError(f"`tokens` must be >= 1, got {tokens}")
     if not (temperature >= 0 and np.isfinite(temperature)):

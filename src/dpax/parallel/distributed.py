@@ -48,7 +48,8 @@ class DistributedConfig:
                                        how=True)
     timeout: int = cfg.field(
         DEFAULT_TIMEOUT_S, "seconds a rank may wait on its peers before it prints its stacks "
-        "and exits (code 5); a dead rank is declared after twice this", how=True)
+        "and stops (the dpax command exits with code 5); a dead rank is declared after "
+        "twice this", how=True)
     init_timeout: int = cfg.field(
         DEFAULT_INIT_TIMEOUT_S, "seconds to wait for every process to join the run", how=True)
 

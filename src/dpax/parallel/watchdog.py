@@ -89,7 +89,9 @@ _current: Watchdog | None = None
 @contextlib.contextmanager
 def installed(timeout: float, rank: int, stream=None,
               on_stall: Callable[[], None] | None = None) -> Iterator[Watchdog]:
-    """A watchdog on this process's waits for the duration of the block."""
+    """A watchdog on this process's waits for the duration of the block.
+    `on_stall` runs once a wait passed `timeout` and the report is printed;
+    without one the wait goes on (the `dpax` command's ends the process)."""
     global _current
     dog = Watchdog(timeout, rank, stream, on_stall).start()
     previous, _current = _current, dog
