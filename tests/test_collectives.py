@@ -20,8 +20,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dpax.parallel import collectives
-from dpax.parallel.collectives import PACK_MAX, SCALAR_MAX, psum_tree
+from dpax import collectives
+from dpax.collectives import PACK_MAX, SCALAR_MAX, psum_tree
 from dpax.parallel.mesh import AXIS
 
 

@@ -319,7 +319,7 @@ distributed.initialize(distributed.DistributedConfig(coordinator=sys.argv[2], nu
                                                      process_id=pid))
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from dpax.parallel import collectives
+from dpax import collectives
 mesh = Mesh(np.array(jax.devices()), ("data",))
 x = (np.random.default_rng(0).random((4, 129)) * 100).astype(np.float32)
 g = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P("data")), lambda i: x[i])

@@ -14,8 +14,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import dpax
+from dpax.collectives import exact_sums
 from dpax.errors import PerDeviceRandom, PerDeviceState
-from dpax.parallel.collectives import exact_sums
 from dpax.parallel.mesh import AXIS
 from dpax.parallel.varying import analyze
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpax.parallel.collectives import exact_sums
+from dpax.collectives import exact_sums
 
 
 @dataclasses.dataclass
@@ -38,7 +38,7 @@ class BatchContext:
     key: jax.Array | None  # typed PRNG key for this step
     axis: str | None  # the device axis, or None on one device / outside dpax
     sync_batchnorm: bool = True  # Linen's nn.BatchNorm: global statistics (`dpax.models.bridge`)
-    pack: bool = False  # all-reduce operands packed (`dpax.parallel.collectives`)
+    pack: bool = False  # all-reduce operands packed (`dpax.collectives`)
     calls: int = 0  # dropout layers called so far: each gets its own stream
 
 
@@ -66,7 +66,7 @@ def global_moments(x: jax.Array, feature_axes: tuple[int, ...], ctx: BatchContex
     normalize with: differentiated) and replicated (for running averages:
     state the step returns).
 
-    The sums are exact sums (`dpax.parallel.collectives.exact_sums`): the
+    The sums are exact sums (`dpax.collectives.exact_sums`): the
     statistics have the same bits on one device and on N, so the layer's
     output does too, and a max pool after it breaks its ties alike."""
     rows = ctx.mask.reshape((-1,) + (1,) * (x.ndim - 1)).astype(jnp.float32)

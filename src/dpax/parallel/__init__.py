@@ -2,7 +2,6 @@
 function runs on all of them.
 
   mesh          the devices of a run (simulated CPU devices, subsets) and the mesh axis
-  collectives   sums over the devices: packed, and in rank order across processes
   layout        where the training state lives (replicated, ZeRO-1, FSDP) and its update
   backends      `jit(shard_map)` and `pmap`: placement, wrapping, host copies
   distributed   joining `jax.distributed` for several processes

@@ -37,9 +37,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dpax.collectives import psum_tree, reduce_scatter
 from dpax.errors import DpaxError
 from dpax.parallel.arrays import is_key
-from dpax.parallel.collectives import psum_tree, reduce_scatter
 from dpax.parallel.mesh import AXIS
 
 SHARDINGS = ("replicated", "optimizer", "full")

@@ -26,10 +26,10 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from dpax.collectives import pmean_tree, psum_tree
 from dpax.errors import DpaxError, MixesExamples, PerDeviceRandom, PerDeviceState
 from dpax.models.layers import BatchContext, batch_context
 from dpax.parallel import layout as layouts
-from dpax.parallel.collectives import pmean_tree, psum_tree
 from dpax.parallel.layout import Layout
 from dpax.parallel.mesh import AXIS
 from dpax.parallel.rows import first_mixed, mixing

@@ -40,8 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpax.data.batches import padded_size
-
 # Leaves this large go as their own operand: copying them into a packed buffer
 # costs more than their rendezvous saves.
 PACK_MAX = 1 << 16
@@ -75,7 +73,7 @@ def _rank_order_chunks(x: jax.Array, axis: str) -> tuple[jax.Array, int]:
     reduce-scatter does; and the chunk length."""
     n = jax.lax.axis_size(axis)
     size = x.size
-    chunk = padded_size(size, n) // n
+    chunk = -(-size // n)  # rounded up: n chunks hold every element
     flat = jnp.pad(x.reshape(-1), (0, chunk * n - size))
     # Row i: this device's chunk as device i holds it.
     rows = jax.lax.all_to_all(flat.reshape(n, chunk), axis, 0, 0, tiled=True)
