@@ -9,13 +9,14 @@ from types import SimpleNamespace
 import jax
 import pytest
 
+from dpax import machine
 from dpax.parallel import peak
 from dpax.training.hooks import LanguageModel
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(peak.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(machine.CACHE_ENV, str(tmp_path))
     return tmp_path / peak.CACHE_FILE
 
 
@@ -62,7 +63,7 @@ def test_mfu_never_exceeds_one(cache, monkeypatch):
 def test_a_cache_that_cannot_be_written_is_no_error(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    monkeypatch.setenv(peak.CACHE_ENV, str(blocker / "sub"))  # a directory under a file
+    monkeypatch.setenv(machine.CACHE_ENV, str(blocker / "sub"))  # a directory under a file
     monkeypatch.setattr(peak, "matmul_peak", lambda: 7e9)
     monkeypatch.setattr(jax, "process_count", lambda: 1)
     assert peak.for_devices([SimpleNamespace(platform="cpu", device_kind="cpu")]).flops == 7e9

@@ -24,11 +24,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import time
 
 import jax
 import jax.numpy as jnp
+
+from dpax.machine import cache_dir, machine_key
 
 # Dense FLOP/s per device from the vendors' data sheets: (bf16, default f32).
 # Matched against `device.device_kind` in order, first hit wins.
@@ -43,7 +44,6 @@ SPECS: tuple[tuple[str, float, float], ...] = (
     ("TPU v5", 459e12, 459e12),  # v5p
     ("TPU v6 lite", 918e12, 918e12),  # v6e (Trillium)
 )
-CACHE_ENV = "DPAX_CACHE_DIR"  # where the measured peaks are kept (default ~/.cache/dpax)
 CACHE_FILE = "peak.json"
 
 
@@ -105,26 +105,6 @@ def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
         f(a).block_until_ready()
         best = max(best, 2 * size**3 / (time.perf_counter() - t0))
     return best
-
-
-def machine_key(device) -> str:
-    """What a kept peak belongs to: the processor, its cores and the JAX that
-    compiles for it (a new XLA may run matmuls faster)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       cpu)
-    except OSError:
-        pass
-    return f"{device.platform}|{getattr(device, 'device_kind', '')}|{cpu}|" \
-           f"{os.cpu_count()} cores|jax {jax.__version__}"
-
-
-def cache_dir() -> str:
-    """Where dpax keeps what it measured on this machine (peaks, `dpax.xla_cpu.dots`)."""
-    return os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dpax")
 
 
 def cache_path() -> str:

@@ -1,5 +1,5 @@
 """The XLA:CPU tuning's choices, kept per machine: one file per key under the
-dpax cache directory (`dpax.parallel.peak.cache_dir`).
+dpax cache directory (`dpax.machine.cache_dir`).
 
 A timed choice can change the last bits a step computes (a dot's form,
 YNNPACK's kernels for sums), so every process on a machine must take the
@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from dpax.parallel.peak import cache_dir, machine_key
+from dpax.machine import cache_dir, machine_key
 
 
 @functools.cache
