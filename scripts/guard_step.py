@@ -34,9 +34,10 @@ def main() -> None:
 
     import dpax
     from dpax.bench.baselines import _split
-    from dpax.bench.timing import Method, paired_ratio, time_interleaved
+    from dpax.bench.timing import Method, time_interleaved
     from dpax.bench.workloads import WORKLOADS, synthetic
     from dpax.data.batches import MASK
+    from dpax.ratios import paired_ratio
 
     w = WORKLOADS[args.workload]
     x, y = synthetic(w, w.batch_size, n_batches=1)

@@ -16,9 +16,10 @@ import argparse
 import statistics
 
 from dpax.bench import baselines
-from dpax.bench.timing import paired_ratio, time_interleaved
+from dpax.bench.timing import time_interleaved
 from dpax.bench.workloads import WORKLOADS
 from dpax.parallel.mesh import simulate_devices
+from dpax.ratios import paired_ratio
 
 
 def main(argv=None) -> None:

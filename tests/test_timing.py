@@ -1,5 +1,5 @@
 """The bench's order of turns (`dpax.bench.timing.turns`) against the balance
-it promises, counted; its paired ratios (`paired_ratio`) against the sign
+it promises, counted; its paired ratios (`dpax.ratios.paired_ratio`) against the sign
 test's closed form and against the coverage they promise, sampled."""
 
 import collections
@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from dpax.bench.timing import Method, paired_ratio, repeat_steps, time_interleaved, turns
+from dpax.bench.timing import Method, repeat_steps, time_interleaved, turns
+from dpax.ratios import paired_ratio
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7])

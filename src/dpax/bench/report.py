@@ -13,7 +13,7 @@ import numpy as np
 INTERVAL = ("\"vs best hand loop\": the median of the ratios of each repeat (both ran in "
             "the same turn), and in brackets the sign test's interval for the median of "
             "such ratios: it holds it with probability >= 90% "
-            "(`dpax.bench.timing.paired_ratio`; [min, max] below 5 repeats).")
+            "(`dpax.ratios.paired_ratio`; [min, max] below 5 repeats).")
 
 
 def format_row(r: dict) -> str:

@@ -13,11 +13,12 @@ import jax
 from dpax import config as cfg
 from dpax.bench.baselines import bench_dpax, bench_jit, bench_pmap_loop
 from dpax.bench.report import format_row, write_results
-from dpax.bench.timing import paired_ratio, repeat_steps, time_interleaved
+from dpax.bench.timing import repeat_steps, time_interleaved
 from dpax.bench.workloads import OPTIMIZERS, WORKLOADS
 from dpax.errors import DpaxError
 from dpax.parallel import peak as peaks
 from dpax.parallel.layout import check_sharding
+from dpax.ratios import paired_ratio
 
 # A timed repeat lasts at least this long unless `--steps` is given (`repeat_steps`).
 MIN_REPEAT_S = 0.2

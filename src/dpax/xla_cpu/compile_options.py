@@ -33,7 +33,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, subjaxprs
 
-from dpax.bench.timing import Ratio, paired_ratio  # the bench's statistics: stdlib only
+from dpax.ratios import Ratio, paired_ratio
 from dpax.xla_cpu import choices
 
 WINDOWED = frozenset({
