@@ -39,7 +39,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Var, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
+
+from dpax.dense_grads import producer, transposed_dot
 
 # Per gradient leaf: None (returned as it is), or the permutation left out
 # and the dtype the leaf is converted to (None: the dot's own).
@@ -126,11 +128,11 @@ def _untransposed(jaxpr: Jaxpr, n_grads: int) -> tuple[list, list[Moved], list[b
     heads: list[bool] = []
     for i in range(len(outvars) - n_grads, len(outvars)):
         var, dtype = outvars[i], None
-        eqn = _made_by(var, made_by)
+        eqn = producer(var, made_by)
         if eqn is not None and eqn.primitive.name == "convert_element_type":
             # A bf16 compute dtype: the gradient converted back to the param's dtype.
             var, dtype = eqn.invars[0], eqn.params["new_dtype"]
-            eqn = _made_by(var, made_by)
+            eqn = producer(var, made_by)
         dot = None if eqn is None else transposed_dot(eqn, made_by)
         narrow = var.aval.ndim == 2 and var.aval.shape[1] <= NARROW
         if dot is None or not (len(dot.params["dimension_numbers"][0][0]) >= 2 or narrow):
@@ -144,18 +146,3 @@ def _untransposed(jaxpr: Jaxpr, n_grads: int) -> tuple[list, list[Moved], list[b
             dot.invars[0].aval.shape[d] for d in contracted)
         heads.append(narrow and macs >= HEAD_MACS)
     return outvars, moved, heads
-
-
-def transposed_dot(eqn, made_by: dict):
-    """The dot whose result `eqn` transposes, or None: the pair JAX's
-    differentiation of a dense layer leaves (also what `dpax.xla_cpu.backward`
-    keeps apart on XLA:CPU). `made_by`: the equation that produced each value."""
-    if eqn.primitive.name != "transpose":
-        return None
-    dot = _made_by(eqn.invars[0], made_by)
-    return dot if dot is not None and dot.primitive.name == "dot_general" else None
-
-
-def _made_by(var, made_by: dict):
-    """The equation that produced `var` (None for inputs and literals)."""
-    return made_by.get(var) if isinstance(var, Var) else None

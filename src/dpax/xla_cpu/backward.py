@@ -50,7 +50,7 @@ from jax import lax
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var, subjaxprs
 
-from dpax.training.untransposed import transposed_dot
+from dpax.dense_grads import transposed_dot
 from dpax.xla_cpu import dots
 
 
