@@ -1,6 +1,7 @@
-"""The package's shape: no import cycles, counting imports inside functions
-too (a function-local import cannot hide one), and the XLA:CPU tuning is
-imported only where the platform is CPU."""
+"""The package's shape: no import cycles, between modules or between
+packages, counting imports inside functions too (a function-local import
+cannot hide one); every import between packages goes down the layers of
+`LAYERS`; and the XLA:CPU tuning is imported only where the platform is CPU."""
 
 import ast
 import pathlib
@@ -8,6 +9,33 @@ import pathlib
 SRC = pathlib.Path(__file__).parent.parent / "src"
 # The one module that may import dpax.xla_cpu: it does so only for CPU devices.
 XLA_CPU_GATE = "dpax.parallel.platform"
+
+# dpax's packages (and top-level modules) from the top down. A package imports
+# only from layers below its own: none from its own layer but itself, none
+# from above. The batch's way reads up the table: `data` makes the batches,
+# `models` compute on them, `parallel` runs them on the devices, `training`
+# steps and loops, `cli` and `bench` drive it all.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("__main__",),  # `python -m dpax`: the command
+    ("cli",),
+    ("bench",),  # `dpax bench`: trains through the Trainer and the hand-written loops
+    ("training",),
+    # What training is built on: the engine, the step's jaxpr analyses (JAX and
+    # dpax.errors only); and the writers, where the CLI sends the loop's rows.
+    ("analysis", "parallel", "writers"),
+    ("models",),  # their layers read the step's batch context and sum over the devices
+    ("data",),
+    # Leaves: sums over a mesh axis (the engine's and SyncBatchNorm's), and the
+    # XLA:CPU tuning, which `XLA_CPU_GATE` alone imports.
+    ("collectives", "xla_cpu"),
+    # What the leaves share with the rest: small pieces that import nothing
+    # from dpax but dpax.errors.
+    ("config", "dense_grads", "machine", "ratios"),
+    ("errors",),
+)
+# The package root (its lazy exports) and the lazy-attribute helper that every
+# package's __init__ uses: they import nothing at import time.
+EXEMPT = {"dpax", "_submodules"}
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -85,6 +113,35 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def package(module: str) -> str:
+    """`dpax.data.batches` -> `data`; `dpax.config` -> `config`; `dpax` -> `dpax`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for name, targets in edges.items():
+        out.setdefault(package(name), set()).update(
+            package(t) for t in targets if package(t) != package(name))
+    return out
+
+
+def upward(edges: dict[str, set[str]], layers=LAYERS, exempt=EXEMPT) -> list[str]:
+    """Each module import that does not go down `layers`, as a sentence."""
+    level = {p: i for i, layer in enumerate(layers) for p in layer}
+    out = []
+    for name in sorted(edges):
+        for target in sorted(edges[name]):
+            a, b = package(name), package(target)
+            if a == b or a in exempt or b in exempt:
+                continue
+            if level[a] >= level[b]:
+                where = "in the same layer as" if level[a] == level[b] else "above"
+                out.append(f"{name} imports {target}, but `{b}` is {where} `{a}`")
+    return out
+
+
 def test_the_cycle_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
@@ -99,3 +156,27 @@ def test_only_the_platform_gate_imports_the_xla_cpu_tuning():
              if any(t == "dpax.xla_cpu" or t.startswith("dpax.xla_cpu.") for t in targets)
              and not name.startswith("dpax.xla_cpu")}
     assert users <= {XLA_CPU_GATE}, users
+
+
+def test_the_layer_check_finds_an_import_upwards_or_sideways():
+    layers = (("top",), ("mid", "side"), ("low",))
+    edges = {"dpax.top.a": {"dpax.mid.b", "dpax.low"}, "dpax.mid.b": {"dpax.top.a"},
+             "dpax.side": {"dpax.mid.b", "dpax"}, "dpax.low": {"dpax._submodules"}}
+    assert upward(edges, layers) == [
+        "dpax.mid.b imports dpax.top.a, but `top` is above `mid`",
+        "dpax.side imports dpax.mid.b, but `mid` is in the same layer as `side`"]
+
+
+def test_every_package_has_a_layer():
+    placed = {p for layer in LAYERS for p in layer}
+    unplaced = {package(name) for name in modules()} - placed - EXEMPT
+    assert not unplaced, f"add {sorted(unplaced)} to LAYERS in tests/test_structure.py"
+
+
+def test_no_package_cycles():
+    assert cycles(package_graph(graph())) == []
+
+
+def test_imports_between_packages_go_down_the_layers():
+    wrong = upward(graph())
+    assert not wrong, "imports against LAYERS (tests/test_structure.py):\n" + "\n".join(wrong)
