@@ -175,3 +175,15 @@ def test_flops_per_token_counts_six_per_weight_plus_attention():
 
     assert flops_per_token(n, 2, 32, 64) == 6 * n + 12 * 2 * 32 * 64
     assert math.isclose(n, 256 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
+
+
+def test_the_model_config_knows_its_flops_per_token():
+    """The MFU's numerator comes from the model's own config, not the CLI."""
+    from dpax.models.gpt import flops_per_token
+    from dpax.models.registry import ModelConfig
+
+    model = models.make_model("gpt", (65,), 256, 0, "lm", layers=2, width=32, heads=2)
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    config = ModelConfig("gpt", layers=2, width=32, heads=2)
+    assert config.flops_per_token(count, 64) == flops_per_token(count - 64 * 32, 2, 32, 64)
+    assert ModelConfig("cnn").flops_per_token(count, 64) is None
