@@ -64,6 +64,7 @@ def fresh_choices(tmp_path, monkeypatch):
 
 
 def _trainer(model, **kw):
+    kw.setdefault("xla_cpu_tuning", True)  # the tuning chooses the options
     return dpax.Trainer(model, losses.classification_loss, optax.sgd(0.1), devices=8, **kw)
 
 

@@ -150,7 +150,8 @@ def test_greedy_sampling_follows_the_model(corpus):
 def test_remat_policies_cut_the_steps_memory_in_xlas_analysis():
     """At a length where activations dominate, XLA's memory analysis of the
     training step itself: what it needs besides its arguments, per policy
-    (on XLA:CPU through `dpax.xla_cpu.backward`, without which remat saved nothing)."""
+    (on XLA:CPU with the tuning's `dpax.xla_cpu.backward`, without which
+    remat saves nothing there: jax-ml/jax#19822)."""
     x = np.zeros((8, 257), np.uint8)
     host = {"x": x, "y": np.full(8, 257, np.int32), "mask": np.ones(8, bool)}
     temp = {}
@@ -159,7 +160,7 @@ def test_remat_policies_cut_the_steps_memory_in_xlas_analysis():
                                   remat=remat)
         # SGD: the temporaries are the activations, the same with Adam (measured:
         # 59.4, 20.4, 25.2 MiB with either), and its step compiles faster.
-        t = dpax.Trainer(model, losses.lm_loss, optax.sgd(1e-3), devices=1)
+        t = dpax.Trainer(model, losses.lm_loss, optax.sgd(1e-3), devices=1, xla_cpu_tuning=True)
         temp[remat] = t.lower_train_step(host, 8).compile().memory_analysis().temp_size_in_bytes
     print({k: f"{v / 2**20:.2f} MiB" for k, v in temp.items()})
     assert temp["block"] <= 0.5 * temp["none"]
@@ -174,3 +175,15 @@ def test_flops_per_token_counts_six_per_weight_plus_attention():
 
     assert flops_per_token(n, 2, 32, 64) == 6 * n + 12 * 2 * 32 * 64
     assert math.isclose(n, 256 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
+
+
+def test_the_model_config_knows_its_flops_per_token():
+    """The MFU's numerator comes from the model's own config, not the CLI."""
+    from dpax.models.gpt import flops_per_token
+    from dpax.models.registry import ModelConfig
+
+    model = models.make_model("gpt", (65,), 256, 0, "lm", layers=2, width=32, heads=2)
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    config = ModelConfig("gpt", layers=2, width=32, heads=2)
+    assert config.flops_per_token(count, 64) == flops_per_token(count - 64 * 32, 2, 32, 64)
+    assert ModelConfig("cnn").flops_per_token(count, 64) is None

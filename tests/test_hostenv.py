@@ -1,7 +1,7 @@
 """glibc's allocator for XLA:CPU steps with large temporaries: the `dpax`
-command restarts itself once with the huge-page tunable (part of the XLA:CPU
-tuning, and only where it changes something); `tune_malloc()` is the opt-in
-for Python scripts."""
+command restarts itself once with the huge-page tunable when the XLA:CPU
+tuning is asked for (and only where it changes something); `tune_malloc()` is
+the opt-in for Python scripts."""
 
 import os
 import subprocess
@@ -35,13 +35,28 @@ def test_hugepages_env_keeps_the_users_tunables():
     assert hugepages_env({})["GLIBC_TUNABLES"] == HUGETLB
 
 
-# The command's first step, as `python -m dpax ARGS` runs it: prints the
-# tunables the process ends up with (after a restart, the restarted one's).
-_PREPARE = ("import os, sys; from dpax.parallel.platform import prepare_process; "
-            "prepare_process(sys.argv[1:]); print(os.environ.get('GLIBC_TUNABLES'))")
+# The command's first step, as `dpax ARGS` runs it: prints the tunables the
+# process ends up with (after a restart, the restarted one's).
+_PREPARE = ("import os, sys; from dpax import __main__ as m; from dpax.parallel import platform; "
+            "m.asks_for_tuning(sys.argv[1:]) and platform.restart_for_tuning(); "
+            "print(os.environ.get('GLIBC_TUNABLES'))")
 
 
-def test_the_command_restarts_with_the_tunable_unless_the_tuning_is_off():
+@pytest.mark.parametrize("argv, environ, asked", [
+    ([], {}, False),  # the default: the generic path, no restart
+    (["--xla-cpu-tuning"], {}, True),
+    ([], {platform.ENV: "1"}, True),
+    (["--no-xla-cpu-tuning"], {platform.ENV: "1"}, False),  # the flag wins
+    (["--xla-cpu-tuning", "--no-xla-cpu-tuning"], {}, False),  # the last flag wins
+    ([], {platform.ENV: "yes"}, False),  # a bad value: the command reports it
+])
+def test_only_a_command_line_that_asks_for_the_tuning_restarts(argv, environ, asked):
+    from dpax.__main__ import asks_for_tuning
+
+    assert asks_for_tuning(argv, environ) == asked
+
+
+def test_the_command_restarts_with_the_tunable_when_the_tuning_is_asked_for():
     clean = {k: v for k, v in os.environ.items()
              if k not in ("GLIBC_TUNABLES", platform.ENV)}
     if not wants_hugepages(clean):
@@ -54,29 +69,33 @@ def test_the_command_restarts_with_the_tunable_unless_the_tuning_is_off():
 
     # One line: the first process printed nothing before exec replaced it, and
     # the restarted one, seeing the tunable, did not restart again.
-    assert tunables("--steps", "5") == [HUGETLB]
-    assert tunables("--no-xla-cpu-tuning") == ["None"]
-    assert tunables(**{platform.ENV: "0"}) == ["None"]
+    assert tunables("--xla-cpu-tuning", "--steps", "5") == [HUGETLB]
+    assert tunables(**{platform.ENV: "1"}) == [HUGETLB]
+    assert tunables("--steps", "5") == ["None"]
 
 
 def test_only_the_command_line_restarts_never_a_caller_of_main(monkeypatch):
     calls = []
-    monkeypatch.setattr(platform, "prepare_process", lambda argv: calls.append(argv))
+    monkeypatch.setattr(platform, "restart_for_tuning", lambda: calls.append(True))
     from dpax.__main__ import main as command
     from dpax.cli import main
 
-    assert main(["bench", "--workloads", "resnet"]) == 2  # a bad name: fails fast
-    assert calls == []
-    monkeypatch.setattr(sys, "argv", ["dpax", "devices"])  # nothing to speed up
-    assert command() == 0 and calls == []
-    monkeypatch.setattr(sys, "argv", ["dpax", "bench", "--workloads", "resnet"])
-    assert command() == 2 and calls == [["--workloads", "resnet"]]
+    bad = ["train", "--steps", "0", "--xla-cpu-tuning"]  # refused before it computes
+    assert main(bad) == 2 and calls == []
+    monkeypatch.setenv(platform.ENV, "1")
+    monkeypatch.setattr(sys, "argv", ["dpax", "devices"])
+    assert command() == 0 and calls == []  # devices computes nothing
+    monkeypatch.delenv(platform.ENV)
+    monkeypatch.setattr(sys, "argv", ["dpax", "train", "--steps", "0"])
+    assert command() == 2 and calls == []  # not asked for
+    monkeypatch.setattr(sys, "argv", ["dpax", *bad])
+    assert command() == 2 and calls == [True]
 
 
 def test_the_restart_comes_before_jax_is_imported():
     code = ("import sys; import dpax.parallel.platform as p; "
-            "p.prepare_process = lambda argv: print('jax' in sys.modules); "
-            "sys.argv = ['dpax', 'bench', '--workloads', 'resnet']; "
+            "p.restart_for_tuning = lambda: print('jax' in sys.modules); "
+            "sys.argv = ['dpax', 'train', '--steps', '0', '--xla-cpu-tuning']; "
             "from dpax.__main__ import main; main()")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)

@@ -1,6 +1,6 @@
 """The XLA:CPU tuning behind one switch (`dpax.parallel.platform`): GPU and TPU
-devices never take it (nor import it), CPU devices take it unless it is off,
-and off it gives the same params as on, up to the last bits its timed
+devices never take it (nor import it), CPU devices take it only when asked,
+and on it gives the same params as off, up to the last bits its timed
 choices may round differently."""
 
 import subprocess
@@ -34,16 +34,17 @@ print(p.xla_cpu_tuning, p.backward, p.pack_collectives, p.unroll_steps, p.max_in
     assert out == ["False", "None", "False", "False", "None", "True", "False"]
 
 
-def test_cpu_devices_take_the_tuning_unless_it_is_off(monkeypatch):
+def test_cpu_devices_take_the_tuning_only_when_asked(monkeypatch):
     cpus = [SimpleNamespace(platform="cpu")] * 4
-    on = platform.for_devices(cpus)
+    monkeypatch.delenv(platform.ENV, raising=False)
+    off = platform.for_devices(cpus)  # the default: the generic path
+    assert off == platform.Platform("cpu", False, max_in_flight=platform.MAX_IN_FLIGHT)
+    on = platform.for_devices(cpus, xla_cpu_tuning=True)
     assert on.xla_cpu_tuning and on.backward is for_xla_cpu and on.pack_collectives
     assert on.unroll_steps and on.max_in_flight == platform.MAX_IN_FLIGHT
-    off = platform.for_devices(cpus, xla_cpu_tuning=False)
-    assert off == platform.Platform("cpu", False, max_in_flight=platform.MAX_IN_FLIGHT)
-    monkeypatch.setenv(platform.ENV, "0")
-    assert not platform.for_devices(cpus).xla_cpu_tuning
-    assert platform.for_devices(cpus, xla_cpu_tuning=True).xla_cpu_tuning  # the argument wins
+    monkeypatch.setenv(platform.ENV, "1")
+    assert platform.for_devices(cpus).xla_cpu_tuning
+    assert not platform.for_devices(cpus, xla_cpu_tuning=False).xla_cpu_tuning  # the argument wins
     monkeypatch.setenv(platform.ENV, "yes")
     with pytest.raises(DpaxError, match="DPAX_XLA_CPU_TUNING must be 0 or 1"):
         platform.for_devices(cpus)
@@ -58,7 +59,7 @@ def _cnn_trainer(n, tuning, **kw):
 
 @pytest.mark.parametrize("n,kw", [(4, {}), (3, {"sharding": "full"}),
                                   (2, {"steps_per_call": 4})])
-def test_tuning_off_trains_the_same_params(n, kw):
+def test_tuning_on_trains_the_same_params(n, kw):
     """The switch changes how the step is built, not what it computes: the
     cnn (max pools, whose gradient the tuning rewrites) on and off."""
     ds = digits()

@@ -1,21 +1,37 @@
 """The `dpax` command and `python -m dpax`.
 
-The commands that train or time steps first set up the process for XLA:CPU
-(`dpax.parallel.platform.prepare_process`, which may restart it), before JAX
-and the rest of dpax are imported.
+A command that trains or times steps with the XLA:CPU tuning asked for
+(`--xla-cpu-tuning`, or `DPAX_XLA_CPU_TUNING=1`) first restarts its process
+once with glibc's huge pages for the tuned step's temporaries
+(`dpax.parallel.platform.restart_for_tuning`), before JAX and the rest of dpax
+are imported: glibc reads the setting only when a process starts.
 """
 
+import os
 import sys
+from collections.abc import Sequence
 
 # Commands whose speed depends on XLA:CPU's step temporaries.
 COMPUTE = ("train", "bench", "launch", "check")
 
 
-def main() -> int:
-    if sys.argv[1:2] and sys.argv[1] in COMPUTE:
-        from dpax.parallel.platform import prepare_process
+def asks_for_tuning(argv: Sequence[str], environ=os.environ) -> bool:
+    """Whether a command line `argv` (after the command's name) runs tuned
+    steps: the last of `--xla-cpu-tuning`/`--no-xla-cpu-tuning` decides, else
+    the environment. A bad value is left to the command to report."""
+    for arg in reversed(argv):
+        if arg in ("--xla-cpu-tuning", "--no-xla-cpu-tuning"):
+            return arg == "--xla-cpu-tuning"
+    from dpax.parallel.platform import ENV  # imports no JAX
 
-        prepare_process(sys.argv[2:])
+    return environ.get(ENV, "0").strip() == "1"
+
+
+def main() -> int:
+    if sys.argv[1:2] and sys.argv[1] in COMPUTE and asks_for_tuning(sys.argv[2:]):
+        from dpax.parallel.platform import restart_for_tuning
+
+        restart_for_tuning()
     from dpax.cli.command import main as cli_main
 
     return cli_main()

@@ -1,11 +1,12 @@
 """The loops dpax is measured against, and dpax's own `Trainer.fit` path.
 
-  dpax/shard_map, dpax/pmap   the real `Trainer.fit` path (host batches, masks, metrics)
+  dpax/shard_map, dpax/pmap   the real `Trainer.fit` path (host batches, masks, metrics),
+                              as a user gets it: the generic path GPUs and TPUs take
   dpax/k=K                    the same with K steps per compiled call
   dpax/optimizer, dpax/full   the shard_map path with ZeRO-1 or FSDP state (`dpax.parallel.layout`)
-  dpax/generic                the shard_map path with the XLA:CPU tuning off: what GPUs and
-                              TPUs run (`dpax.parallel.platform`)
-  dpax/guard                  dpax/generic with `skip_nonfinite=True`: the opt-in skip of a
+  dpax/tuned                  the shard_map path with the opt-in XLA:CPU tuning (CPU only,
+                              `dpax.parallel.platform`)
+  dpax/guard                  dpax/shard_map with `skip_nonfinite=True`: the opt-in skip of a
                               non-finite step, and its gradient norm (its price is the
                               difference)
   pmap loop                   the jax.pmap tutorials' loop: pmap + pmean, batches reshaped

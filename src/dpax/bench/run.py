@@ -95,13 +95,13 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
                 methods.append(bench_jit(w, w.batch_size, n))
             methods += [bench_dpax(w, n, backend, w.batch_size)
                         for backend in ("shard_map", "pmap")]
-            if jax.default_backend() == "cpu":  # elsewhere every row is the generic path
+            if jax.default_backend() == "cpu":  # the opt-in XLA:CPU tuning
                 methods.append(bench_dpax(w, n, "shard_map", w.batch_size,
-                                          name="dpax/generic", xla_cpu_tuning=False))
+                                          name="dpax/tuned", xla_cpu_tuning=True))
             # The opt-in non-finite guard: its price is its distance to the
-            # generic row, which does a hand loop's work.
+            # default row, which does a hand loop's work.
             methods.append(bench_dpax(w, n, "shard_map", w.batch_size, name="dpax/guard",
-                                      xla_cpu_tuning=False, skip_nonfinite=True))
+                                      skip_nonfinite=True))
             if steps_per_call > 1:
                 methods.append(bench_dpax(w, n, "shard_map", w.batch_size, steps_per_call,
                                           f"dpax/k={steps_per_call}"))

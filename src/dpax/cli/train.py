@@ -20,7 +20,6 @@ from dpax.cli.flags import add_flags, config_from_args
 from dpax.cli.job import Job, TrainConfig, build, check_same_meaning
 from dpax.cli.plot import plot_runs
 from dpax.errors import DpaxError, Preempted, RunFailed, TooManyBadSteps, summary
-from dpax.models.gpt import flops_per_token
 from dpax.parallel import peak, watchdog
 from dpax.parallel.arrays import all_finite
 from dpax.parallel.distributed import is_writer
@@ -269,10 +268,8 @@ def _language_model(job: Job, peak_flops: peak.Peak | None) -> hooks.LanguageMod
     shape, over the hardware's peak."""
     if peak_flops is None:
         return None
-    m = job.config.model
-    seq_len = job.config.data.seq_len
-    n = job.trainer.param_count - seq_len * m.width  # the position table only adds
-    return hooks.LanguageModel(flops_per_token(n, m.layers, m.width, seq_len), peak_flops)
+    flops = job.config.model.flops_per_token(job.trainer.param_count, job.config.data.seq_len)
+    return None if flops is None else hooks.LanguageModel(flops, peak_flops)
 
 
 @contextlib.contextmanager

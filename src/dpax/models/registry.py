@@ -77,6 +77,14 @@ class ModelConfig:
         return {"layers": self.layers, "width": self.width, "heads": self.heads,
                 "dropout": self.dropout, "remat": self.remat}
 
+    def flops_per_token(self, param_count: int, seq_len: int) -> float | None:
+        """Training FLOPs per token of the text model this config builds, with
+        `param_count` params, on windows of `seq_len` (None for other models)."""
+        if not self.takes_text:
+            return None
+        n = param_count - seq_len * self.width  # the position table only adds
+        return gpt.flops_per_token(n, self.layers, self.width, seq_len)
+
     def build(self, in_shape: tuple[int, ...], n_out: int, seed: int,
               task: str | None = None) -> nnx.Module:
         """The model, with `init_from`'s weights if given."""

@@ -1,17 +1,22 @@
-"""What a run does differently on XLA:CPU, behind one switch.
+"""What a run does differently on XLA:CPU, behind one switch that is off by default.
 
-GPU and TPU runs take the generic path: JAX's own backward pass, XLA's
-default compile options, one plain `psum` of the gradient tree, a rolled
-`scan` for several steps per call. On CPU devices, with the XLA:CPU tuning on
-(the default there), the step takes what `dpax.xla_cpu` measured faster on
-XLA:CPU: its backward rewrite, compile options chosen per step, small
-all-reduce operands packed into one buffer behind a barrier, an unrolled
-scan. Its timed choices (a dot's form, YNNPACK's kernels for sums) can round
-the last bits differently from the generic path; they are kept per machine
-(`dpax.xla_cpu.choices`), so every run there takes the same ones.
-`dpax.xla_cpu` is imported here only, and only for CPU devices with the
-tuning on: a JAX release that moves the internals it uses cannot break GPU
-or TPU runs.
+Every run takes the generic path unless asked otherwise: JAX's own backward
+pass, XLA's default compile options, one plain `psum` of the gradient tree, a
+rolled `scan` for several steps per call. It is the path GPUs and TPUs take,
+and the one the equivalence tests prove.
+
+On CPU devices a run can opt into dpax's XLA:CPU tuning (`xla_cpu_tuning=True`,
+or `DPAX_XLA_CPU_TUNING=1` in the environment): the step then takes what
+`dpax.xla_cpu` measured faster on XLA:CPU: its backward rewrite, compile
+options chosen per step by timing candidates, small all-reduce operands packed
+into one buffer behind a barrier, an unrolled scan. What it may change: its
+timed choices (a dot's form, YNNPACK's kernels for sums) can round the last
+bits of the gradient, hence of the params, differently from the generic path.
+They are kept per machine (`dpax.xla_cpu.choices`), so every tuned run there
+takes the same ones; the first tuned step on a machine waits while they are
+timed. `dpax.xla_cpu` is imported here only, and only for CPU devices with the
+tuning on: a JAX release that moves the internals it uses cannot break GPU or
+TPU runs, nor untuned ones.
 
 One thing stays on CPU whatever the switch, because it prevents a failure
 rather than a slowdown: XLA:CPU's cross-device rendezvous aborts ("Termination
@@ -21,10 +26,9 @@ platform, so that a rank whose peer stopped waits at most a couple of steps'
 time while all are alive (`dpax.parallel.watchdog` times the waits). Neither
 changes a number.
 
-The `dpax` command also sets up its process for XLA:CPU before JAX starts
-(`prepare_process`: glibc's huge pages for the step's temporaries,
-`dpax.xla_cpu.hostenv`), behind the same switch. This module imports JAX only
-inside functions, so that the command can ask it before JAX is imported.
+This module imports JAX only inside functions: the `dpax` command asks it,
+before JAX is imported, whether to restart its process with glibc's huge
+pages for the tuned step's temporaries (`restart_for_tuning`).
 """
 
 from __future__ import annotations
@@ -64,20 +68,17 @@ class Platform:
 
 
 def tuning_default() -> bool:
-    """`xla_cpu_tuning` when not given: on, unless `DPAX_XLA_CPU_TUNING=0`."""
-    value = os.environ.get(ENV, "1").strip()
+    """`xla_cpu_tuning` when not given: off, unless `DPAX_XLA_CPU_TUNING=1`."""
+    value = os.environ.get(ENV, "0").strip()
     if value not in ("0", "1"):
         raise DpaxError(f"{ENV} must be 0 or 1, got {value!r}")
     return value == "1"
 
 
-def prepare_process(argv: Sequence[str]) -> None:
-    """What the `dpax` command does first, before JAX is imported, when its
-    command line `argv` computes (train, bench, ...): with the XLA:CPU tuning
-    on, restart once with glibc's huge pages where JAX computes on the CPU
+def restart_for_tuning() -> None:
+    """For a process that will run tuned steps, before JAX is imported:
+    restart once with glibc's huge pages where JAX computes on the CPU
     (`dpax.xla_cpu.hostenv`). Returns when there is nothing to do."""
-    if "--no-xla-cpu-tuning" in argv or os.environ.get(ENV, "1").strip() != "1":
-        return  # off, or a bad value that the command itself reports
     from dpax.xla_cpu.hostenv import restart_with_hugepages
 
     restart_with_hugepages()

@@ -93,9 +93,9 @@ class TrainerConfig:
     steps_per_call: int = cfg.field(
         1, "training steps per compiled call (a scan over batches on the device)", how=True)
     xla_cpu_tuning: bool | None = cfg.field(
-        None, "on CPU devices, dpax's XLA:CPU tuning (its timed choices may change the "
-        f"last bits of results; default on, or {platform.ENV}=0/1); GPUs and TPUs never "
-        "take it", how=True)
+        None, "on CPU devices, opt into dpax's XLA:CPU tuning: faster steps there, whose "
+        "timed choices may change the last bits of results (default off, or "
+        f"{platform.ENV}=0/1); GPUs and TPUs never take it", how=True)
 
     def check(self) -> None:
         for name in ("devices", "grad_accum", "max_bad_steps", "steps_per_call"):
@@ -165,11 +165,12 @@ class Trainer:
       ema_decay: keep an exponential moving average of the params with this
         decay (in (0, 1); it ramps up from 0.1 over the first steps), laid out
         like the params, in checkpoints, and used by `evaluate` and `predict`.
-      xla_cpu_tuning: on CPU devices, build the steps with dpax's XLA:CPU
-        tuning (`dpax.parallel.platform`), whose timed choices can round a
-        dot's or a sum's last bits differently (kept per machine). None:
-        on, unless the environment sets `DPAX_XLA_CPU_TUNING=0`. GPU and TPU
-        devices never take it.
+      xla_cpu_tuning: on CPU devices, opt into dpax's XLA:CPU tuning
+        (`dpax.parallel.platform`): steps built from choices timed on this
+        machine, which can round a dot's or a sum's last bits differently
+        from the generic path (kept per machine). None: off, unless the
+        environment sets `DPAX_XLA_CPU_TUNING=1`. GPU and TPU devices never
+        take it.
     """
 
     def __init__(

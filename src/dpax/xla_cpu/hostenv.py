@@ -6,12 +6,12 @@ from a fresh mmap, which the kernel faults in and zeroes 4 KiB at a time, on
 every step: the GPT's or a conv net's step then spends a large share of its
 time in page faults (benchmarks/README.md, "Host allocator").
 
-- The `dpax` command restarts itself once, before JAX is imported, with the
-  glibc tunable `glibc.malloc.hugetlb=1` (glibc 2.35+), which asks for
-  transparent huge pages on such mappings: a fault brings in 2 MiB
-  (`restart_with_hugepages`). glibc reads tunables only at start-up, hence the
-  restart. It is part of the XLA:CPU tuning: `--no-xla-cpu-tuning` or
-  `DPAX_XLA_CPU_TUNING=0` skip it (`dpax.parallel.platform.prepare_process`).
+- With the XLA:CPU tuning asked for, the `dpax` command restarts itself once,
+  before JAX is imported, with the glibc tunable `glibc.malloc.hugetlb=1`
+  (glibc 2.35+), which asks for transparent huge pages on such mappings: a
+  fault brings in 2 MiB (`restart_with_hugepages`). glibc reads tunables only
+  at start-up, hence the restart; without the tuning there is none
+  (`dpax.__main__`).
 - A library cannot restart its user's process: a Python script whose steps
   have large temporaries can call `tune_malloc()` first thing (no mmap for
   large blocks, the heap's top kept up to 1 GiB when freed), or export the
