@@ -249,8 +249,8 @@ class Trainer:
 
     def _field(self, name: str) -> Any:
         """One field of the state, rebuilt from its own leaves: unflattening the
-        whole state makes an NNX Variable per leaf of the optimizer state too
-        (the bench's GPT on the CPU: 0.22 ms for the whole, 0.06 ms for params)."""
+        whole state makes an NNX Variable per leaf of the optimizer state too,
+        Python work a caller that wants only the params should not pay."""
         start, stop, treedef = self._fields[name]
         return treedef.unflatten(self._leaves[start:stop])
 
@@ -409,8 +409,8 @@ class Trainer:
         in-place convention), each array where the user's was (`handback`).
 
         Copied from device to device, never through the host: a host copy
-        waits for every step in flight and then for each leaf, which made a
-        `fit` call cost 29-89 ms more on a GPU (benchmarks/README.md)."""
+        waits for every step in flight and then for each leaf, a sync per
+        leaf at the end of every `fit` call."""
         failing = sys.exc_info()[0] is not None
         try:
             params = self.backend.local(self._logical(self._field("params")))
