@@ -133,8 +133,8 @@ def train_batches(
     threads, which wait for storage while the steps run; `workers` > 0 builds
     the batches in that many Grain worker processes instead, for reads and
     decoding one process cannot keep up with. Grain's own bookkeeping is per
-    element, so small batches come in chunks of several steps (see
-    benchmarks/README.md).
+    element, so small batches come in chunks of several steps: one element
+    per chunk spreads that bookkeeping over its steps.
     """
     # From shapes: reading a row of inputs on disk (`dpax.data.sources`) costs a read.
     arrays = jax.tree.leaves(data)
@@ -180,8 +180,7 @@ class _Chunk(grain.transforms.Map):
     """The batches of steps first..first+per_chunk-1 (a module-level class:
     Grain workers get it pickled). A `Map`, so that Grain names it by its
     class: it named a `functools.partial` by its repr, which printed the
-    examples it holds (the pipeline's start and first batch: 0.285 ms, now
-    0.107 ms for the mlp's data, once per `fit` call and restore)."""
+    examples it holds, at every `fit` call and restore."""
 
     def __init__(self, data: dict, plan: BatchPlan, rows: tuple[int, int], stop: int,
                  per_chunk: int, augment: Augment | None):

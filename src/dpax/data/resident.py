@@ -3,9 +3,9 @@ arrays to every device once and gathers each batch there.
 
 Each step then takes only the batch's example indices and mask from the host
 (a few bytes a row) instead of its examples, and the host skips the row
-gather: on an H200 the host pipeline and the copy of an MLP's 800 KB batch
-held the host 0.6 ms a step, three times the step itself
-(benchmarks/README.md). The batches are the host pipeline's, row for row
+gather: on a fast accelerator a small model's step is shorter than the
+host's gather and copy of its batch, so the host, not the device, set the
+pace. The batches are the host pipeline's, row for row
 (`dpax.data.batches.gather_rows`), so the numbers do not change.
 """
 

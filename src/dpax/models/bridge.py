@@ -120,6 +120,13 @@ def from_linen(module: linen.Module, *example_args, train_kwarg: str | None = "t
         given `True` in training and `False` in evaluation; None: it has none.
       seed: the key of the variables' initialisation (stream "params"; random
         streams outside a dpax step, e.g. "dropout", derive from it too).
+
+    Returns:
+      The model (a `LinenModel`), its variables initialised.
+
+    Raises:
+      DpaxError: `module` is not a Linen module, or its `__call__` takes no
+        `train_kwarg`.
     """
     if not isinstance(module, linen.Module):
         raise DpaxError(f"from_linen takes a flax.linen Module, got {type(module).__name__}")
@@ -178,6 +185,10 @@ def from_function(apply: Callable, params: Any) -> FunctionModel:
 
     Returns:
       The model (a `FunctionModel`).
+
+    Raises:
+      DpaxError: `apply` is not callable, or `params` holds no arrays or a
+        leaf that is not an array.
     """
     if not callable(apply):
         raise DpaxError(f"from_function takes apply(params, *inputs), got {type(apply).__name__}")

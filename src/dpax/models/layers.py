@@ -96,8 +96,8 @@ EXACT_INTEGERS = 2**24
 def _global_sums(values: tuple, axis: str, most: int) -> tuple[tuple, tuple]:
     """`exact_sums(values, axis)` for (sum, sum of squares, count), with the
     same bits and a smaller program: each level of an exact sum is a fusion
-    of its own for XLA to compile, and three sums apart made cnn-bn's step
-    compile 1.6x as long as with plain sums. The two sums share one exact sum,
+    of its own for XLA to compile, so three sums apart multiply a BatchNorm
+    model's compile time. The two sums share one exact sum,
     stacked (each column is still summed alone, by the same operations), and
     the count, whole numbers, is a plain sum when its total (`most` at the
     largest) stays below `EXACT_INTEGERS`."""

@@ -38,7 +38,19 @@ def check_classification(ex: checks.Examples) -> None:
 @checks.declare(check_classification)
 def classification_loss(model, batch):
     """Softmax cross-entropy and accuracy, per example; `y` holds class ids,
-    integers (bools are ids 0 and 1)."""
+    integers (bools are ids 0 and 1).
+
+    A `loss_fn` for `dpax.Trainer`. Before the first step the Trainer checks
+    the examples by `check_classification` and raises `BadExamples` (a
+    `DpaxError`) for a missing `y` or a class id the model has no output for.
+
+    Args:
+      model: the model, called on `batch["x"]`: one logit per class.
+      batch: one device's shard of the batch, with `x` and `y`.
+
+    Returns:
+      `(losses, {"accuracy": correct})`: arrays of one float per example.
+    """
     logits = model(batch["x"]).astype(jnp.float32)
     y = batch["y"]
     if y.dtype == jnp.bool_:  # optax takes integer ids only
@@ -60,16 +72,51 @@ def check_regression(ex: checks.Examples) -> None:
 
 @checks.declare(check_regression)
 def regression_loss(model, batch):
-    """Squared error per example (the mean squared error before the mean)."""
+    """Squared error per example (the mean squared error before the mean).
+
+    A `loss_fn` for `dpax.Trainer`. Before the first step the Trainer checks
+    the examples by `check_regression` and raises `BadExamples` (a
+    `DpaxError`) for a missing `y` or one whose size per example is not the
+    model's output's.
+
+    Args:
+      model: the model, called on `batch["x"]`.
+      batch: one device's shard of the batch, with `x` and `y`.
+
+    Returns:
+      `(losses, {})`: the squared errors, shaped as `batch["y"]`.
+    """
     pred = model(batch["x"]).astype(jnp.float32).reshape(batch["y"].shape)
     return jnp.square(pred - batch["y"]), {}
 
 
 def classification_predict(model, batch):
+    """The most likely class of each example.
+
+    A `predict_fn` for `dpax.Trainer`.
+
+    Args:
+      model: the model, called on `batch["x"]`: one logit per class.
+      batch: one device's shard of the batch, with `x`.
+
+    Returns:
+      The class ids, one integer per example.
+    """
     return jnp.argmax(model(batch["x"]), -1)
 
 
 def regression_predict(model, batch):
+    """The model's output for each example, one number each.
+
+    A `predict_fn` for `dpax.Trainer`.
+
+    Args:
+      model: the model, called on `batch["x"]`: one output per example.
+      batch: one device's shard of the batch, with `x`.
+
+    Returns:
+      One float per example.
+    """
     return model(batch["x"]).reshape(batch["x"].shape[0])
 
 
@@ -98,7 +145,26 @@ def lm_loss(model, batch, token_bytes=None):
     real targets, weighted by their number, so dpax's mean is over tokens (a
     short, padded window counts by its tokens), with next-token accuracy.
     With `token_bytes` (the bytes each token id stands for: a BPE's), also
-    the bytes per token of its targets, which bits per byte divide by."""
+    the bytes per token of its targets, which bits per byte divide by.
+
+    A `loss_fn` for `dpax.Trainer`. Before the first step the Trainer checks
+    the examples by `check_lm` and raises `BadExamples` (a `DpaxError`) for
+    a token id outside the model's vocabulary or a length longer than its
+    window.
+
+    Args:
+      model: the language model, called on each window's first seq_len
+        tokens: logits over the vocabulary at every position.
+      batch: one device's shard of the batch: `x` [windows, seq_len + 1]
+        token ids, `y` each window's number of real tokens.
+      token_bytes: a sequence of each token id's length in bytes, or None.
+
+    Returns:
+      `(losses, metrics, weights)`: per window, the mean loss over its real
+      targets, the metrics `accuracy` (and `bytes_per_token` with
+      `token_bytes`) as such means, and the number of real targets, which
+      weighs the window in dpax's mean.
+    """
     tokens, length = batch["x"], batch["y"]
     logits = model(tokens[:, :-1]).astype(jnp.float32)
     targets = tokens[:, 1:].astype(jnp.int32)
@@ -117,7 +183,17 @@ def lm_loss(model, batch, token_bytes=None):
 
 
 def lm_predict(model, batch):
-    """The most likely next token at every position of each window."""
+    """The most likely next token at every position of each window.
+
+    A `predict_fn` for `dpax.Trainer`.
+
+    Args:
+      model: the language model (as for `lm_loss`).
+      batch: one device's shard of the batch, with `x` as for `lm_loss`.
+
+    Returns:
+      Token ids, [windows, seq_len].
+    """
     return jnp.argmax(model(batch["x"][:, :-1]), -1)
 
 

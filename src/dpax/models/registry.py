@@ -96,9 +96,27 @@ class ModelConfig:
 
 def make_model(name: str, in_shape: tuple[int, ...], n_out: int, seed: int,
                task: str | None = None, **options) -> nnx.Module:
-    """Build a registered model for inputs of `in_shape` (no batch axis);
-    `options` go to the models that take them (gpt: layers, width, heads,
-    dropout, remat)."""
+    """Build a registered model for inputs of `in_shape` (no batch axis).
+
+    Args:
+      name: one of `MODELS`: "linear", "mlp", "cnn", "cnn-bn", "deep-mlp" or
+        "gpt".
+      in_shape: one example's shape, without the batch axis (NHWC images for
+        the CNNs; a window length for "gpt").
+      n_out: outputs per example (classes, targets, or the vocabulary size).
+      seed: the key the parameters are initialized from.
+      task: the data's task, if known ("lm" for text windows), to refuse a
+        model that does not fit it; None: not checked.
+      **options: for the models that take them (gpt: `layers`, `width`,
+        `heads`, `dropout`, `remat`).
+
+    Returns:
+      The `nnx.Module`, initialized.
+
+    Raises:
+      DpaxError: an unknown `name`, a CNN for examples that are not images,
+        or a model that does not fit `task`.
+    """
     if name not in MODELS:
         raise DpaxError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     if name in ("cnn", "cnn-bn") and len(in_shape) != 3:

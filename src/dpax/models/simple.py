@@ -91,6 +91,6 @@ class CNNBN(nnx.Module):
 
 def deep_mlp(in_shape: tuple[int, ...], n_out: int, *, rngs: nnx.Rngs) -> MLP:
     """Seven hidden layers of 4096: about 101M parameters on 8x8 digits, whose
-    state (1.6 GB with Adam) rather than activations fills a device: the model
-    that shows what `sharding="full"` saves."""
+    state (params, gradients and Adam's two moments) rather than activations
+    fills a device: the model that shows what `sharding="full"` saves."""
     return MLP(in_shape, n_out, hidden=(4096,) * 7, rngs=rngs)

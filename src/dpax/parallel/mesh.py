@@ -26,10 +26,15 @@ def simulate_devices(n: int) -> None:
 
     Must run before JAX creates its backend (before the first array or
     `jax.devices()` call). Calling it later is fine if the CPU backend already
-    has at least `n` devices; otherwise it raises a `DpaxError` saying so.
+    has at least `n` devices. A later, smaller request never shrinks what an
+    earlier one set up.
 
     Args:
       n: number of CPU devices, 1..MAX_SIMULATED_DEVICES.
+
+    Raises:
+      DpaxError: `n` is not a whole number in that range, or JAX already
+        started with fewer than `n` CPU devices.
     """
     if not isinstance(n, int) or n < 1:
         raise DpaxError(f"simulate_devices needs a device count >= 1, got {n!r}")
@@ -55,6 +60,18 @@ def select_devices(n: int | None = None) -> list[jax.Device]:
     """The first `n` local devices of the default backend (all when `n` is None).
 
     A subset is fine: a process with 8 devices can train on 1, 2 or 4 of them.
+    With several processes the mesh spans every process's devices, and each
+    process brings all of its own.
+
+    Args:
+      n: how many devices, or None for all.
+
+    Returns:
+      The devices: with several processes, every process's (`jax.devices()`).
+
+    Raises:
+      DpaxError: `n` is not a whole number >= 1, is more than the local
+        devices, or, with several processes, is not all of them.
     """
     available = jax.local_devices()
     if jax.process_count() > 1:

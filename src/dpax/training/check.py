@@ -142,7 +142,26 @@ def check_equivalence(
       make_model: builds a fresh, identically initialised model on each call.
       loss_fn: the loss as given to `Trainer` (one loss per example).
       data, y: training examples, as `Trainer.fit` takes them.
+      devices: the device count compared against one device.
+      batch_size: the global batch; None: `5 * devices + 3`, which leaves
+        the last device mostly padding.
+      steps: how many steps are compared, each from one device's state.
+      lr: the SGD learning rate.
+      sync_batchnorm: as `Trainer` takes it.
+      backend: "shard_map" or "pmap", for the run on `devices`.
       grad_accum: micro-batches per step, on both sides.
+
+    Returns:
+      A `CheckResult`: the largest differences of params, loss and model
+      state (within `TOLERANCE`: `equivalent`), or the `cause` found and its
+      `detail` (a BatchNorm not synchronized, per-device random numbers or
+      state, a model or loss that mixes examples, a loss that returns a
+      mean). A model the Trainer refuses on `devices` is such a result, not
+      an exception.
+
+    Raises:
+      DpaxError: an argument the Trainer refuses (more `devices` than JAX
+        has, an unknown `backend`, examples no step can train on).
     """
     data = examples(data, y)
     # Uneven: with N = 8, 43 rows pad to 48, and the last device holds 1 real row.

@@ -11,7 +11,7 @@ be estimated).
                             device's micro-batch, in the compute dtype, under
                             the model's remat policy. An upper bound: XLA's
                             fusion recomputes some elementwise results instead
-                            (measured here: XLA needs 0.65-1x of the estimate, docs/speed.md)
+                            of keeping them (docs/speed.md compares the two)
   FLOPs                     XLA's cost analysis of the lowered gradient step
   collectives               the least the layout moves (`dpax.parallel.comms`),
                             which tests/test_comms.py holds the compiled step to

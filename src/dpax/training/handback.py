@@ -3,13 +3,12 @@
 
 `nnx.update(model, state)` after `nnx.state(model)`, with one `device_put`
 copy per array, walks the model's graph twice and copies array by array:
-for the bench's GPT (70 arrays) on the CPU, the walks took 2.7 ms and the
-copies 1.9 ms of a 6.6 ms handback. A user who calls `fit` once per epoch,
-and the bench's repeats, pay it every call; on an H100 it decided a row
-(benchmarks/README.md). Here NNX walks the model once; later calls find its
-Variables by JAX's pytree walk, checked to be the very same objects, and
-set their values; the copies are one compiled program. The handback now
-takes 2.4 ms (1 device) and 2.7 ms (2 devices, 5.0 before).
+NNX's graph walk visits every node and Variable in Python, and each
+`device_put` is a call of its own, so a model of many arrays pays most of
+its handback there. A user who calls `fit` once per epoch, and the bench's
+repeats, pay it every call. Here NNX walks the model once; later calls find
+its Variables by JAX's pytree walk, checked to be the very same objects, and
+set their values; the copies are one compiled program.
 """
 
 from __future__ import annotations
@@ -25,9 +24,10 @@ def _is_variable(x) -> bool:
 
 
 def _quick_walk(model: nnx.Module) -> list | None:
-    """The model's Variables by JAX's pytree walk (NNX modules are pytrees):
-    ~0.2 ms for the GPT, against 1.7 ms for `nnx.state`. None where the
-    model is not a pytree of Variables (a module made with `pytree=False`)."""
+    """The model's Variables by JAX's pytree walk (NNX modules are pytrees),
+    without the graph bookkeeping (shared references, paths) `nnx.state` does. None
+    where the model is not a pytree of Variables (a module made with
+    `pytree=False`)."""
     found = jax.tree.leaves(model, is_leaf=_is_variable)
     return found if all(_is_variable(v) for v in found) else None
 
@@ -94,8 +94,8 @@ def _own_copies(new: list, old: list, compiled: bool = False) -> list:
     """`new`, with each leaf whose `old` value is a device array replaced by a
     copy placed as that one is. One compiled program where every array is
     already in place and this is not the model's first handback (a run that
-    calls `fit` once does not compile it, ~20 ms); else one `device_put` for
-    every leaf (a call per leaf cost ~0.1 ms of Python each)."""
+    calls `fit` once should not pay for compiling it); else one `device_put`
+    for every leaf (one call: a call per leaf pays Python's dispatch per leaf)."""
     new = list(new)
     at = [i for i, o in enumerate(old) if isinstance(o, jax.Array)]
     arrays, shardings = [new[i] for i in at], [old[i].sharding for i in at]

@@ -201,12 +201,14 @@ NO_FULL_COLLECTIONS = 2**30
 def _no_full_collections():
     """Keep Python's cyclic collector to its young generations while the loop
     runs: a full collection walks every object JAX, the model and the data keep
-    alive, and paused a fast loop for ~100 ms at a time. Cycles made during the
-    loop are still collected young; the thresholds are restored after.
+    alive, and pauses the loop for as long as that walk takes, longer than a
+    small model's steps. Cycles made during the loop are still collected
+    young; the thresholds are restored after.
 
     Not `gc.freeze()`: only `gc.unfreeze()` undoes it, which unfreezes what
     others froze too, and Python 3.12 starts with objects frozen, so a freeze
-    left in place grew with every `fit` call and its count took 20-30 ms a call."""
+    left in place grew with every `fit` call, and counting it walked every
+    frozen object at each call."""
     t0, t1, t2 = gc.get_threshold()
     gc.set_threshold(t0, t1, NO_FULL_COLLECTIONS)
     try:

@@ -56,21 +56,59 @@ class OptimizerConfig:
 
 
 def scaled_lr(lr: float, global_batch: int, reference_batch: int) -> float:
-    """Linear scaling rule: lr * global_batch / reference_batch (Goyal et al. 2017)."""
+    """Linear scaling rule: lr * global_batch / reference_batch (Goyal et al. 2017).
+
+    Args:
+      lr: the learning rate tuned for batches of `reference_batch`.
+      global_batch: the batch size of the run, over all devices.
+      reference_batch: the batch size `lr` was tuned for.
+
+    Returns:
+      The learning rate scaled in proportion to the global batch.
+    """
     return lr * global_batch / reference_batch
 
 
 def make_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
                   total_steps: int = 1) -> optax.Schedule:
     """A learning-rate schedule: constant (after optional linear warmup) or
-    linear warmup then cosine decay to 0 at `total_steps`."""
+    linear warmup then cosine decay to 0 at `total_steps`.
+
+    Args:
+      lr: the peak learning rate (> 0).
+      schedule: "constant" or "warmup-cosine" (`SCHEDULES`).
+      warmup_steps: steps of linear warmup from 0 to `lr` (>= 0).
+      total_steps: the run's length, where the cosine reaches 0 (at least
+        one step past the warmup).
+
+    Returns:
+      An `optax.Schedule`: the learning rate as a function of the step count.
+
+    Raises:
+      DpaxError: `lr`, `schedule` or `warmup_steps` is out of range.
+    """
     cfg.validate(OptimizerConfig(lr=lr, schedule=schedule, warmup_steps=warmup_steps))
     return _schedule(lr, schedule, warmup_steps, total_steps)
 
 
 def make_optimizer(name: str, schedule: optax.Schedule, momentum: float = 0.9,
                    weight_decay: float = 1e-4) -> optax.GradientTransformation:
-    """One of `OPTIMIZERS`, driven by `schedule`."""
+    """One of `OPTIMIZERS`, driven by `schedule`.
+
+    Args:
+      name: "sgd", "momentum", "adam" or "adamw".
+      schedule: the learning rate as a function of the step count
+        (`make_schedule`, or any `optax.Schedule`); it lives in the
+        optimizer's state, so a changing rate never recompiles the step.
+      momentum: the momentum of "momentum" (in [0, 1]).
+      weight_decay: the weight decay of "adamw" (>= 0).
+
+    Returns:
+      The `optax.GradientTransformation`.
+
+    Raises:
+      DpaxError: an unknown `name`, or `momentum` or `weight_decay` out of range.
+    """
     cfg.validate(OptimizerConfig(name=name, momentum=momentum, weight_decay=weight_decay))
     return _optimizer(name, schedule, momentum, weight_decay)
 

@@ -171,6 +171,12 @@ class Trainer:
         from the generic path (kept per machine). None: off, unless the
         environment sets `DPAX_XLA_CPU_TUNING=1`. GPU and TPU devices never
         take it.
+
+    Raises:
+      DpaxError: an option the Trainer does not take, a value out of its
+        range (the message names it), more devices than JAX has, or an
+        optimizer the step cannot call (one whose update wants a loss
+        function, as a line search does).
     """
 
     def __init__(
@@ -249,8 +255,8 @@ class Trainer:
 
     def _field(self, name: str) -> Any:
         """One field of the state, rebuilt from its own leaves: unflattening the
-        whole state makes an NNX Variable per leaf of the optimizer state too
-        (the bench's GPT on the CPU: 0.22 ms for the whole, 0.06 ms for params)."""
+        whole state makes an NNX Variable per leaf of the optimizer state too,
+        Python work a caller that wants only the params should not pay."""
         start, stop, treedef = self._fields[name]
         return treedef.unflatten(self._leaves[start:stop])
 
@@ -265,14 +271,30 @@ class Trainer:
 
     # -- training ----------------------------------------------------------------------
     def train_step(self, host_batch: dict, size: int | None = None) -> dict:
-        """One step on this process's rows of a padded, masked global batch of
-        `size` rows (default: all of them); returns the metrics row."""
+        """One step on this process's rows of a padded, masked global batch.
+
+        Args:
+          host_batch: this process's rows of the batch, padded, with `mask`.
+          size: the global batch's padded rows (default: all of them).
+
+        Returns:
+          The step's metrics row (a device-to-host sync).
+        """
         sums = self._run(1, self._input(host_batch, size), self._zero_sums(size, host_batch))
         return self._read([sums])
 
     def lower_train_step(self, host_batch: dict, size: int | None = None) -> jax.stages.Lowered:
-        """The training step lowered for this batch layout: its `.as_text()` is
-        the StableHLO dpax emits, `.compile()` gives XLA's HLO and memory use."""
+        """The training step lowered for this batch layout, without running it.
+
+        Args:
+          host_batch: a batch as `train_step` takes it (only its shapes and
+            dtypes matter).
+          size: the global batch's padded rows (default: all of them).
+
+        Returns:
+          A `jax.stages.Lowered`: its `.as_text()` is the StableHLO dpax
+          emits, `.compile()` gives XLA's HLO and memory use.
+        """
         placed = self._input(host_batch, size)
         return self._steps.train.lower(self._leaves, self._zero_sums(size, host_batch), placed)
 
@@ -303,6 +325,14 @@ class Trainer:
           data: the examples: a dict of arrays that share a leading example axis
             (the loss sees every key, plus `mask`), or an array of inputs `x`
             with `y` its targets. Arrays may be `dpax.data.sources` columns on disk.
+          y: the targets, when `data` is an array of inputs.
+          batch_size: the global batch, over all devices and processes; any
+            size (a batch is padded and masked to fit the devices).
+          until_step: train until the step counter reaches it (a resumed
+            Trainer continues from its step).
+          epochs: or train this many passes over the examples.
+          seed: the key of the batches' order (not of the model).
+          log_every: steps between log rows (the metrics' device-to-host sync).
           hooks: host-side work at log steps and after each step (`dpax.training.loop.Hook`:
             checkpoints, evaluation, preemption checks; `loop.LogTo(fn)` for a callback).
           batches: this process's host batches from the current step on (from
@@ -315,6 +345,18 @@ class Trainer:
             (`dpax.data.resident`; the same batches). None: where they take at
             most 1/8 of an accelerator's free memory, not on CPU devices;
             always with `batches` from `train_input(..., indices=True)`.
+
+        Returns:
+          The log rows, one dict of metrics per log step.
+
+        Raises:
+          DpaxError: arguments or examples no step can train on (`BadArgument`,
+            `BadExamples`), or a model that would not train on N devices as on
+            one (`PerDeviceState`, `PerDeviceRandom`, `MixesExamples`), all
+            before the first step.
+          TooManyBadSteps: `max_bad_steps` non-finite steps in a row.
+          Preempted: a preemption hook saved and stopped the run.
+          RunFailed: a checkpoint hook could not save or read a step.
         """
         data, given = self._checked(data, y, batch_size)
         plan = BatchPlan(batch_rows(data), batch_size, seed)
@@ -375,6 +417,18 @@ class Trainer:
         to the smallest bucket that holds it and masked, so the step compiles
         at most once per bucket, however many sizes arrive. Default buckets:
         N*K times powers of two (N devices, K micro-batches).
+
+        Args:
+          batches: host batches, each a dict of arrays as `fit` takes them.
+          buckets: the padded sizes to compile for; default as above.
+          log_every: steps between log rows.
+          hooks: as `fit` takes them.
+
+        Returns:
+          The log rows.
+
+        Raises:
+          DpaxError, TooManyBadSteps, Preempted, RunFailed: as `fit`.
         """
         def check_first(batch):
             batch = examples(batch, argument="batches")
@@ -409,8 +463,8 @@ class Trainer:
         in-place convention), each array where the user's was (`handback`).
 
         Copied from device to device, never through the host: a host copy
-        waits for every step in flight and then for each leaf, which made a
-        `fit` call cost 29-89 ms more on a GPU (benchmarks/README.md)."""
+        waits for every step in flight and then for each leaf, a sync per
+        leaf at the end of every `fit` call."""
         failing = sys.exc_info()[0] is not None
         try:
             params = self.backend.local(self._logical(self._field("params")))
@@ -578,8 +632,18 @@ class Trainer:
 
     # -- evaluation and prediction --------------------------------------------------
     def evaluate(self, data: Any, y: Any = None, batch_size: int = EVAL_BATCH) -> dict:
-        """Mean loss and metrics over every example (`data` as `fit` takes it),
-        each counted once."""
+        """Mean loss and metrics over every example, each counted once.
+
+        Args:
+          data, y: the examples, as `fit` takes them.
+          batch_size: the global batch of each evaluation step.
+
+        Returns:
+          {name: mean} of the loss and the loss function's metrics.
+
+        Raises:
+          DpaxError: examples the loss cannot read (`BadExamples`).
+        """
         data, given = self._checked(data, y, batch_size)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
@@ -591,9 +655,20 @@ class Trainer:
         return metrics.summarize(self.backend.host(sums))  # sync point (timed)
 
     def predict(self, data: Any, batch_size: int = EVAL_BATCH) -> Any:
-        """One prediction per example of `data` (an array of inputs `x`, or a
-        dict as `fit` takes it), in order; the outputs have whatever structure
-        `predict_fn` returns, each with a leading example axis."""
+        """One prediction per example of `data`, in order.
+
+        Args:
+          data: an array of inputs `x`, or a dict as `fit` takes it.
+          batch_size: the global batch of each prediction step.
+
+        Returns:
+          Whatever structure `predict_fn` returns, each array with a leading
+          example axis of `data`'s length (padding cut off), on the host.
+
+        Raises:
+          DpaxError: the Trainer has no `predict_fn`, or `data` holds no
+            examples a step can read.
+        """
         if self._steps.predict is None:
             raise DpaxError("this Trainer was built without `predict_fn`; pass one to Trainer, "
                             "e.g. `predict_fn=dpax.classification_predict`")
@@ -616,7 +691,13 @@ class Trainer:
 
     # -- checkpointing ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The state as {path: array}, one logical copy whatever the device count."""
+        """The state as {path: array}, one logical copy whatever the device count.
+
+        Returns:
+          {path: array} of every field of the `TrainState` (params, model
+          and optimizer state, step, ...), which `load_state_dict` of a
+          Trainer on any device count and layout takes.
+        """
         return layouts.state_dict(self.layout, self.backend.logical(self.state),
                                   self.backend.mesh)
 
@@ -632,7 +713,11 @@ class Trainer:
     def load_state_dict(self, flat: dict[str, Any]) -> None:
         """Replace the state with one from `state_dict()` (of any device count).
         The current state is dropped before the new one is placed: if placing
-        fails (out of memory), this Trainer holds none."""
+        fails (out of memory), this Trainer holds none.
+
+        Args:
+          flat: {path: array}, as `state_dict()` gives it.
+        """
         self._load(flat, self._skeleton(), adopt=False)
 
     def restore(self, checkpointer, data=None, step: int | None = None,
@@ -645,7 +730,23 @@ class Trainer:
         the shapes), before it is read: its evenly split leaves are read
         straight onto the devices, and a resume never holds two states there.
         A refused checkpoint leaves this Trainer as it was; if an accepted one
-        cannot be read (a `RunFailed`), it holds no state."""
+        cannot be read (a `RunFailed`), it holds no state.
+
+        Args:
+          checkpointer: a `dpax.training.checkpoint.Checkpointer`.
+          data: a `train_input` whose position is restored too, or None.
+          step: the step to restore; None: the newest intact one.
+          check: called with the checkpoint's meta before anything is read;
+            it refuses the checkpoint by raising.
+
+        Returns:
+          (step, meta): the step restored and its meta.
+
+        Raises:
+          DpaxError: no such checkpoint, none intact, or one whose shapes do
+            not fit this Trainer's state.
+          RunFailed: an accepted checkpoint could not be read.
+        """
         template, skeleton = self.state_template(), self._skeleton()
         step, flat, meta = checkpointer.restore(template, data, step, check=check,
                                                 before_read=self._drop_state)
@@ -690,9 +791,18 @@ class Trainer:
         return layouts.host_params(self.layout, params, self.backend.mesh)
 
     def model(self, ema: bool | None = None) -> nnx.Module:
-        """The trained model on the host, ready for single-device use; with the
-        EMA params when `ema` (default: when the Trainer keeps an EMA, as
-        `evaluate` does)."""
+        """The trained model on the host, ready for single-device use.
+
+        Args:
+          ema: with the EMA params; None: when the Trainer keeps an EMA, as
+            `evaluate` does.
+
+        Returns:
+          A new `nnx.Module` (the model given to the Trainer is not it).
+
+        Raises:
+          DpaxError: `ema=True` and the Trainer keeps no EMA.
+        """
         use_ema = self.state.ema is not None if ema is None else ema
         if use_ema and self.state.ema is None:
             raise DpaxError("this Trainer keeps no EMA; give it `ema_decay` to have one")

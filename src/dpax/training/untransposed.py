@@ -7,9 +7,8 @@ XLA's partitioner all-reduces the dot's partial result and transposes the
 sum. In a per-device step (shard_map, pmap) the all-reduce comes after the
 whole gradient, and XLA's algebraic simplifier folds the transpose into the
 dot: a dot contracting its operands' leading dimensions, batch and tokens,
-which XLA:CPU runs on a slower kernel (GPT, 2 devices, tuning off: 9.7 ->
-11.2 steps/s with the sum moved, jit + NamedSharding 11.1;
-benchmarks/README.md, "The all-reduce before the transpose").
+which XLA:CPU runs on a slower kernel than the plain dot and the transpose
+(the GPT's generic step fell behind jit + NamedSharding's by that dot).
 
 So the step's gradient function leaves such a gradient untransposed, the
 layout sums it so, and `transposes` puts it back after the sum. A transpose
@@ -19,17 +18,15 @@ is summed from the same terms as before.
 A 2-D dense layer's gradient ([batch, features]) folds into a plain matmul
 with one operand transposed, which is what the pmap loop runs: it stays so,
 unless the layer is narrow. On XLA:CPU the folded form is the faster one
-for wide layers (the mlp's 1024 -> 1024, 2 devices, one run: 84.2 steps/s
-folded, 67.1 with every 2-D sum moved). For a layer of at most `NARROW`
-outputs, a classifier's head, the folded dot writes a result only that many
-columns wide. Alone it ran 3.2x and 3.6x slower than the unfolded dot and
-its transpose on the mlp's and the CNNs' heads ([256, 1024] -> 10, [64,
-4096] -> 10), though 0.73x on [128, 784] -> 10. jit with a sharded batch
-sums such a head before the transpose, and beat the generic step of a
-strided CNN on 2 devices by 4%; with the head moved too the two run alike
-(benchmarks/README.md, "The classifier head's sum before its transpose").
-Either form is one all-reduce of the same bytes: other platforms get the
-placement jit's partitioner gives them.
+for wide layers: a plain matmul kernel reads the transposed operand in
+place. For a layer of at most `NARROW` outputs, a classifier's head, the
+folded dot writes a result only that many columns wide, which XLA:CPU runs
+on a slow kernel: the unfolded dot and its transpose are faster there for
+the heads of the bench's models, though not for every narrow shape. jit
+with a sharded batch sums such a head before the transpose, so moving it
+makes the generic step run as jit's does. Either form is one all-reduce of
+the same bytes: other platforms get the placement jit's partitioner gives
+them.
 """
 
 from __future__ import annotations
@@ -102,13 +99,12 @@ class ReduceBeforeTranspose:
         whose own result is read cannot be folded, and the guard's norm reads
         every gradient: reading the head's there keeps its dot unfolded on one
         device too, as on N (the result is a few thousand elements: nothing
-        to transpose on any platform; on XLA:CPU the folded [256, 1024] -> 10
-        dot ran 3.6x as long, and the mlp's guarded step 1.03x as fast with it
-        read). Only from `HEAD_MACS`: the tiny MLP's 0.04-0.07 M-MAC heads,
-        unfolded, ran on XLA:CPU's thread pool and doubled its 35 us step.
-        Wider dots are left to XLA: a transformer's, unfolded, ran 1.14x as
-        fast on the bench's GPT (2048 tokens a step) and 0.77x on a 12 x 768
-        one on 32 tokens (benchmarks/README.md)."""
+        to transpose on any platform, and on XLA:CPU the folded narrow dot
+        is the slow kernel above). Only from `HEAD_MACS`: a smaller head,
+        unfolded, is handed to XLA:CPU's thread pool, whose dispatch costs
+        more than a tiny model's whole step. Wider dots are left to XLA:
+        whether a transformer's runs faster unfolded depends on its shapes
+        (it did on the bench's GPT, not on a wide one with few tokens)."""
         if not any(self.heads):
             return None
         leaves, treedef = jax.tree.flatten(summed)

@@ -61,12 +61,11 @@ def sum_of_squares(tree, group_small: bool = False) -> jax.Array:
 
     With `group_small` the small leaves (biases, norms' scales, small
     kernels) are one reduction over their concatenation, which XLA fuses into
-    it: one kernel, not one per leaf. The GPT's step lost 135 of its 706
-    fusions, and the guard's price on simulated CPU devices fell from 1-7% to
-    0-3% of the CNNs' and the GPT's steps (benchmarks/README.md). Only for
-    whole leaves: in a sharded layout the concatenation would gather the
-    split ones. A large leaf is reduced on its own: a concatenation with it
-    is copied first (the mlp's: +6.4 MB).
+    it: one kernel, not one per leaf, which matters where every kernel is
+    launched by each simulated device on the same cores. Only for whole
+    leaves: in a sharded layout the concatenation would gather the split
+    ones. A large leaf is reduced on its own: a concatenation with it is
+    copied first, a temporary the size of that leaf.
     """
     leaves = [g.astype(jnp.float32) for g in jax.tree.leaves(tree)]
     cut = SMALL_LEAF if group_small else 0
@@ -133,8 +132,9 @@ def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | Non
         def apply():
             # A product by the reciprocal, not a division: XLA counts a divide
             # as expensive and stores g / count as a pass of its own, where a
-            # multiply fuses into each optimizer loop that reads it (mlp, one
-            # device: +3-6%). One more rounding, the same on any device count.
+            # multiply fuses into each optimizer loop that reads it: one pass
+            # over the gradients fewer. One more rounding, the same on any
+            # device count.
             scale = 1.0 / r.count
             grads = jax.tree.map(lambda g: g.astype(jnp.float32) * scale, r.grads)
             if options.clip_norm is not None:  # optax.clip_by_global_norm's formula

@@ -34,8 +34,6 @@ Three things in a JAX gradient make XLA:CPU slow or memory-hungry:
 
 The pools keep their bits. A weight gradient whose dot now runs on another
 kernel can round differently in the last bits; nothing else changes.
-Measurements: benchmarks/README.md ("The GPT against jit + NamedSharding",
-"Activation checkpointing on XLA:CPU", "Max pooling's gradient").
 """
 
 from __future__ import annotations
@@ -79,12 +77,11 @@ def _is_folded_pair(eqn, made_by: dict) -> bool:
     if dot is None:
         return False
     # Which is faster depends on the shapes, not the op, so each shape is timed
-    # (`dpax.xla_cpu.dots`). A 2-D dense layer's weight gradient: a 1024 x 1024
-    # layer's folded dot is the faster, a 4096 -> 10 head's 2.7x slower. A dot
-    # that contracts several dimensions (batch and tokens): kept apart was
-    # 1.1-3.2x faster on the bench's GPT (2048 tokens), but with 32 tokens a
-    # 12 x 768 GPT's transposes cost more than its dots (the step 0.59x of
-    # the generic one), so it is timed too, with the smaller margin.
+    # (`dpax.xla_cpu.dots`). A 2-D dense layer's weight gradient: a wide
+    # layer's folded dot is the faster, a narrow head's the slower. A dot that
+    # contracts several dimensions (batch and tokens) is usually faster kept
+    # apart, but with few tokens a wide model's transposes cost more than its
+    # dots, so it is timed too, with the smaller margin.
     (contracting, _), _ = dot.params["dimension_numbers"]
     margin = dots.MARGIN_SEVERAL if len(contracting) > 1 else dots.MARGIN
     lhs, rhs = (v.aval for v in dot.invars)

@@ -11,8 +11,7 @@ differently in the last bits), or slower. No op's name tells which, so such
 a step is compiled with XLA's defaults and with each candidate at its first
 call and each is timed on copies of its arguments, taking turns; a candidate
 trains only if it is clearly the fastest, otherwise XLA's defaults stand
-(measurements: benchmarks/README.md, "XLA:CPU options", "The emitters'
-choice, timed in turns" and "YNNPACK for dots only"). Any other step keeps
+(docs/speed.md, "The XLA:CPU tuning, opt-in"). Any other step keeps
 XLA's defaults untimed. A training step's 2x2-style pools
 (windows that do not overlap) are rewritten without windowed ops by
 `dpax.xla_cpu.backward`, so it keeps them too. Several processes take the
@@ -45,7 +44,7 @@ OLD_FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": False}
 # elementwise ops and reductions (a ReLU and the average pool or the global
 # mean after it), and YNNPACK takes their broadcast constants as whole arrays:
 # the compiled step writes a constant array the size of the activations every
-# step (16 MB of zeros for cnn-avg's first ReLU). Offered where the default
+# step, memory traffic that does no arithmetic. Offered where the default
 # program writes one of at least `FILL_BYTES`.
 YNN_DOTS_ONLY = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 FILL_BYTES = 2**20
@@ -91,12 +90,9 @@ WARMUP_ROUNDS = 2  # a process's first calls run slower (thread pools, fresh pag
 # with this confidence (the upper end of the interval for the median of its
 # per-round time ratios is below 1), and by at least MARGIN in that median:
 # the timing runs the step on copies, apart from the training loop, and a
-# hair's gain there is no gain in the loop. Measured here with 40 rounds
-# (cnn-avg, Adam): the older emitters on average pools 1.02-1.07x the
-# defaults' time at 1, 2 and 4 devices, YNNPACK for dots only 0.76x, 0.82x
-# and 0.93x [0.91, 0.97]; the older emitters on 3x3 pools 0.80x. The rule
-# before this one, the median of 7 rounds below 0.95, chose the slower
-# emitters for cnn-avg on 2 devices and on 4, and kept the choice.
+# hair's gain there is no gain in the loop. A fixed cut on the median of a
+# few rounds, the rule before this one, took a tie that noise tipped for a
+# gain, and kept that slower choice for good.
 CONFIDENCE = 0.9
 MARGIN = 0.02
 RULE = 2  # part of every kept choice's key: a changed rule times every step again

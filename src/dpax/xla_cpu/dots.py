@@ -5,18 +5,17 @@ JAX differentiates a dense layer `y = x @ w` on [batch, features] into
 transpose into the dot, which then writes a transposed result: a dot YNNPACK
 refuses, so Eigen runs it. Kept apart (`dpax.xla_cpu.backward` puts a
 barrier between them), the dot stays a YNNPACK dot and the transpose is a
-copy. Which is faster depends on the shapes, not on the op: for the mlp's
-784 -> 1024 layer the folded dot was 2x faster, for a 4096 -> 10 head the kept
-pair was 2.7x faster (2 cores; benchmarks/README.md). So each shape is timed
-both ways, alone, once per machine:
+copy. Which is faster depends on the shapes, not on the op: for a wide
+hidden layer the folded dot is the faster, for a narrow classifier head the
+kept pair (Eigen's transposed-output kernel is slow on a result a few
+columns wide). So each shape is timed both ways, alone, once per machine:
 
 - the kept pair is chosen only when it is at least `MARGIN` times faster, and
   only for a dot whose folded form takes at least `FLOOR_S`, so that noise
   near a tie, or in a call of a few microseconds, leaves XLA's own form;
 - a dot too small to take `FLOOR_S` on any CPU (`MIN_MACS`) is not timed
-  at all: it stays folded. Timed, such a dot's call is all dispatch: in one
-  test session (both cores busy) that noise chose the pair for 3 of the 133
-  such shapes, and their timings compiled 266 programs;
+  at all: it stays folded. Timed, such a dot's call is all dispatch, so
+  noise alone would choose, and every timing compiles two programs;
 - the choice is kept per machine (`dpax.xla_cpu.choices`): the first
   process to decide wins, and every later one (a resumed run, the other
   ranks of a launch on this host) reads that choice instead of timing
@@ -36,7 +35,7 @@ from dpax.xla_cpu import choices, compile_options
 
 MARGIN = 1.5  # the kept pair must be this much faster to be chosen
 # ... for a dot that contracts several dimensions (batch and tokens), where
-# the kept pair timed 1.1-3.2x faster on the bench's GPT and so was the rule.
+# the kept pair is usually the faster and so was the rule before timing.
 MARGIN_SEVERAL = 1.05
 # A folded dot faster than this stays: so short a call is mostly dispatch,
 # its timing noise, and the copy the kept pair adds costs a step one more op.

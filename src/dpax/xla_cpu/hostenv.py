@@ -3,8 +3,9 @@
 XLA:CPU allocates each step's temporaries with one malloc and frees them
 after the step. glibc serves a block over its mmap threshold (32 MiB at most)
 from a fresh mmap, which the kernel faults in and zeroes 4 KiB at a time, on
-every step: the GPT's or a conv net's step then spends a large share of its
-time in page faults (benchmarks/README.md, "Host allocator").
+every step: a step with large temporaries (the GPT's, a conv net's) then
+spends a large share of its time in page faults (docs/speed.md, "The host
+allocator").
 
 - With the XLA:CPU tuning asked for, the `dpax` command restarts itself once,
   before JAX is imported, with the glibc tunable `glibc.malloc.hugetlb=1`
