@@ -112,7 +112,7 @@ def test_every_readme_command_runs(tmp_path, monkeypatch, capsys):
     # The bench command is the bench's smoke test: every method has its row.
     table = (tmp_path / "runs" / "bench" / "results.md").read_text()
     for method in ("pmap loop", "jit 1 device", "jit sharded", "dpax/shard_map", "dpax/pmap",
-                   "dpax/generic", "dpax/guard", "dpax/k=8"):
+                   "dpax/tuned", "dpax/guard", "dpax/k=8"):
         assert f"| tiny | 8 | {method} |" in table, table
     assert "every method trains with adam" in table.splitlines()[0]
     # Each ratio to the best hand loop with its interval, the hand loop's own 1.00x.
