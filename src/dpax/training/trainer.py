@@ -303,7 +303,7 @@ class Trainer:
             (the loss sees every key, plus `mask`), or an array of inputs `x`
             with `y` its targets. Arrays may be `dpax.data.sources` columns on disk.
           hooks: host-side work at log steps and after each step (`dpax.training.loop.Hook`:
-            checkpoints, evaluation, preemption checks; `loop.LogTo(fn)` for a callback).
+            checkpoints, evaluation, preemption checks; `loop.OnLog(fn)` for a callback).
           batches: this process's host batches from the current step on (from
             `pipeline.train_input`, e.g. restored from a checkpoint); default: made here.
           augment: random image augmentation of `x` (`dpax.data.augment.parse("crop,flip")`),
