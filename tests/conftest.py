@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import dpax
+from dpax.data.pipeline import BatchPlan
 
 _SESSION = os.environ.get("DPAX_TEST_SESSION_DIR")
 if _SESSION is None:  # the first pytest process: make the session's directory
@@ -154,5 +155,5 @@ def plain_jit_params(tx, batches):
 
 def plan_batches(batch_size, steps=STEPS):
     ds = digits()
-    plan = dpax.BatchPlan(len(ds.x_train), batch_size, seed=0)
+    plan = BatchPlan(len(ds.x_train), batch_size, seed=0)
     return [(ds.x_train[plan.indices(s)], ds.y_train[plan.indices(s)]) for s in range(steps)]

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 import dpax
+from dpax.cli.train import TrainConfig
 from dpax.errors import DpaxError
 from dpax.parallel import backends, platform
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend
@@ -44,7 +45,7 @@ def test_replicated_state_reads_back_as_one_logical_copy(devices):
         backend = make_backend(name, devices)
         placed = backend.put_state(state)
         np.testing.assert_array_equal(backend.host(placed)["w"], state["w"])
-        assert dpax.replicas_in_sync(placed)
+        assert dpax.pmap.replicas_in_sync(placed)
 
 
 @pytest.mark.parametrize("name,processes,needle", [
@@ -53,7 +54,7 @@ def test_backend_rules_live_in_one_place(name, processes, needle):
     with pytest.raises(DpaxError, match=needle):
         check_backend(name, processes)
     with pytest.raises(DpaxError, match=needle):
-        dpax.config.validate(dpax.TrainConfig.from_flags(
+        dpax.config.validate(TrainConfig.from_flags(
             backend=name, num_processes=processes, coordinator="h:1", process_id=0))
 
 

@@ -11,6 +11,7 @@ from flax import nnx
 
 import dpax
 from conftest import max_diff
+from dpax.data.pipeline import BatchPlan
 from dpax.errors import DpaxError
 
 SEQ, VOCAB, WIDTH = 12, 17, 16
@@ -95,7 +96,7 @@ def test_a_model_with_two_inputs_and_a_data_mask_trains_as_on_one_device(n, refe
 def test_the_loss_sees_every_key_and_the_weights_come_from_the_data(reference):
     _, rows = reference
     data = examples()
-    first = dpax.BatchPlan(200, BATCH, seed=0).indices(0)
+    first = BatchPlan(200, BATCH, seed=0).indices(0)
     assert rows[0]["weight"] == pytest.approx(float(data["weight"][first].sum()), rel=1e-6)
     w, tokens = data["weight"][first], data["mask_from_data"][first].sum(-1)
     assert rows[0]["tokens"] == pytest.approx(float((w * tokens).sum() / w.sum()), rel=1e-6)

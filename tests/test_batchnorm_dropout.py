@@ -67,12 +67,12 @@ def test_cnn_bn_with_grad_accum_steps_equal_1_device(n, grad_accum, seed):
 def test_cnn_bn_replicas_stay_in_sync_and_unsynced_statistics_differ():
     p1, s1, _ = train_cnn_bn(1, steps=3)
     _, _, t8 = train_cnn_bn(8, steps=3)
-    assert dpax.replicas_in_sync(t8.state)
+    assert dpax.pmap.replicas_in_sync(t8.state)
     pu, su, tu = train_cnn_bn(8, sync=False, steps=3)
     print(f"--no-sync-batchnorm: params {max_diff(pu, p1):.2e}, batch stats "
           f"{max_diff(su, s1):.2e}")
     assert max_diff(pu, p1) > 1e-3 and max_diff(su, s1) > 1e-3
-    assert dpax.replicas_in_sync(tu.state)  # averaged running stats keep replicas equal
+    assert dpax.pmap.replicas_in_sync(tu.state)  # averaged running stats keep replicas equal
 
 
 class DropoutMLP(nnx.Module):

@@ -15,6 +15,7 @@ from flax import nnx
 import dpax
 from conftest import digits, leaves, max_diff, mlp_trainer, small_mlp
 from dpax.data import checks, pipeline, sources
+from dpax.data.pipeline import BatchPlan
 from dpax.errors import BadArgument, BadExamples, BadLabels, NotFinite
 from dpax.parallel import distributed
 
@@ -144,7 +145,7 @@ def test_batches_given_to_fit_are_checked_on_their_first():
     as the data they stand for (the CLI's come from `--data`)."""
     x, y = data()
     t = mlp_trainer(N)
-    plan = dpax.BatchPlan(len(x), 16, seed=0)
+    plan = BatchPlan(len(x), 16, seed=0)
     rows = t.backend.local_rows(t.padded(16))
     bad = pipeline.train_input({"x": x, "y": y + 20}, plan, rows, 0, 4)
     with pytest.raises(BadLabels, match=r"the first batch of `y` holds class ids up to 2\d, "

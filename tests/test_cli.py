@@ -13,6 +13,8 @@ import dpax
 from dpax.cli import main
 from dpax.cli.command import build_parser
 from dpax.cli.exits import as_flags
+from dpax.cli.train import TrainConfig
+from dpax.parallel import mesh
 
 
 @pytest.fixture
@@ -157,7 +159,7 @@ def test_every_bad_input_exits_2_with_one_line_and_keeps_the_run_dir(tmp_path, r
 
 def test_steps_or_epochs_where_a_count_is_needed():
     with pytest.raises(dpax.DpaxError, match="not both"):
-        dpax.config.validate(dpax.TrainConfig(epochs=2, steps=3))
+        dpax.config.validate(TrainConfig(epochs=2, steps=3))
     ds = dpax.data.digits()
     t = dpax.Trainer(dpax.make_model("linear", ds.input_shape, ds.n_out, 0),
                      dpax.classification_loss, dpax.make_optimizer("sgd", lambda s: 0.1),
@@ -172,7 +174,7 @@ def test_more_devices_than_present_is_a_clear_error():
     with pytest.raises(dpax.DpaxError, match="before any JAX computation"):
         dpax.simulate_devices(16)  # the backend already started with 8
     with pytest.raises(dpax.DpaxError, match="cap"):
-        dpax.simulate_devices(dpax.MAX_SIMULATED_DEVICES + 1)
+        dpax.simulate_devices(mesh.MAX_SIMULATED_DEVICES + 1)
 
 
 def dpax_cmd(*args, **kw):
@@ -465,7 +467,7 @@ def test_dpax_train_builds_a_split_layouts_model_in_host_memory(monkeypatch, sha
     from dpax.cli import job
 
     monkeypatch.setattr(job, "host_device", lambda: jax.devices()[7])
-    config = dpax.TrainConfig.from_flags(model="mlp", devices=2, sharding=sharding)
+    config = TrainConfig.from_flags(model="mlp", devices=2, sharding=sharding)
     t = job.make_trainer(config, "classification", (64,), 10, total=10)
     placed = {d for x in jax.tree.leaves(nnx.state(t._user_model)) for d in x.devices()}
     assert placed == {jax.devices()[built_on]}
@@ -496,6 +498,6 @@ def test_the_task_decides_what_a_npz_trains_and_a_resume_keeps_it(tmp_path, caps
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert "eval_accuracy" in rows[-1]
     assert "task: classification" in (out / "config.yaml").read_text()
-    was = dpax.config.to_dict(dpax.TrainConfig.from_flags(data=floats, task="classification"))
+    was = dpax.config.to_dict(TrainConfig.from_flags(data=floats, task="classification"))
     with pytest.raises(dpax.DpaxError, match="cannot resume: `task` was 'classification'"):
-        check_same_meaning(was, dpax.TrainConfig.from_flags(data=floats))
+        check_same_meaning(was, TrainConfig.from_flags(data=floats))

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-import dpax
 from dpax import data
+from dpax.cli.train import TrainConfig, train
 
 
 def test_digits_split_is_fixed_and_covers_every_image():
@@ -54,7 +54,7 @@ def test_user_npz_classification_and_regression(tmp_path):
     c, r = data.load(str(tmp_path / "c.npz")), data.load(str(tmp_path / "r.npz"))
     assert c.task == "classification" and c.n_out == 3 and c.x_train.dtype == np.float32
     assert r.task == "regression" and len(r.x_train) + len(r.x_eval) == 50
-    cfg = dpax.TrainConfig.from_flags(
+    cfg = TrainConfig.from_flags(
         model="mlp", data=str(tmp_path / "r.npz"), devices=4,
                            optimizer="sgd", lr=0.05, batch_size=7, steps=3, log_every=3)
-    assert np.isfinite(dpax.train(cfg, log=None).eval["loss"])
+    assert np.isfinite(train(cfg, log=None).eval["loss"])

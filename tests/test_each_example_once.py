@@ -70,5 +70,5 @@ def test_a_loss_that_returns_a_mean_is_refused():
     t = dpax.Trainer(models.make_model("mlp", ds.input_shape, ds.n_out, 0),
                      lambda m, b: losses.classification_loss(m, b)[0].mean(),
                      optim.make_optimizer("sgd", optim.make_schedule(0.1)), devices=2)
-    with pytest.raises(ValueError, match="one loss per example"):
+    with pytest.raises(dpax.DpaxError, match="one loss per example"):
         t.fit(ds.x_train, ds.y_train, batch_size=8, until_step=1)

@@ -16,6 +16,7 @@ from flax import nnx
 import dpax
 from conftest import digits, max_diff
 from dpax import models
+from dpax.data.pipeline import BatchPlan
 from dpax.models import losses
 from dpax.training import optim
 from reference import plain_jit_params
@@ -81,7 +82,7 @@ def test_n_devices_equal_one_device(n, backend, batch_size, optimizer):
     key = ("params", n, backend)
     MAX_SEEN[key] = max(MAX_SEEN.get(key, 0.0), diff)
     assert diff <= TOL, f"{n} devices ({backend}) differ from 1 device by {diff:.2e}"
-    assert dpax.replicas_in_sync(trainer.state)
+    assert dpax.pmap.replicas_in_sync(trainer.state)
 
 
 @pytest.mark.parametrize("n,backend", [(n, be) for n in DEVICE_COUNTS for be in BACKENDS])
@@ -95,14 +96,14 @@ def test_adam_params_and_loss_curve_match_one_device(n, backend):
     MAX_SEEN[("adam-params", n, backend)] = diff
     assert diff <= TOL, f"{n} devices ({backend}) differ from 1 device by {diff:.2e}"
     assert rel <= 1e-4
-    assert dpax.replicas_in_sync(trainer.state)
+    assert dpax.pmap.replicas_in_sync(trainer.state)
 
 
 def test_one_device_equals_a_plain_jit_loop():
     """The reference itself is right: a textbook jit loop on the mean loss."""
     ds = digits()
     batch_size = 41
-    plan = dpax.BatchPlan(len(ds.x_train), batch_size, seed=0)
+    plan = BatchPlan(len(ds.x_train), batch_size, seed=0)
     batches = [(ds.x_train[plan.indices(s)], ds.y_train[plan.indices(s)]) for s in range(STEPS)]
     model = models.MLP(ds.input_shape, ds.n_out, hidden=16, rngs=nnx.Rngs(0))
     expected = plain_jit_params(model, optax.sgd(0.1), batches)

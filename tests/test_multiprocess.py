@@ -15,6 +15,8 @@ import pytest
 import dpax
 from dpax.cli import main
 from dpax.cli.launch import free_port
+from dpax.cli.train import TrainConfig
+from dpax.data.pipeline import BatchPlan
 from test_gpt import write_corpus
 
 pytestmark = pytest.mark.slow  # starts dpax processes or trains long
@@ -150,7 +152,7 @@ def test_bad_rows_in_one_processs_part_of_the_first_batch_stop_every_process(tmp
 
     write(np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, 1))  # each row holds its index
     ds = dpax.data.datasets.load(path)
-    first = dpax.BatchPlan(len(ds.y_train), batch, seed=0).indices(0)
+    first = BatchPlan(len(ds.y_train), batch, seed=0).indices(0)
     theirs = [i for i in first[batch // 2:] if i >= batch]  # not among check's rows 0..7
     assert theirs, first
     x = np.ones((n, 3), np.float32)
@@ -220,7 +222,7 @@ def test_a_launch_into_a_used_out_stops_at_once_with_one_line(tmp_path):
 
 def test_pmap_with_several_processes_names_the_fix():
     with pytest.raises(dpax.DpaxError, match="`backend=shard_map`"):
-        dpax.config.validate(dpax.TrainConfig.from_flags(
+        dpax.config.validate(TrainConfig.from_flags(
             backend="pmap", num_processes=2, process_id=0, coordinator="localhost:1"))
 
 

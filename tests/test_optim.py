@@ -5,6 +5,7 @@ import pytest
 
 import dpax
 from dpax import data
+from dpax.cli.train import TrainConfig, train
 from dpax.training import optim
 
 
@@ -28,19 +29,19 @@ def test_constant_schedule_with_warmup_ramps_then_holds():
 
 def test_scale_lr_is_the_linear_rule():
     assert optim.scaled_lr(0.1, 1024, 256) == pytest.approx(0.4)
-    cfg = dpax.TrainConfig.from_flags(
+    cfg = TrainConfig.from_flags(
         model="mlp", devices=2, optimizer="sgd", lr=0.01, scale_lr=True,
                            reference_batch=32, batch_size=64, steps=2, log_every=1)
-    result = dpax.train(cfg, log=None)
+    result = train(cfg, log=None)
     assert result.history[-1]["lr"] == pytest.approx(0.02)
 
 
 @pytest.mark.parametrize("name", optim.OPTIMIZERS)
 def test_every_named_optimizer_trains(name):
     lr = {"sgd": 0.5, "momentum": 0.1, "adam": 3e-3, "adamw": 3e-3}[name]
-    cfg = dpax.TrainConfig.from_flags(
+    cfg = TrainConfig.from_flags(
         model="mlp", devices=2, optimizer=name, lr=lr, batch_size=64,
                            steps=30, log_every=5)
-    result = dpax.train(cfg, log=None)
+    result = train(cfg, log=None)
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     assert last < 0.6 * first, (first, last)

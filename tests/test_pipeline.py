@@ -4,8 +4,7 @@ resumable at the last batch trained on; the one count of a run's steps."""
 import numpy as np
 import pytest
 
-import dpax
-from dpax.data.pipeline import TrainedPosition, local_part, train_batches, train_input
+from dpax.data.pipeline import BatchPlan, TrainedPosition, local_part, train_batches, train_input
 from dpax.errors import DpaxError
 
 
@@ -16,7 +15,7 @@ def test_chunked_batches_equal_per_step_batches_and_resume_mid_chunk(batch_size,
     position saved inside a chunk resumes at exactly the next step."""
     x = np.random.default_rng(0).random((300, 5), np.float32)
     y = np.arange(300)
-    plan = dpax.BatchPlan(300, batch_size, seed=3)
+    plan = BatchPlan(300, batch_size, seed=3)
     want = [local_part({"x": x, "y": y}, plan.indices(s), rows) for s in range(7, 50)]
 
     def same(got, expected):
@@ -43,7 +42,7 @@ def test_grains_checkpoint_handler_restores_the_trained_position(tmp_path):
     from etils import epath
 
     x, y = np.arange(80, dtype=np.float32).reshape(40, 2), np.arange(40)
-    plan = dpax.BatchPlan(40, 8, seed=1)
+    plan = BatchPlan(40, 8, seed=1)
     read = train_input({"x": x, "y": y}, plan, (0, 8), 0, 9)
     for _ in range(4):
         next(read)
@@ -58,7 +57,7 @@ def test_grains_checkpoint_handler_restores_the_trained_position(tmp_path):
 
 def test_train_input_is_the_pipeline_fit_builds():
     x, y = np.arange(80, dtype=np.float32).reshape(40, 2), np.arange(40)
-    plan = dpax.BatchPlan(40, 8, seed=1)
+    plan = BatchPlan(40, 8, seed=1)
     got = list(train_input({"x": x, "y": y}, plan, (0, 8), 2, 7))
     assert [b["y"].tolist() for b in got] == [y[plan.indices(s)].tolist() for s in range(2, 7)]
     assert isinstance(train_input({"x": x, "y": y}, plan, (0, 8), 0, 1), TrainedPosition)
@@ -67,7 +66,7 @@ def test_train_input_is_the_pipeline_fit_builds():
 @pytest.mark.parametrize("steps,epochs,default,want", [
     (7, None, None, 7), (None, 2, None, 10), (None, None, 3, 15), (4, None, 3, 4)])
 def test_total_steps_from_steps_or_epochs(steps, epochs, default, want):
-    plan = dpax.BatchPlan(41, 10, seed=0)  # 5 steps an epoch: the last one padded
+    plan = BatchPlan(41, 10, seed=0)  # 5 steps an epoch: the last one padded
     assert plan.total_steps(steps, epochs, default) == want
 
 
@@ -76,4 +75,4 @@ def test_total_steps_from_steps_or_epochs(steps, epochs, default, want):
     (None, 0, "`epochs` must be >= 1")])
 def test_total_steps_refuses_what_has_no_length(steps, epochs, needle):
     with pytest.raises(DpaxError, match=needle):
-        dpax.BatchPlan(41, 10, seed=0).total_steps(steps, epochs)
+        BatchPlan(41, 10, seed=0).total_steps(steps, epochs)

@@ -6,6 +6,7 @@ import pytest
 
 import dpax
 from dpax import data
+from dpax.cli.train import TrainConfig, train
 
 
 @pytest.mark.parametrize("backend", ["shard_map", "pmap"])
@@ -18,7 +19,7 @@ def test_psum_over_devices_as_in_seed_002(backend):
         return scaled, jax.lax.psum(scaled.sum(), "data")
 
     x = np.arange(n * per, dtype=np.float32).reshape(n, per)
-    scaled, total = dpax.spmd(scale_and_sum, devices=n, backend=backend)(x)
+    scaled, total = dpax.pmap.spmd(scale_and_sum, devices=n, backend=backend)(x)
     np.testing.assert_array_equal(np.asarray(scaled), x * 2)
     assert np.asarray(total).tolist() == [float((np.arange(n * per) * 2).sum())] * n
 
@@ -32,22 +33,22 @@ def test_in_axes_broadcast_and_static_args_as_in_seed_001(backend):
     def predict(params, inputs, scale):
         return (inputs @ params) * scale
 
-    f = dpax.spmd(predict, devices=n, in_axes=(None, 0, None), static_argnums=(2,),
+    f = dpax.pmap.spmd(predict, devices=n, in_axes=(None, 0, None), static_argnums=(2,),
                   backend=backend)
     np.testing.assert_allclose(np.asarray(f(w, x, 3.0)), (x @ w) * 3.0)
 
 
 def test_spmd_with_nothing_mapped_still_runs():
     """`jax.pmap(f, in_axes=None)` fails on current JAX; dpax broadcasts."""
-    out = dpax.spmd(lambda v: v + 1, devices=2, in_axes=None)(np.float32(1))
+    out = dpax.pmap.spmd(lambda v: v + 1, devices=2, in_axes=None)(np.float32(1))
     assert np.asarray(out).tolist() == [2.0, 2.0]
 
 
 def test_seed_000_regression_recovers_w_and_b_on_4_devices():
-    cfg = dpax.TrainConfig.from_flags(
+    cfg = TrainConfig.from_flags(
         model="linear", data="regression", devices=4, optimizer="sgd",
                            lr=0.05, batch_size=64, epochs=30, log_every=50)
-    result = dpax.train(cfg, log=None)
+    result = train(cfg, log=None)
     w_true, b_true = data.true_regression_params()
     params = result.trainer.params
     w = np.asarray(params["dense"]["kernel"][...])[:, 0]

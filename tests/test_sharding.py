@@ -2,8 +2,8 @@ import jax
 import numpy as np
 import pytest
 
-from dpax import replicas_in_sync, replicate, shard_batch, unreplicate, unshard
 from dpax.data.batches import pad_batch, padded_size
+from dpax.pmap import replicas_in_sync, replicate, shard_batch, unreplicate, unshard
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -66,7 +66,7 @@ def test_sync_check_reads_every_device_of_a_replicated_array():
 
 
 def test_batch_plan_covers_each_epoch_once_and_reshuffles():
-    from dpax import BatchPlan
+    from dpax.data.pipeline import BatchPlan
 
     plan = BatchPlan(n_examples=10, batch_size=4, seed=3)
     epochs = [np.concatenate([plan.indices(e * 3 + j) for j in range(3)]) for e in range(3)]

@@ -25,6 +25,7 @@ from conftest import (
     plan_batches,
     small_mlp,
 )
+from dpax.data.batches import pad_batch
 from dpax.models import losses
 from dpax.training import hooks
 from dpax.training.checkpoint import Checkpointer
@@ -48,7 +49,7 @@ def hlo_all_reduces(t, batch_size):
     """(count, bytes) of the all-reduce ops in the compiled training step."""
     size = t.padded(batch_size)
     ds = digits()
-    batch = dpax.pad_batch({"x": ds.x_train[:batch_size], "y": ds.y_train[:batch_size]}, size)
+    batch = pad_batch({"x": ds.x_train[:batch_size], "y": ds.y_train[:batch_size]}, size)
     text = t.lower_train_step(batch, size).compile().as_text()
     ops = [ln for ln in text.splitlines() if re.search(r"\ball-reduce(-start)?\(", ln)]
     width = {"f32": 4, "bf16": 2, "s32": 4, "f64": 8}
@@ -76,7 +77,7 @@ def test_grad_accum_cuts_peak_activation_memory():
         t = dpax.Trainer(model, losses.classification_loss, optax.sgd(0.1), devices=2,
                          grad_accum=k)
         size = t.padded(512)
-        batch = dpax.pad_batch({"x": ds.x_train[:512], "y": ds.y_train[:512]}, size)
+        batch = pad_batch({"x": ds.x_train[:512], "y": ds.y_train[:512]}, size)
         compiled = t.lower_train_step(batch, size).compile()
         temp[k] = compiled.memory_analysis().temp_size_in_bytes
     print(f"step temp memory: K=1 {temp[1] / 2**20:.1f} MiB, K=4 {temp[4] / 2**20:.1f} MiB")
@@ -88,7 +89,7 @@ def lowered_all_reduce_elements(t, batch_size):
     """{dtype: elements} all-reduced by the step as dpax emits it (StableHLO)."""
     size = t.padded(batch_size)
     ds = digits()
-    batch = dpax.pad_batch({"x": ds.x_train[:batch_size], "y": ds.y_train[:batch_size]}, size)
+    batch = pad_batch({"x": ds.x_train[:batch_size], "y": ds.y_train[:batch_size]}, size)
     text = t.lower_train_step(batch, size).as_text()
     elements = collections.Counter()
     for types in re.findall(r'"stablehlo.all_reduce"\(.*?\}\) : \((.*?)\) ->', text, re.S):
@@ -148,7 +149,7 @@ def test_a_nan_batch_is_skipped_on_every_replica(backend):
     t = mlp_trainer(4, backend=backend, skip_nonfinite=True)
     rows = t.fit_stream(({"x": x, "y": y} for x, y in stream), log_every=5)
     assert rows[0]["skipped"] == 1 and rows[0]["examples"] == 160  # 4 good batches of 40
-    assert dpax.replicas_in_sync(t.state)
+    assert dpax.pmap.replicas_in_sync(t.state)
     ref = plain_jit_params(optax.sgd(0.1), good)
     assert max_diff(leaves(t), ref) <= 1e-5
 

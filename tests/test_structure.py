@@ -53,7 +53,14 @@ def imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     too: importing a submodule runs the package's __init__ first)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    # `if TYPE_CHECKING:` imports are read by type checkers, never run.
+    unrun = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+             and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+             for child in node.body for n in ast.walk(child)}
+    for node in ast.walk(tree):
+        if id(node) in unrun:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -217,8 +217,8 @@ def test_a_tracker_that_could_not_open_its_store_is_refused_before_any_work(
     """What MLflow's store needs, checked before the first file is written: MLflow
     itself, SQLAlchemy and alembic for an SQL store (mlflow-skinny has neither),
     the database's driver, MLFLOW_ALLOW_FILE_STORE for a file store. Each is one
-    line naming what to install, through the CLI (exit 2) and `dpax.train`."""
-    import dpax
+    line naming what to install, through the CLI (exit 2) and `dpax.cli.train.train`."""
+    from dpax.cli.train import TrainConfig, train
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     for module in missing:
@@ -231,7 +231,7 @@ def test_a_tracker_that_could_not_open_its_store_is_refused_before_any_work(
     assert "\n" not in err and err.startswith(f"dpax: error: --tracker {spec}")
     assert re.search(message, err), err
     with pytest.raises(DpaxError, match=message) as refused:
-        dpax.train(dpax.TrainConfig.from_flags(model="mlp", steps=1, tracker=spec, out=out))
+        train(TrainConfig.from_flags(model="mlp", steps=1, tracker=spec, out=out))
     assert str(refused.value).startswith(f"`tracker={spec}`")
     assert os.listdir(tmp_path) == []  # nothing written: no run directory, no store
 

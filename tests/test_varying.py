@@ -159,7 +159,7 @@ def test_such_state_trains_on_one_device_and_averaged_when_asked():
     t.fit(x, y, batch_size=ROWS, until_step=1)
     mean = t.model().norm.mean[...]  # the average of 4 devices' running means
     np.testing.assert_allclose(mean, 0.1 * x.reshape(4, -1, 8).mean(1).mean(0), atol=1e-7)
-    assert dpax.replicas_in_sync(t.state)
+    assert dpax.pmap.replicas_in_sync(t.state)
 
 
 @pytest.mark.equivalence

@@ -1,5 +1,11 @@
 """dpax: data-parallel (SPMD) training on JAX, exactly equal to one device.
 
+The public API is the names below: the Trainer and its config, models and
+losses, optimizers, the devices, the equivalence check, hooks and the
+exceptions. `dpax.pmap` holds `jax.pmap`'s idioms for code written that way;
+`dpax.cli.train` is the `dpax train` job as a Python call
+(`train(TrainConfig.from_flags(...))`).
+
 The package's folders follow a batch's way: `data` (examples -> padded,
 masked batches), `parallel` (devices, state layouts, collectives, backends),
 `models` (dpax's models, losses, N-independent layers, other models brought
@@ -7,39 +13,66 @@ in), `training` (the step, the loop, the Trainer), `cli` (the commands),
 `writers` (where metrics go), `xla_cpu` (XLA:CPU-only tuning), `bench`.
 """
 
-import importlib
+from __future__ import annotations
 
-# Exports load on first use: `import dpax` stays cheap, and the `dpax` command
-# sets the device count before JAX starts.
+import importlib
+from typing import TYPE_CHECKING
+
+# Type checkers and IDEs read these imports; at run time each name loads on
+# first use, from the module `_EXPORTS` names (tests/test_api.py keeps the two
+# equal).
+# The `dpax` command restarts its process before JAX is imported
+# (`dpax.__main__`), and it imports this package first: importing them here
+# would load JAX, Flax, Orbax and Grain twice on each command that computes.
+if TYPE_CHECKING:
+    from dpax import pmap
+    from dpax.errors import DpaxError, DpaxWarning, Preempted, RunFailed, TooManyBadSteps
+    from dpax.models.bridge import from_function, from_linen
+    from dpax.models.losses import (
+        classification_loss,
+        classification_predict,
+        lm_loss,
+        lm_predict,
+        regression_loss,
+        regression_predict,
+    )
+    from dpax.models.registry import make_model
+    from dpax.parallel.mesh import select_devices, simulate_devices
+    from dpax.training.check import check_equivalence
+    from dpax.training.loop import Hook, OnLog
+    from dpax.training.optim import make_optimizer, make_schedule, scaled_lr
+    from dpax.training.trainer import Trainer, TrainerConfig
+
+# `pmap` is a module, loaded like the subpackages.
 _EXPORTS = {
-    # training
-    "Trainer": "dpax.training.trainer", "check_equivalence": "dpax.training.check",
-    "Hook": "dpax.training.loop", "LogTo": "dpax.training.loop",
-    "make_optimizer": "dpax.training.optim", "make_schedule": "dpax.training.optim",
-    "scaled_lr": "dpax.training.optim",
-    # models and losses
-    "make_model": "dpax.models.registry", "from_linen": "dpax.models.bridge",
-    "from_function": "dpax.models.bridge",
-    "classification_loss": "dpax.models.losses", "classification_predict": "dpax.models.losses",
-    "regression_loss": "dpax.models.losses", "regression_predict": "dpax.models.losses",
-    "lm_loss": "dpax.models.losses", "lm_predict": "dpax.models.losses",
-    # data
-    "Dataset": "dpax.data.datasets", "BatchPlan": "dpax.data.pipeline",
-    "pad_batch": "dpax.data.batches",
-    # devices and jax.pmap's idioms
-    "MAX_SIMULATED_DEVICES": "dpax.parallel.mesh", "describe": "dpax.parallel.mesh",
-    "select_devices": "dpax.parallel.mesh", "simulate_devices": "dpax.parallel.mesh",
-    "spmd": "dpax.parallel.spmd", "replicate": "dpax.parallel.arrays",
-    "unreplicate": "dpax.parallel.arrays", "shard_batch": "dpax.parallel.spmd",
-    "unshard": "dpax.parallel.spmd", "replicas_in_sync": "dpax.parallel.spmd",
-    # configs, and the CLI's job from Python
-    "TrainerConfig": "dpax.training.trainer", "ModelConfig": "dpax.models.registry",
-    "DataConfig": "dpax.data.datasets", "OptimizerConfig": "dpax.training.optim",
-    "train": "dpax.cli.train", "TrainConfig": "dpax.cli.job",
-    # errors: every exception dpax raises on purpose is a DpaxException
-    "DpaxException": "dpax.errors", "DpaxError": "dpax.errors", "DpaxWarning": "dpax.errors",
-    "RunFailed": "dpax.errors", "TooManyBadSteps": "dpax.errors", "Preempted": "dpax.errors",
+    **dict.fromkeys(("DpaxError", "DpaxWarning", "Preempted", "RunFailed", "TooManyBadSteps"),
+                    "dpax.errors"),
+    **dict.fromkeys(("from_function", "from_linen"), "dpax.models.bridge"),
+    **dict.fromkeys(("classification_loss", "classification_predict", "lm_loss", "lm_predict",
+                     "regression_loss", "regression_predict"), "dpax.models.losses"),
+    "make_model": "dpax.models.registry",
+    **dict.fromkeys(("select_devices", "simulate_devices"), "dpax.parallel.mesh"),
+    "check_equivalence": "dpax.training.check",
+    **dict.fromkeys(("Hook", "OnLog"), "dpax.training.loop"),
+    **dict.fromkeys(("make_optimizer", "make_schedule", "scaled_lr"), "dpax.training.optim"),
+    **dict.fromkeys(("Trainer", "TrainerConfig"), "dpax.training.trainer"),
 }
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # training
+    "Trainer", "TrainerConfig", "Hook", "OnLog", "check_equivalence",
+    "make_optimizer", "make_schedule", "scaled_lr",
+    # models and losses
+    "make_model", "from_linen", "from_function",
+    "classification_loss", "classification_predict",
+    "regression_loss", "regression_predict", "lm_loss", "lm_predict",
+    # devices, and jax.pmap's idioms
+    "simulate_devices", "select_devices", "pmap",
+    # errors: every exception dpax raises on purpose is a DpaxError
+    "DpaxError", "RunFailed", "TooManyBadSteps", "Preempted", "DpaxWarning",
+]
 
 
 def __getattr__(name: str):
@@ -47,18 +80,13 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value  # once imported, a plain attribute
         return value
-    try:  # a subpackage or module, e.g. dpax.data
-        return importlib.import_module(f"dpax.{name}")
+    try:  # a subpackage or module, e.g. dpax.data or dpax.pmap
+        return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError as e:
-        if e.name != f"dpax.{name}":
+        if e.name != f"{__name__}.{name}":
             raise
-    raise AttributeError(f"module 'dpax' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted([*globals(), *_EXPORTS])
-
-
-__version__ = "0.1.0"
-
-__all__ = sorted(_EXPORTS)
+    return sorted([*globals(), *__all__])

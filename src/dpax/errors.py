@@ -1,5 +1,12 @@
 """The exceptions a user can act on, and how their messages name arguments.
 
+Every exception dpax raises on purpose is a `DpaxError`: `except
+dpax.DpaxError` catches exactly those. A plain `DpaxError` (and each kind
+below that is not a `RuntimeError`) is bad input, refused before anything
+runs; `RunFailed`, `TooManyBadSteps` and `Preempted` stop a run that started
+(they are `RuntimeError`s too). Bad input is not a `ValueError`: the base
+would have to be one, and a preemption is not a bad value.
+
 A message names a Python argument in backticks, `name` or `name=value`, so the
 Python API speaks Python; the CLI shows the same message with flags
 (`dpax.cli.exits`).
@@ -8,13 +15,9 @@ Python API speaks Python; the CLI shows the same message with flags
 from __future__ import annotations
 
 
-class DpaxException(Exception):
-    """The base of every exception dpax raises on purpose: `except
-    dpax.DpaxException` catches exactly those."""
-
-
-class DpaxError(DpaxException, ValueError):
-    """Bad input or environment; the message names the problem and the fix."""
+class DpaxError(Exception):
+    """The base of every exception dpax raises on purpose; raised itself for
+    bad input or environment, its message naming the problem and the fix."""
 
 
 class PerDeviceState(DpaxError):
@@ -88,12 +91,12 @@ class DpaxWarning(UserWarning):
     prints it as one `dpax: warning:` line)."""
 
 
-class RunFailed(DpaxException, RuntimeError):
+class RunFailed(DpaxError, RuntimeError):
     """The run started and could not go on (e.g. a checkpoint could not be
     written); the message says what was kept."""
 
 
-class TooManyBadSteps(DpaxException, RuntimeError):
+class TooManyBadSteps(DpaxError, RuntimeError):
     """Too many consecutive non-finite steps (`steps` of them, at most `limit`).
 
     What was found when they stopped: `loss_finite` (the loss logged since
@@ -113,7 +116,7 @@ class TooManyBadSteps(DpaxException, RuntimeError):
         self.params_finite = params_finite
 
 
-class Preempted(DpaxException, RuntimeError):
+class Preempted(DpaxError, RuntimeError):
     """SIGTERM/SIGINT arrived; the run stopped at a step boundary after saving."""
 
 

@@ -85,9 +85,6 @@ def _main(argv: list[str], log: failures.FailureLog) -> int:
         code = command.run(args)
         failures.report_errors(log)
         return code
-    except DpaxError as e:
-        print(f"dpax: error: {as_flags(str(e))}", file=sys.stderr)
-        return EXIT_USAGE
     except RunFailed as e:
         print(f"dpax: error: {as_flags(str(e))}{_details(log, e)}", file=sys.stderr)
         return EXIT_FAILED
@@ -97,6 +94,9 @@ def _main(argv: list[str], log: failures.FailureLog) -> int:
     except TooManyBadSteps as e:
         print(f"dpax: stopped: {as_flags(str(e))}", file=sys.stderr)
         return EXIT_BAD_STEPS
+    except DpaxError as e:  # after the kinds above: any other is bad input
+        print(f"dpax: error: {as_flags(str(e))}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("dpax: interrupted", file=sys.stderr)
         return 130

@@ -2,9 +2,9 @@
 
 The library's messages name Python arguments in backticks, `name` or
 `name=value`; the command shows the same message with flags (`--name`,
-`--name value`, `--no-name` for `name=False`). It turns a `DpaxError` into
-one stderr line and exit code 2, a `RunFailed` into one line and exit code
-1; anything else is a bug and keeps its traceback (in a file:
+`--name value`, `--no-name` for `name=False`). A `DpaxError` is
+one stderr line: `RunFailed` exits 1, `TooManyBadSteps` 3, `Preempted` 4,
+any other (bad input) 2; anything else is a bug and keeps its traceback (in a file:
 `dpax.cli.failures`).
 """
 

@@ -1,6 +1,7 @@
-"""`dpax train`: one training job, as a Python call (`train(config)`) and a
-command. Everything that can be checked is checked before anything is
-written; the params are saved whatever stops the run."""
+"""`dpax train`: one training job, as a command and as a Python call,
+`train(TrainConfig.from_flags(model="mlp", devices=4))`, both imported from
+here. Everything that can be checked is checked before anything is written;
+the params are saved whatever stops the run."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from dpax.parallel.mesh import describe
 from dpax.training import hooks
 from dpax.training.checkpoint import AUTO, LATEST, Checkpointer, locate
 from dpax.training.trainer import Trainer
+
+__all__ = ["RunResult", "TrainConfig", "train"]  # the job from Python
 
 NAME = "train"
 
@@ -278,6 +281,8 @@ def _removed_if_unused(created: list[str]):
     ones the check made are removed while still empty."""
     try:
         yield
+    except (RunFailed, TooManyBadSteps, Preempted):
+        raise  # a run that started: not bad input
     except DpaxError:
         for path in created:
             if os.path.isdir(path) and not os.listdir(path):

@@ -28,7 +28,7 @@ from flax import nnx
 
 from dpax.data.batches import batch_rows
 from dpax.data.pipeline import examples
-from dpax.errors import MixesExamples, PerDeviceRandom, PerDeviceState
+from dpax.errors import DpaxError, MixesExamples, PerDeviceRandom, PerDeviceState
 from dpax.models.bridge import LinenModel
 from dpax.models.layers import SyncBatchNorm
 from dpax.parallel.backends import DEFAULT_BACKEND
@@ -188,7 +188,7 @@ def check_equivalence(
             cause, detail = _diagnose(tn.model(), t1, loss_fn, data, before, sync_batchnorm)
             return CheckResult(devices, batch_size, steps, None, None, None, cause,
                                f"{detail} ({e.where})")
-        except ValueError as e:
+        except DpaxError as e:
             if "one loss per example" in str(e):
                 return CheckResult(devices, batch_size, steps, None, None, None, "loss-mean")
             raise

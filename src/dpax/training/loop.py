@@ -65,7 +65,7 @@ class Every:
         return bool(self.n) and step // self.n > last // self.n
 
 
-class LogTo(Hook):
+class OnLog(Hook):
     """Calls `fn(step, row)` at every log: the simplest hook."""
 
     def __init__(self, fn: Callable[[int, dict], None]):

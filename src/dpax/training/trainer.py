@@ -334,7 +334,7 @@ class Trainer:
           seed: the key of the batches' order (not of the model).
           log_every: steps between log rows (the metrics' device-to-host sync).
           hooks: host-side work at log steps and after each step (`dpax.training.loop.Hook`:
-            checkpoints, evaluation, preemption checks; `loop.LogTo(fn)` for a callback).
+            checkpoints, evaluation, preemption checks; `loop.OnLog(fn)` for a callback).
           batches: this process's host batches from the current step on (from
             `pipeline.train_input`, e.g. restored from a checkpoint); default: made here.
           augment: random image augmentation of `x` (`dpax.data.augment.parse("crop,flip")`),

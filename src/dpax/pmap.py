@@ -1,7 +1,8 @@
-"""`jax.pmap`'s idioms on current JAX: `spmd(fn)`, a function mapped over a
-leading device axis on either backend, and the helpers for that axis
-(`shard_batch`, `unshard`, `replicas_in_sync`; `replicate` and `unreplicate`
-from `dpax.parallel.arrays`).
+"""`jax.pmap`'s idioms on current JAX, for code written the pmap way:
+`spmd(fn)`, a function mapped over a leading device axis on either backend,
+and the helpers for that axis (`shard_batch`, `unshard`, `replicate`,
+`unreplicate`, `replicas_in_sync`). The Trainer needs none of them: it lays
+out its state and places its batches itself.
 
 Arguments mapped with `in_axes` 0 carry a leading device axis; `None` ones are
 broadcast to every device. Collectives use the axis name `"data"`. Unlike
