@@ -19,7 +19,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("__main__",),  # `python -m dpax`: the command
     ("cli",),
     ("bench",),  # `dpax bench`: trains through the Trainer and the hand-written loops
-    ("training",),
+    # The engine's two users: the Trainer, and jax.pmap's idioms (`dpax.pmap`).
+    ("training", "pmap"),
     # What training is built on: the engine, the step's jaxpr analyses (JAX and
     # dpax.errors only); and the writers, where the CLI sends the loop's rows.
     ("analysis", "parallel", "writers"),
