@@ -151,7 +151,8 @@ class Layout(Protocol):
         built, `model_bytes`, where it stays on a device), "params",
         "optimizer", "gradients" and "update" (the update's temporaries).
         `params`, `opt_state`: trees of arrays or `jax.ShapeDtypeStruct`s;
-        `compute_bytes`: the compute dtype's item size (None: as stored)."""
+        `grad_accum`: micro-batches per step; `compute_bytes`: the compute
+        dtype's item size (None: as stored); `ema`: an EMA of the params kept."""
 
     @classmethod
     def least_collectives(cls, grad_bytes: int, param_bytes: int) -> dict[str, int]:
