@@ -39,6 +39,22 @@ def test_k_batches_stack_along_a_leading_step_axis(devices):
     assert make_backend("pmap", devices).put_batches(batches, 8)["x"].shape == (4, 3, 2, 2)
 
 
+def test_both_backends_implement_the_whole_backend_protocol(devices):
+    """Training asks a backend only what `Backend` declares, and each backend
+    defines every part itself; pmap refuses a split state's step by name."""
+    methods = [k for k in vars(backends.Backend) if not k.startswith("_")]
+    assert {"put_state", "per_device", "global_stepper", "host"} <= set(methods)
+    for name in backends.BACKENDS:
+        backend = make_backend(name, devices)
+        for method in methods:
+            assert method in vars(type(backend)), (name, method)
+        for attribute in backends.Backend.__annotations__:
+            assert hasattr(backend, attribute), (name, attribute)
+    pmap = make_backend("pmap", devices)
+    with pytest.raises(DpaxError, match="needs `backend=shard_map`"):
+        pmap.per_device(lambda x: x, None, None)
+
+
 def test_replicated_state_reads_back_as_one_logical_copy(devices):
     state = {"w": np.arange(6.0).reshape(2, 3)}
     for name in ("shard_map", "pmap"):

@@ -40,7 +40,7 @@ def test_parser_counts_each_kind_and_its_logical_bytes():
 def test_each_layout_moves_the_least_it_needs(workload, n, backend, layout):
     w = WORKLOADS[workload]
     t = Trainer(w.make(), w.loss(), w.tx(), devices=n, backend=backend, sharding=layout)
-    c = step_comms(t, compiled_step(t, w.batch_size, w), layout)
+    c = step_comms(t, compiled_step(t, w.batch_size, w))
     found, least, padded = c["found"], c["minimum"], c["padded"]
     print(f"{workload} {layout} x{n} ({backend}): {found}; least {least}")
     if layout == "replicated":

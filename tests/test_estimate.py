@@ -62,7 +62,7 @@ def test_estimate_is_an_upper_bound_close_to_xla_and_moves_what_the_hlo_moves(ca
     # above it (XLA's fusion recomputes elementwise results JAX's residuals list).
     assert xla * 0.95 <= predicted <= xla * 1.6
     # The collectives: what the compiled step moves is what the estimate says.
-    found = step_comms(t, compiled, layout)["found"]
+    found = step_comms(t, compiled)["found"]
     for kind, nbytes in est.collectives.items():
         scalars = 256 if kind == "all-reduce" else 0
         if precision == "bf16" and kind == "all-gather":

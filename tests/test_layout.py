@@ -14,7 +14,9 @@ from flax import nnx
 import dpax
 from conftest import STEPS, digits, fit_digits, leaves, max_diff
 from dpax.errors import DpaxError
+from dpax.parallel import layout
 from dpax.parallel.layout import Split
+from dpax.training.state import init_state
 
 BATCH = 61  # uneven for every N below
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.05, momentum=0.9),
@@ -188,8 +190,46 @@ def test_every_layout_skips_the_same_steps():
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("name", layout.SHARDINGS)
+def test_a_layout_class_trains_what_its_name_trains(name):
+    """`sharding` takes a layout class as well as its name (`layout.LAYOUTS`):
+    the same layout, the same params to the bit."""
+    by_name, by_class = (trainer(3, "adam", sharding=s, grad_accum=2)
+                         for s in (name, layout.LAYOUTS[name]))
+    fit_digits(by_name, BATCH, steps=3), fit_digits(by_class, BATCH, steps=3)
+    assert type(by_class.layout) is layout.LAYOUTS[name] and by_class.layout.name == name
+    for a, b in zip(leaves(by_name), leaves(by_class)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_each_layout_declares_what_the_step_the_estimate_and_the_count_ask():
+    """Every built-in layout implements the whole `Layout` protocol itself, and
+    its memory and bytes models need no state: asked of the class."""
+    declared = [k for k in vars(layout.Layout) if not k.startswith("_")]
+    declared += list(layout.Layout.__annotations__)
+    state = init_state(odd_mlp(), optax.adam(1e-3), 0)[1]
+    params = {"w": jax.ShapeDtypeStruct((5, 3), np.float32)}  # 5 splits over 2 with padding
+    for name, cls in layout.LAYOUTS.items():
+        made = cls(state, 2)
+        for member in declared:
+            assert hasattr(made, member), (name, member)
+        assert made.name == name
+        assert jax.tree.structure(made.grad_splits) == jax.tree.structure(made.splits.params)
+        least = cls.least_collectives(60, 60)
+        assert cls.step_collectives(params, 1) == {}
+        padded = 6 * 3 * 4 if not cls.whole_state else 60
+        assert cls.step_collectives(params, 2) == cls.least_collectives(padded, padded)
+        assert least == ({"all-reduce": 60} if name == "replicated"
+                         else {"reduce-scatter": 60, "all-gather": 60})
+        mem = cls.memory(params, params, 2, model_bytes=7)
+        assert list(mem) == ["model", "params", "optimizer", "gradients", "update"]
+        assert mem["model"] == (7 if cls.whole_state else 0)
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"sharding": "full", "backend": "pmap"}, "`sharding=full` needs `backend=shard_map`"),
+    ({"sharding": layout.FSDP, "backend": "pmap"}, "`sharding=full` needs `backend=shard_map`"),
+    ({"sharding": 3}, "`sharding` must be str or type"),
     ({"sharding": "zero3"}, "`sharding` must be one of replicated, optimizer, full"),
     ({"shard_optimizer_state": True}, "Trainer takes no argument shard_optimizer_state")])
 def test_sharding_mistakes_are_one_line_errors(kw, message):

@@ -57,7 +57,7 @@ def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None,
     method = first_call(name or f"dpax/{backend}", run, steps_per_call)
     compiled = compiled_step(t, batch_size, w)  # after: compiling is not timed
     method.memory = step_memory(compiled)
-    method.comms = step_comms(t, compiled, sharding)
+    method.comms = step_comms(t, compiled)
     method.state = state_bytes(t)
     return method
 
@@ -87,25 +87,22 @@ def step_memory(compiled) -> float:
             - m.alias_size_in_bytes)
 
 
-def step_comms(t: Trainer, compiled, layout: str) -> dict:
+def step_comms(t: Trainer, compiled) -> dict:
     """The step's collectives from its optimized HLO (`dpax.parallel.comms`),
     the least its layout needs (from the params' logical bytes), and what that
     least is in the padded shapes a sharded layout splits."""
     found = comms.summary(comms.collectives(compiled.as_text(), t.n_devices))
-    stored = jax.tree.leaves(t.state.params)
-    splits = getattr(t.layout, "grad_splits", None)
-    if splits is None:  # replicated: every leaf whole (pmap: one replica per device)
-        logical = padded = sum(x.nbytes for x in stored) // (
-            t.n_devices if t.backend.name == "pmap" else 1)
-    else:
-        splits = jax.tree.leaves(splits, is_leaf=lambda s: isinstance(s, Split))
-        logical, padded = (sum(math.prod(getattr(s, shape)) * x.dtype.itemsize
-                               for x, s in zip(stored, splits))
-                           for shape in ("shape", "padded_shape"))
     if t.n_devices == 1:
         return {"found": found, "minimum": {}, "padded": {}}
-    return {"found": found, "minimum": comms.minimum(layout, logical, logical),
-            "padded": comms.minimum(layout, padded, padded)}
+    # Each param's bytes from its split (its logical shape whatever the
+    # backend: a pmap leaf also has a device axis).
+    stored = jax.tree.leaves(t.state.params)
+    splits = jax.tree.leaves(t.layout.grad_splits, is_leaf=lambda s: isinstance(s, Split))
+    logical, padded = (sum(math.prod(getattr(s, shape)) * x.dtype.itemsize
+                           for x, s in zip(stored, splits))
+                       for shape in ("shape", "padded_shape"))
+    least = t.layout.least_collectives
+    return {"found": found, "minimum": least(logical, logical), "padded": least(padded, padded)}
 
 
 def _split(w):

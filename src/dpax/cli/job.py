@@ -22,6 +22,7 @@ from dpax.models import hf_gpt2, losses
 from dpax.models.registry import TEXT_MODELS, ModelConfig
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend
 from dpax.parallel.distributed import DistributedConfig
+from dpax.parallel.layout import layout_class
 from dpax.training.checkpoint import CheckpointConfig, Checkpointer, locate
 from dpax.training.optim import OptimizerConfig
 from dpax.training.state import host_device
@@ -156,7 +157,8 @@ def make_trainer(config: TrainConfig, task: str, input_shape: tuple[int, ...], n
     loss_fn, predict_fn = losses.for_task(task, tok.token_bytes if bpe else None)
     # Split layouts exist for states that do not fit one device: their model
     # is built in host memory, not whole on the first device.
-    where = (jax.default_device(host_device()) if config.trainer.sharding != "replicated"
+    where = (jax.default_device(host_device())
+             if not layout_class(config.trainer.sharding).whole_state
              else contextlib.nullcontext())
     with where:
         model = config.model.build(input_shape, n_out, config.seed, task)

@@ -9,7 +9,7 @@ come back to the host.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -24,6 +24,67 @@ from dpax.parallel.platform import Platform
 
 BACKENDS = ("shard_map", "pmap")
 DEFAULT_BACKEND = "shard_map"
+
+
+class Backend(Protocol):
+    """What training asks of a backend (`dpax.training`): where the state and
+    batches live, the per-device function wrapped and compiled, and results
+    back on the host. The step functions take `state_spec`, a PartitionSpec
+    per state leaf (None: replicated), which only a backend that can hold a
+    split state uses."""
+
+    name: str
+    devices: list[jax.Device]
+    n: int
+    platform: Platform
+    mesh: Mesh  # the devices along `AXIS`
+
+    # -- placing: the state, a step's batch, K steps' batches ---------------------------
+    def put_state(self, state: Any, specs: Any = None) -> Any:
+        """The state on the devices: replicated, or laid out by `specs`."""
+
+    def local_rows(self, size: int) -> tuple[int, int]:
+        """The rows [lo, hi) of a padded global batch of `size` this process holds."""
+
+    def step_input(self, batch: dict, size: int | None = None) -> dict:
+        """This process's rows of a padded global batch as the step takes them."""
+
+    def put_batches(self, batches: list[dict], size: int) -> dict:
+        """K host batches as the input of a K-steps-per-call step."""
+
+    # -- wrapping and compiling per-device functions ----------------------------------
+    def per_device(self, fn: Callable, in_specs, out_specs, check: bool = False) -> Callable:
+        """`fn` mapped over the devices (not compiled), for a step that maps
+        its own per-device part (`global_stepper`)."""
+
+    def stepper(self, fn: Callable, state_spec=None, with_data: bool = False) -> Callable:
+        """`fn(state, metric sums, shard) -> (state, metric sums)`, per device, compiled."""
+
+    def multi_stepper(self, fn: Callable, state_spec=None, with_data: bool = False) -> Callable:
+        """As `stepper`, batches stacked along a leading step axis."""
+
+    def global_stepper(self, fn: Callable, state_spec, steps_axis: bool = False,
+                       with_data: bool = False) -> Callable:
+        """`fn(state, metric sums, batch)` of the whole stored state, compiled."""
+
+    def reduce(self, fn: Callable, state_spec=None) -> Callable:
+        """`fn(state, shard) -> replicated result`, per device, compiled."""
+
+    def per_example(self, fn: Callable, state_spec=None) -> Callable:
+        """`fn(state, shard) -> one output per example of the shard`, per device, compiled."""
+
+    # -- results back -----------------------------------------------------------------
+    def host(self, tree: Any) -> Any:
+        """Host copy of replicated outputs (a sync point)."""
+
+    def local(self, tree: Any) -> Any:
+        """One device's copy of replicated outputs, left on it (no sync)."""
+
+    def logical(self, state: Any) -> Any:
+        """One device-count-independent copy of the state."""
+
+    def host_examples(self, tree: Any) -> Any:
+        """Host copy of per-example outputs, in global batch order (a sync point)."""
 
 
 def check_backend(name: str, processes: int) -> None:
@@ -216,6 +277,10 @@ class ShardMapBackend:
         return multihost_utils.process_allgather(tree, tiled=True)
 
 
+_WHOLE_ONLY = ("the pmap backend holds the whole state on each device; a split layout "
+               "needs `backend=shard_map`")
+
+
 class PmapBackend:
     """`jax.pmap`'s layout: a leading device axis on state and batches."""
 
@@ -266,6 +331,16 @@ class PmapBackend:
     def reduce(self, fn: Callable, state_spec=None) -> Callable:
         return self._wrap(fn, donate=False)
 
+    # A split state's step: pmap places every array whole on each device, so
+    # only a layout that keeps the state whole runs on it (`check_sharding`
+    # refuses the others before a Trainer starts).
+    def per_device(self, fn: Callable, in_specs, out_specs, check: bool = False) -> Callable:
+        raise DpaxError(_WHOLE_ONLY)
+
+    def global_stepper(self, fn: Callable, state_spec, steps_axis: bool = False,
+                       with_data: bool = False) -> Callable:
+        raise DpaxError(_WHOLE_ONLY)
+
     def per_example(self, fn: Callable, state_spec=None) -> Callable:
         return self._wrap(fn, donate=False)
 
@@ -287,6 +362,6 @@ class PmapBackend:
         return jax.tree.map(lambda x: np.asarray(x).reshape((-1,) + x.shape[2:]), tree)
 
 
-def make_backend(name: str, devices: Sequence[jax.Device], platform: Platform):
+def make_backend(name: str, devices: Sequence[jax.Device], platform: Platform) -> Backend:
     check_backend(name, jax.process_count())
     return {"shard_map": ShardMapBackend, "pmap": PmapBackend}[name](devices, platform)

@@ -1,10 +1,11 @@
 """What a compiled step communicates: every collective in XLA's optimized HLO,
-counted with its bytes, against the least each state layout needs.
+counted with its bytes, to hold against the least its state layout needs
+(`Layout.least_collectives`, `dpax.parallel.layout`).
 
 Bytes are logical: the whole buffer a collective reduces or gathers (an
 all-reduce's operand, an all-gather's result, a reduce-scatter's input). The
 least a data-parallel step can move, with G the gradient bytes and P the
-param bytes (the padded shapes of a sharded layout, `dpax.parallel.layout`):
+param bytes (the padded shapes of a sharded layout):
 
   replicated  all-reduce G (plus a few scalars: loss, count, metrics)
   optimizer   reduce-scatter G, all-gather P (the updated params)
@@ -66,13 +67,6 @@ def summary(found: list[Collective]) -> dict[str, dict[str, int]]:
         entry["count"] += 1
         entry["bytes"] += c.bytes
     return out
-
-
-def minimum(layout: str, grad_bytes: int, param_bytes: int) -> dict[str, int]:
-    """kind -> the least bytes a step of `layout` moves (see the module doc)."""
-    if layout == "replicated":
-        return {"all-reduce": grad_bytes}
-    return {"reduce-scatter": grad_bytes, "all-gather": param_bytes}
 
 
 def wire_bytes(kind: str, nbytes: float, n: int) -> float:

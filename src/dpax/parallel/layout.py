@@ -42,8 +42,6 @@ from dpax.errors import DpaxError
 from dpax.parallel.arrays import is_key
 from dpax.parallel.mesh import AXIS
 
-SHARDINGS = ("replicated", "optimizer", "full")
-
 
 @dataclasses.dataclass(frozen=True)
 class Split:
@@ -109,9 +107,17 @@ def _round_up(size: int, n: int) -> int:
 
 class Layout(Protocol):
     """Where each state leaf lives (`splits`, one `Split` per leaf of the
-    state) and the few things the step asks of it. The step owns the update."""
+    state) and the few things the step asks of it. The step owns the update.
+
+    A layout is made by its class, `cls(state, n, grad_accum, pack)`, for a
+    logical state on n devices (`LAYOUTS` names the built-in ones). What the
+    estimate and the collective count ask (`memory`, `least_collectives`,
+    `step_collectives`) needs no state: it is asked of the class."""
 
     name: str
+    # True: every device holds the whole state (each leaf's `Split` has no
+    # dim), so any backend can place it, pmap's replicas included.
+    whole_state: bool
     # True: the whole step runs per device (the state is one replica);
     # False: the update runs on the logical state under jit (`dpax.training.step`).
     per_device_update: bool
@@ -122,6 +128,9 @@ class Layout(Protocol):
     # leaf's shape (an all-reduce), so a leaf may be summed in another shape.
     sums_elementwise: bool
     splits: Any
+    # One `Split` per param leaf: how each gradient reaches the update (the
+    # out_specs of the step's per-device part when the update is not per device).
+    grad_splits: Any
     pack: bool  # all-reduce operands packed (`dpax.parallel.collectives`)
 
     def grad_target(self, params, dtypes) -> tuple[Any, Callable]:
@@ -133,17 +142,55 @@ class Layout(Protocol):
     def full_params(self, params):
         """Per device: the whole params, from this device's part of them."""
 
+    # -- the models the estimate asks of the class (no state needed) -----------------
+    @classmethod
+    def memory(cls, params, opt_state, n: int, grad_accum: int = 1,
+               compute_bytes: int | None = None, ema: bool = False,
+               model_bytes: int = 0) -> dict[str, float]:
+        """Bytes per device the state takes, by part: "model" (the model as
+        built, `model_bytes`, where it stays on a device), "params",
+        "optimizer", "gradients" and "update" (the update's temporaries).
+        `params`, `opt_state`: trees of arrays or `jax.ShapeDtypeStruct`s;
+        `grad_accum`: micro-batches per step; `compute_bytes`: the compute
+        dtype's item size (None: as stored); `ema`: an EMA of the params kept."""
+
+    @classmethod
+    def least_collectives(cls, grad_bytes: int, param_bytes: int) -> dict[str, int]:
+        """Collective kind -> the least logical bytes a step moves, with
+        `grad_bytes` of gradients and `param_bytes` of params (`dpax.parallel.comms`)."""
+
+    @classmethod
+    def step_collectives(cls, params, n: int, grad_accum: int = 1,
+                         compute_bytes: int | None = None) -> dict[str, int]:
+        """`least_collectives` of a step of `params` (a tree, as for
+        `memory`) on n devices, in the shapes and dtypes this layout moves
+        them in; nothing on one device."""
+
+
+def _bytes(tree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def split_bytes(tree, n: int) -> int:
+    """Bytes of `tree` (arrays or `jax.ShapeDtypeStruct`s) on all n devices
+    together when every leaf is split the way the sharded layouts split it
+    (`Split.best`: zero-padded to a multiple of N along one dimension)."""
+    return sum(math.prod(Split.best(tuple(x.shape), n).padded_shape) *
+               jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
 
 class Replicated:
     """Every field of the state on every device; one all-reduce per step."""
 
     name = "replicated"
+    whole_state = True
     per_device_update = True
     grads_in_backward = False
     sums_elementwise = True
 
-    def __init__(self, state, n: int = 1, pack: bool = False):
+    def __init__(self, state, n: int = 1, grad_accum: int = 1, pack: bool = False):
         self.splits = jax.tree.map(lambda x: Split(tuple(np.shape(x)), n), state)
+        self.grad_splits = self.splits.params
         self.pack = pack
 
     def grad_target(self, params, dtypes):
@@ -162,11 +209,32 @@ class Replicated:
     def full_params(self, params):
         return params
 
+    @classmethod
+    def memory(cls, params, opt_state, n, grad_accum=1, compute_bytes=None, ema=False,
+               model_bytes=0):
+        p = _bytes(params)
+        # The update's temporaries: about one param-sized buffer where it runs.
+        # With several micro-batches, one micro-batch's whole gradients besides their sum.
+        return {"model": model_bytes, "params": p,
+                "optimizer": _bytes(opt_state) + (p if ema else 0),
+                "gradients": p + p if grad_accum > 1 else p, "update": p}
+
+    @classmethod
+    def least_collectives(cls, grad_bytes, param_bytes):
+        # Plus a few scalars (loss, count, metric sums) packed into the same all-reduce.
+        return {"all-reduce": grad_bytes}
+
+    @classmethod
+    def step_collectives(cls, params, n, grad_accum=1, compute_bytes=None):
+        p = _bytes(params)
+        return cls.least_collectives(p, p) if n > 1 else {}
+
 
 class _Sharded:
     """What ZeRO-1 and FSDP share: split leaves, and gradients reduce-scattered
     along each param's split (`grad_splits`)."""
 
+    whole_state = False
     per_device_update = False
     grads_in_backward = False  # FSDP: reduce-scattered as the backward pass runs
     sums_elementwise = False  # reduce-scattered along each param's split
@@ -198,17 +266,38 @@ class _Sharded:
         loss_sum, count, sums = psum_tree((loss_sum, count, sums), AXIS, self.pack)
         return loss_sum, count, sums, grad_sums
 
+    @classmethod
+    def least_collectives(cls, grad_bytes, param_bytes):
+        # ZeRO-1: the updated params gathered; FSDP: each param where the model uses it.
+        return {"reduce-scatter": grad_bytes, "all-gather": param_bytes}
+
+    @classmethod
+    def step_collectives(cls, params, n, grad_accum=1, compute_bytes=None):
+        padded = split_bytes(params, n)  # moved in the padded shapes the layout splits
+        return cls.least_collectives(padded, padded) if n > 1 else {}
+
 
 class ZeRO1(_Sharded):
     """The params on every device; gradients and optimizer state 1/N per device."""
 
     name = "optimizer"
 
-    def __init__(self, state, n: int, pack: bool = False):
+    def __init__(self, state, n: int, grad_accum: int = 1, pack: bool = False):
         super().__init__(state, n, split_params=False, pack=pack)
 
     grad_target = Replicated.grad_target
     full_params = Replicated.full_params
+
+    @classmethod
+    def memory(cls, params, opt_state, n, grad_accum=1, compute_bytes=None, ema=False,
+               model_bytes=0):
+        p = _bytes(params)
+        # Not a micro-batch's whole gradients besides their sum: XLA updates
+        # the sum leaf by leaf as the backward pass makes them
+        # (tests/test_estimate.py holds the estimate to XLA's analysis).
+        return {"model": 0, "params": p,
+                "optimizer": (split_bytes(opt_state, n) + (p if ema else 0)) / n,
+                "gradients": p, "update": split_bytes(params, n) / n}
 
 
 class FSDP(_Sharded):
@@ -234,6 +323,28 @@ class FSDP(_Sharded):
 
     def full_params(self, params):
         return jax.tree.map(lambda s, x: s.gather(x), self.grad_splits, params)
+
+    @classmethod
+    def memory(cls, params, opt_state, n, grad_accum=1, compute_bytes=None, ema=False,
+               model_bytes=0):
+        p = _bytes(params)
+        sharded = split_bytes(params, n) / n  # 1/N at rest
+        # One micro-batch: each param gathered where it is used, and the gathered
+        # copy kept for the backward pass (in the compute dtype); several: the
+        # step gathers all params once and sums whole gradients, besides which
+        # it keeps one micro-batch's.
+        gathered = p * (compute_bytes or 4) // 4 if grad_accum == 1 else p
+        return {"model": 0, "params": sharded + gathered,
+                "optimizer": (split_bytes(opt_state, n) + (split_bytes(params, n) if ema else 0))
+                / n,
+                "gradients": p + p if grad_accum > 1 else sharded, "update": sharded}
+
+    @classmethod
+    def step_collectives(cls, params, n, grad_accum=1, compute_bytes=None):
+        moved = super().step_collectives(params, n, grad_accum, compute_bytes)
+        if moved and compute_bytes and grad_accum == 1:  # gathered in the compute dtype
+            moved["all-gather"] = moved["all-gather"] * compute_bytes // 4
+        return moved
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -378,21 +489,33 @@ def _key(path) -> str:
     return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
-def check_sharding(sharding: str, backend: str) -> None:
-    """The one place the rule lives: a known mode; the sharded ones on shard_map."""
-    if sharding not in SHARDINGS:
-        raise DpaxError(f"`sharding` must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
-    if sharding != "replicated" and backend != "shard_map":
-        raise DpaxError(f"`sharding={sharding}` needs `backend=shard_map` (pmap replicates "
+# The built-in layouts by the name `Trainer(sharding=...)` and `--sharding` take.
+LAYOUTS: dict[str, type[Layout]] = {"replicated": Replicated, "optimizer": ZeRO1,
+                                    "full": FSDP}
+SHARDINGS = tuple(LAYOUTS)
+
+
+def layout_class(sharding: str | type[Layout]) -> type[Layout]:
+    """The layout class named `sharding`, or `sharding` itself when it is a
+    layout class (checked: `check_sharding`)."""
+    return LAYOUTS[sharding] if isinstance(sharding, str) else sharding
+
+
+def check_sharding(sharding: str | type[Layout], backend: str) -> None:
+    """The one place the rule lives: a known layout; a split one on shard_map."""
+    if isinstance(sharding, str) and sharding not in LAYOUTS:
+        raise DpaxError(f"`sharding` must be one of {', '.join(LAYOUTS)}, got {sharding!r}")
+    if not isinstance(sharding, (str, type)):
+        raise DpaxError(f"`sharding` must be one of {', '.join(LAYOUTS)} or a layout class "
+                        f"(`dpax.parallel.layout.Layout`), got {sharding!r}")
+    cls = layout_class(sharding)
+    if not cls.whole_state and backend != "shard_map":
+        raise DpaxError(f"`sharding={cls.name}` needs `backend=shard_map` (pmap replicates "
                         "every array)")
 
 
-def make_layout(sharding: str, backend, state, grad_accum: int = 1) -> Layout:
-    """The layout named `sharding` (checked: `check_sharding`) for a logical
-    `state` on the backend's devices."""
-    pack = backend.platform.pack_collectives
-    if sharding == "replicated":
-        return Replicated(state, backend.n, pack)
-    if sharding == "optimizer":
-        return ZeRO1(state, backend.n, pack)
-    return FSDP(state, backend.n, grad_accum, pack)
+def make_layout(sharding: str | type[Layout], backend, state, grad_accum: int = 1) -> Layout:
+    """The layout `sharding` (a name or a layout class, checked:
+    `check_sharding`) for a logical `state` on the backend's devices."""
+    return layout_class(sharding)(state, backend.n, grad_accum,
+                                  backend.platform.pack_collectives)

@@ -15,7 +15,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dpax.data.batches import gather_rows
-from dpax.parallel.layout import Layout, Replicated, specs
+from dpax.parallel.backends import Backend
+from dpax.parallel.layout import Layout, specs
 from dpax.training import metrics
 from dpax.training.state import TrainState
 from dpax.training.step import (
@@ -37,15 +38,15 @@ class CompiledSteps:
     traces (compilations) of each kind.
     """
 
-    def __init__(self, backend, graphdef, state: TrainState, layout: Layout, loss_fn, tx,
+    def __init__(self, backend: Backend, graphdef, state: TrainState, layout: Layout, loss_fn, tx,
                  schedule, options: StepOptions, predict_fn: Callable | None):
         self.backend = backend
         self.state_def = jax.tree.structure(state)
         self.traces: collections.Counter = collections.Counter()
-        leaf_specs = None if isinstance(layout, Replicated) else jax.tree.leaves(
+        leaf_specs = None if layout.whole_state else jax.tree.leaves(
             specs(layout), is_leaf=lambda x: isinstance(x, P))
         train_step = make_train_step(graphdef, loss_fn, tx, layout, schedule, options,
-                                     getattr(backend, "per_device", None))
+                                     backend.per_device)
 
         def summing(state, sums, batch):
             state, step_metrics = train_step(state, batch)

@@ -13,7 +13,7 @@ be estimated).
                             fusion recomputes some elementwise results instead
                             of keeping them (docs/speed.md compares the two)
   FLOPs                     XLA's cost analysis of the lowered gradient step
-  collectives               the least the layout moves (`dpax.parallel.comms`),
+  collectives               the least the layout moves (`Layout.step_collectives`),
                             which tests/test_comms.py holds the compiled step to
 
 The step time is a model, stated as such: compute at `mfu` of the devices'
@@ -33,7 +33,7 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals  # JAX's list behind print_saved_residuals
 
 from dpax.parallel import comms
-from dpax.parallel.layout import Split
+from dpax.parallel.layout import Layout, layout_class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,13 +79,6 @@ def _bytes(tree) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def _padded_bytes(tree, n: int) -> int:
-    """Bytes of `tree` split 1/N per device the way the sharded layouts split
-    it (`Split.best`: zero-padded to a multiple of N along one dimension)."""
-    return sum(math.prod(Split.best(tuple(x.shape), n).padded_shape) *
-               jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
 def _concrete(rest):
     """The model's small non-param state (RNG keys and counters, batch
     statistics) as real arrays: the traced loss reads them as constants."""
@@ -119,7 +112,8 @@ def activation_bytes(graphdef, params, rest, loss_fn: Callable, batch: dict,
 
 
 def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, example: dict,
-             batch_size: int, devices: int, layout: str = "replicated", grad_accum: int = 1,
+             batch_size: int, devices: int, layout: str | type[Layout] = "replicated",
+             grad_accum: int = 1,
              compute_dtype=None, ema: bool = False, tokens_per_example: int = 1,
              hardware: Hardware = Hardware(), without_remat: Callable | None = None,
              blocks: int = 1) -> Estimate:
@@ -134,7 +128,7 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     rest = _concrete(rest)
     opt = jax.eval_shape(tx.init, params)
-    p, o = _bytes(params), _bytes(opt)
+    p = _bytes(params)
 
     def batch_of(b):
         return {key: jax.ShapeDtypeStruct((b, *s.shape), s.dtype) for key, s in example.items()}
@@ -146,34 +140,15 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
         recompute = activation_bytes(g0, p0, _concrete(r0), loss_fn, batch_of(micro),
                                      compute_dtype) / blocks
     compute_bytes = jnp.dtype(compute_dtype).itemsize if compute_dtype is not None else None
-    # Per device, by layout (`dpax.parallel.layout`).
-    # The update's temporaries: about one param-sized buffer where it runs.
-    e = p if ema else 0
-    if layout == "replicated":
-        state = {"params": p, "optimizer": o + e, "gradients": p, "update": p}
-    elif layout == "optimizer":
-        state = {"params": p, "optimizer": (_padded_bytes(opt, n) + (e and p)) / n,
-                 "gradients": p, "update": _padded_bytes(params, n) / n}
-    else:  # full: 1/N at rest
-        sharded = _padded_bytes(params, n) / n
-        # One micro-batch: each param gathered where it is used, and the gathered
-        # copy kept for the backward pass (in the compute dtype); several: the
-        # step gathers all params once and sums whole gradients.
-        gathered = p * (compute_bytes or 4) // 4 if k == 1 else p
-        state = {"params": sharded + gathered,
-                 "optimizer": (_padded_bytes(opt, n) + (e and _padded_bytes(params, n))) / n,
-                 "gradients": p if k > 1 else sharded, "update": sharded}
-    # A micro-batch's whole gradients, before they join the sum. Not under
-    # ZeRO-1, whose sum XLA updates leaf by leaf as the backward pass makes
-    # them (tests/test_estimate.py holds the estimate to XLA's analysis).
-    if k > 1 and layout != "optimizer":
-        state["gradients"] += p
+    layout_type = layout_class(layout)  # its memory and bytes models
     # The model as built: the user's model object keeps its arrays on the
     # device it was made on (the first), and `fit` leaves the trained state in
     # it. On one H100 that device's peak was XLA's need plus this. `dpax train`
-    # builds a split layout's model in host memory (`cli.job.make_trainer`).
-    built = p + sum(x.nbytes for x in jax.tree.leaves(rest)) if layout == "replicated" else 0
-    memory = {"model": built, **state, "activations": acts + recompute,
+    # builds a split layout's model in host memory (`cli.job.make_trainer`),
+    # which the layout's memory model counts as nothing.
+    built = p + sum(x.nbytes for x in jax.tree.leaves(rest))
+    state = layout_type.memory(params, opt, n, k, compute_bytes, ema, built)
+    memory = {**state, "activations": acts + recompute,
               "batch": _bytes(batch_of(micro * k))}
     memory["total"] = sum(memory.values())
 
@@ -191,13 +166,11 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
         cost = jax.jit(grad_step).lower(params, rest, batch_of(micro)).cost_analysis() or {}
     flops = float(cost.get("flops", 0.0)) * n * k
 
-    padded = p if layout == "replicated" else _padded_bytes(params, n)
-    moved = comms.minimum(layout, padded, padded) if n > 1 else {}
-    if layout == "full" and compute_bytes and k == 1:  # gathered in the compute dtype
-        moved["all-gather"] = moved["all-gather"] * compute_bytes // 4
+    moved = layout_type.step_collectives(params, n, k, compute_bytes)
     wire = sum(comms.wire_bytes(kind, b, n) for kind, b in moved.items())
-    est = Estimate(n, layout, k, micro, sum(math.prod(x.shape) for x in jax.tree.leaves(params)),
-                   memory, flops, moved, wire, tokens_per_example, micro * n * k)
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    est = Estimate(n, layout_type.name, k, micro, count, memory, flops, moved, wire,
+                   tokens_per_example, micro * n * k)
     h = hardware
     if h.tflops:
         est.compute_s = flops / n / (h.tflops * 1e12 * h.mfu)

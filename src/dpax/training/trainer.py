@@ -63,7 +63,8 @@ class TrainerConfig:
         None, "devices per process (default: all local accelerators; on CPU, 8 simulated)",
         how=True)
     backend: str = cfg.field(DEFAULT_BACKEND, "shard_map (jit + shard_map) or pmap", how=True)
-    sharding: str = cfg.field(
+    # A name, or in Python a layout class (`dpax.parallel.layout.Layout`).
+    sharding: str | type = cfg.field(
         "replicated", "where the state lives: replicated; optimizer (ZeRO-1: optimizer state "
         "1/N per device); full (FSDP: params, gradients and optimizer state 1/N per device); "
         "shard_map backend", how=True)
@@ -156,7 +157,9 @@ class Trainer:
       sharding: where the state lives (`dpax.parallel.layout`): "replicated" (every
         device holds all of it), "optimizer" (ZeRO-1: the optimizer state 1/N
         per device) or "full" (FSDP: params, gradients and optimizer state 1/N
-        per device, params all-gathered where the model uses it). Any N, and
+        per device, params all-gathered where the model uses it), or a layout
+        class (`dpax.parallel.layout.Layout`; `LAYOUTS` maps each name to its
+        class), which the Trainer makes for its state and devices. Any N, and
         any optax transformation: the sharded modes run the optimizer on the
         logical params and gradients under jit (shard_map backend).
         Checkpoints resume in any mode.

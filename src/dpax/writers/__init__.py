@@ -3,15 +3,31 @@ metric_writers). `MultiWriter` fans a row out; only process 0 builds writers."""
 
 from __future__ import annotations
 
-from typing import Protocol
+import abc
 
 
-class MetricWriter(Protocol):
-    def write(self, step: int, row: dict) -> None: ...
-    def close(self) -> None: ...
+class MetricWriter(abc.ABC):
+    """One place log rows go. Every writer writes rows; the experiment
+    trackers also keep the run's files (`artifact`) and mark a run that
+    raised as failed (`finish`), which the others inherit as doing nothing
+    and closing."""
+
+    @abc.abstractmethod
+    def write(self, step: int, row: dict) -> None:
+        """One log row, at `step`."""
+
+    def close(self) -> None:  # noqa: B027 (optional: a no-op unless overridden)
+        """Release what the writer holds (files, threads); nothing by default."""
+
+    def artifact(self, path: str) -> None:  # noqa: B027 (optional, as `close`)
+        """A file of the run (its config, its plot), for writers that keep files."""
+
+    def finish(self, failed: bool) -> None:
+        """The run's end (`failed`: it raised); closes the writer by default."""
+        self.close()
 
 
-class MultiWriter:
+class MultiWriter(MetricWriter):
     """Fans one row out to several writers; a context manager that closes them."""
 
     def __init__(self, writers: list[MetricWriter]):
@@ -28,21 +44,18 @@ class MultiWriter:
             w.write(step, row)
 
     def artifact(self, path: str) -> None:
-        """A file of the run (its config, its plot) for the writers that keep
-        files: the experiment trackers."""
         for w in self._writers:
-            if hasattr(w, "artifact"):
-                w.artifact(path)
+            w.artifact(path)
 
-    def close(self, failed: bool = False) -> None:
-        """Close every writer once (a second call does nothing); a tracker
+    def finish(self, failed: bool) -> None:
+        """Finish every writer once (a second call does nothing); a tracker
         marks its run failed when the run raised."""
         writers, self._writers = self._writers, []
         for w in writers:
-            if hasattr(w, "finish"):
-                w.finish(failed)
-            else:
-                w.close()
+            w.finish(failed)
+
+    def close(self, failed: bool = False) -> None:
+        self.finish(failed)
 
 
 def scalars(row: dict) -> dict[str, float]:

@@ -10,6 +10,8 @@ import shutil
 import sys
 from typing import IO
 
+from dpax.writers import MetricWriter
+
 FALLBACK_COLUMNS = 100  # bar width where the terminal reports none
 SHOWN = ("loss", "bpb", "accuracy", "eval_loss", "eval_bpb", "eval_accuracy", "lr", "grad_norm",
          "skipped", "tokens_per_sec", "mfu")
@@ -24,7 +26,7 @@ def _fmt(row: dict) -> dict[str, str]:
     return shown
 
 
-class LineWriter:
+class LineWriter(MetricWriter):
     """One plain line per log step (CI, log files: no carriage returns)."""
 
     def __init__(self, total_steps: int, stream: IO[str] | None = None):
@@ -37,11 +39,8 @@ class LineWriter:
             parts.append(f"{row['steps_per_sec']:.1f} steps/s")
         print("  ".join(parts), file=self._stream, flush=True)
 
-    def close(self) -> None:
-        pass
 
-
-class ProgressBar:
+class ProgressBar(MetricWriter):
     """A live bar: step, epoch, loss, accuracy, steps/s and ETA."""
 
     def __init__(self, total_steps: int, start: int = 0, stream: IO[str] | None = None):

@@ -5,13 +5,13 @@ from __future__ import annotations
 import csv
 import os
 
-from dpax.writers import scalars
+from dpax.writers import MetricWriter, scalars
 
 COLUMNS = ["step", "epoch", "examples", "loss", "accuracy", "lr", "grad_norm", "skipped",
            "steps_per_sec", "eval_loss", "eval_accuracy", "eval_examples"]
 
 
-class CsvWriter:
+class CsvWriter(MetricWriter):
     """Fixed columns (empty where a row has no value), so rows line up."""
 
     def __init__(self, path: str, append: bool = False):

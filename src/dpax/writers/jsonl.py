@@ -6,8 +6,10 @@ import json
 import math
 import os
 
+from dpax.writers import MetricWriter
 
-class JsonlWriter:
+
+class JsonlWriter(MetricWriter):
     """Flushed as written, so a crash loses no logged step."""
 
     def __init__(self, path: str, append: bool = False):

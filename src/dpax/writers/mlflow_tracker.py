@@ -9,6 +9,7 @@ import time
 import urllib.parse
 
 from dpax.errors import DpaxError
+from dpax.writers import MetricWriter
 from dpax.writers.trackers import Logged, flat_config, install_line, metrics, require, run_name
 
 EXPERIMENT = "dpax"  # unless MLFLOW_EXPERIMENT_NAME says otherwise
@@ -85,7 +86,7 @@ def missing_driver(uri: str, who: str) -> str | None:
     return None
 
 
-class MlflowTracker:
+class MlflowTracker(MetricWriter):
     """One MLflow run per dpax run; a resumed dpax run continues it
     (`previous`: what `state()` returned when it started)."""
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dpax.writers import scalars
+from dpax.writers import MetricWriter, scalars
 
 
-class TensorBoardWriter:
+class TensorBoardWriter(MetricWriter):
     """One scalar series per metric; `tensorboard --logdir RUN_DIR/tensorboard`."""
 
     def __init__(self, logdir: str):

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 
+from dpax.writers import MetricWriter
 from dpax.writers.trackers import Logged, metrics, run_name
 
 
@@ -44,7 +45,7 @@ def offline_history(wandb_dir: str, run_id: str) -> list[tuple[int, dict]]:
     return rows
 
 
-class WandbTracker:
+class WandbTracker(MetricWriter):
     """One W&B run per dpax run; a resumed dpax run continues it under the
     same id (`previous`: what `state()` returned when it started)."""
 
