@@ -7,7 +7,8 @@ Each class checks its own fields in `check()`; `validate(tree)` checks every
 field's type and runs every node's `check()`, children first, so a rule that
 spans groups lives in the root's `check()`. Every scalar field has a flag
 name, unique in its tree (the field's name unless it says otherwise), so the
-command line stays flat (`--lr`) while the YAML nests (`optimizer: {lr: ...}`).
+command line stays flat (`dpax.cli.flags`) while the YAML nests
+(`optimizer: {lr: ...}`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from dpax.data import augment, checks, sources, text
 from dpax.data.tokenizer import BYTES, Tokenizer, check_spec
 from dpax.errors import BadExamples, BadLabels, DpaxError, DpaxWarning
 
-# The data never depends on --seed: runs with different seeds see the same split.
+# The data never depends on the run's `seed`: runs with different seeds see the same split.
 DATA_SEED = 0
 EVAL_FRACTION = 0.2
 

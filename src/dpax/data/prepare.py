@@ -1,5 +1,5 @@
 """`dpax prepare SRC DEST`: examples (.npz, Parquet, a saved Hugging Face
-dataset) written once as ArrayRecord shards that `--data DEST` streams.
+dataset) written once as ArrayRecord shards that a run's data, DEST, streams.
 
 Each example is one record, msgpack {"x": array, "y": label} (Flax's
 serialization), in the stored dtype (uint8 images stay uint8); records are

@@ -32,7 +32,7 @@ EVAL_FRACTION = 0.02  # of the documents (at least one, when there are two or mo
 # A single text file is cut into documents of this many windows, so it has
 # something to hold out.
 WINDOWS_PER_DOCUMENT = 64
-DATA_SEED = 0  # the split never depends on --seed
+DATA_SEED = 0  # the split never depends on the run's `seed`
 # A file is text when at most this share of its bytes are control bytes no text
 # holds (NUL and the like; tabs, newlines and escapes are text): text in any
 # 8-bit encoding passes, a program or an image does not.

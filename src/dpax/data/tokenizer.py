@@ -1,11 +1,11 @@
 """Tokens of text: bytes, or a byte-level BPE trained on the training text.
 
-`--tokenizer bytes` (the default) makes each byte a token (vocabulary 256).
-`--tokenizer bpe:VOCAB` trains a byte-level BPE of VOCAB tokens with Hugging
+`tokenizer="bytes"` (the default) makes each byte a token (vocabulary 256).
+`tokenizer="bpe:VOCAB"` trains a byte-level BPE of VOCAB tokens with Hugging
 Face `tokenizers` on the training documents (never the held-out ones), the
 way GPT-2's tokenizer was made: deterministic, so every process of a run, and
 a resumed run, trains the same one. The run keeps it (`tokenizer.json` in
-`--out`, and in every checkpoint), `dpax sample` uses it, and `dpax export`
+the run directory, and in every checkpoint), `dpax sample` uses it, and `dpax export`
 writes it in Hugging Face's layout.
 
 Bits per byte stay comparable across tokenizers: every token of a byte-level

@@ -10,7 +10,7 @@ weight as (in, out), as Flax's `Linear` does, so the kernels map as they are.
 
 Dropout maps to `resid_pdrop` and `embd_pdrop`; dpax has no dropout on the
 attention probabilities, so an export says `attn_pdrop: 0.0`. An import takes
-the weights only: the dropout rate is `--dropout`'s.
+the weights only: the dropout rate is the model's own `dropout`.
 
 Written with `safetensors` and `json` alone: neither `transformers` nor
 PyTorch is needed to export or import (the tests load both sides with

@@ -1,8 +1,8 @@
 """Joining JAX's multi-process runtime (`jax.distributed`), with clear errors.
 
 One process per host, each owning its local devices; collectives span all of
-them. A process joins from its flags (`--coordinator --num-processes
---process-id`, what `dpax launch` passes), or from its scheduler's
+them. A process joins from its arguments (`coordinator`, `num_processes`,
+`process_id`: what `dpax launch` passes), or from its scheduler's
 environment: SLURM (`SLURM_*`, read through JAX's own SLURM support) or a
 Kubernetes Job (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, and
 `JAX_PROCESS_ID` or an indexed Job's `JOB_COMPLETION_INDEX`).

@@ -489,7 +489,7 @@ def _key(path) -> str:
     return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
-# The built-in layouts by the name `Trainer(sharding=...)` and `--sharding` take.
+# The built-in layouts by the name `Trainer(sharding=...)` takes.
 LAYOUTS: dict[str, type[Layout]] = {"replicated": Replicated, "optimizer": ZeRO1,
                                     "full": FSDP}
 SHARDINGS = tuple(LAYOUTS)

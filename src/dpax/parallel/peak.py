@@ -4,7 +4,7 @@ A peak that moves with the machine's load makes MFU meaningless (a matmul
 timed once on a busy host is too slow, and the run's MFU then exceeds 1), so:
 
 - GPUs and TPUs dpax knows: the device's specification, dense, for the
-  precision the step's matmuls run at (`--precision bf16`: bf16; fp32: what
+  precision the step's matmuls run at (`precision=bf16`: bf16; fp32: what
   XLA runs f32 matmuls at by default: TF32 on NVIDIA GPUs, bf16 passes on
   TPUs), times the devices.
 - Elsewhere (CPUs, other accelerators): measured, the best of several timed

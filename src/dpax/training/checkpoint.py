@@ -33,7 +33,7 @@ from dpax.parallel import distributed, watchdog
 from dpax.parallel.arrays import all_finite
 from dpax.training import checksums
 
-LATEST, AUTO = "latest", "auto"  # --resume alone; --resume auto
+LATEST, AUTO = "latest", "auto"  # `resume` given alone; `resume="auto"`
 # Orbax's barriers are named after it (`_restore_items` takes one by name).
 _BARRIERS = "dpax"
 

@@ -1,5 +1,5 @@
-"""What the experiment trackers (`--tracker mlflow[:URI]`, `--tracker wandb`;
-one module each) share: the flag's grammar, the check that what they need is
+"""What the experiment trackers (`tracker="mlflow[:URI]"`, `tracker="wandb"`;
+one module each) share: the setting's grammar, the check that what they need is
 installed, and what a continued tracker run already holds.
 
 A tracker is a metric writer that also takes the run's config and files
