@@ -9,6 +9,11 @@ generic path a transformer's weight gradients, and a narrow head's, are
 all-reduced before their last transpose, as jit's partitioner does
 (`dpax.training.untransposed`).
 
+Before its computation the step runs a preflight (`preflight`): one trace of
+its forward on one device's shapes refuses what N devices would train
+differently from one (`dpax.analysis.refusals`) and names the model state to
+average.
+
 Where the update runs is the layout's (`dpax.parallel.layout`): per device for a
 replicated state, or on the logical state under jit for a sharded one (then
 only the gradients are computed per device).
@@ -97,12 +102,13 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
     the sums over the global batch (the same on every device) and the
     gradient sums as `layout.reduce` leaves them. `state.opt_state` is unused."""
     dtypes = (options.compute_dtype, options.allreduce_dtype)
-    # The generic path sums weight gradients before their transpose
-    # (`dpax.training.untransposed`); the XLA:CPU tuning times its own forms.
-    reorder = (ReduceBeforeTranspose()
-               if options.backward is None and layout.sums_elementwise else None)
 
     def grad_step(state: TrainState, batch: dict) -> Reduced:
+        # The generic path sums weight gradients before their transpose
+        # (`dpax.training.untransposed`); the XLA:CPU tuning times its own
+        # forms. One per trace: it learns what moved from the trace it wraps.
+        reorder = (ReduceBeforeTranspose()
+                   if options.backward is None and layout.sums_elementwise else None)
         # What this device's loss sum is differentiated by, and how the model's
         # params come from it (the layout's: e.g. all-gathered slices).
         wrt, use = layout.grad_target(state.params, dtypes)
