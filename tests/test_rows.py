@@ -1,5 +1,5 @@
 """A loss or layer that mixes the examples a device holds is refused before
-training (`dpax.parallel.rows`); a loss over the whole batch written with
+training (`dpax.analysis.rows`); a loss over the whole batch written with
 `global_rows` trains on N devices what it trains on one."""
 
 import jax
@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 import dpax
+from dpax.analysis.rows import CONST, SUMMARY, UNKNOWN, Mixed, Row, mixing
 from dpax.errors import MixesExamples
 from dpax.models.layers import global_rows
-from dpax.parallel.rows import CONST, SUMMARY, UNKNOWN, Mixed, Row, mixing
 
 R = 6  # a device's rows
 

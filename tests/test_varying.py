@@ -1,5 +1,5 @@
 """Model state that a step can leave different on each device
-(`dpax.parallel.varying`): a layer dpax does not synchronize that computes
+(`dpax.analysis.varying`): a layer dpax does not synchronize that computes
 state from each device's rows is refused before training, and state that every
 device computes alike is left as it is (averaging it over 3 devices rounds)."""
 
@@ -14,10 +14,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import dpax
+from dpax.analysis.varying import analyze
 from dpax.collectives import exact_sums
 from dpax.errors import PerDeviceRandom, PerDeviceState
 from dpax.parallel.mesh import AXIS
-from dpax.parallel.varying import analyze
 
 ROWS = 60  # 20 rows a device on 3 devices, 15 on 4: no padding
 

@@ -36,7 +36,7 @@ class PerDeviceRandom(DpaxError):
 
 class MixesExamples(DpaxError):
     """An example's loss would depend on the other examples a device holds
-    (`dpax.parallel.rows`); `where` names the operation that mixes them."""
+    (`dpax.analysis.rows`); `where` names the operation that mixes them."""
 
     def __init__(self, message: str, where: str):
         super().__init__(message)
@@ -127,3 +127,12 @@ def summary(error: BaseException, limit: int = 300) -> str:
     if len(text) > limit:
         text = text[:limit] + "..."
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+class NotPerExample(DpaxError):
+    """`loss_fn` returned a value that is not one per example (a mean over the
+    batch breaks exactness); `name` says which: "loss" or "weight"."""
+
+    def __init__(self, message: str, name: str):
+        super().__init__(message)
+        self.name = name

@@ -28,7 +28,7 @@ from flax import nnx
 
 from dpax.data.batches import batch_rows
 from dpax.data.pipeline import examples
-from dpax.errors import DpaxError, MixesExamples, PerDeviceRandom, PerDeviceState
+from dpax.errors import MixesExamples, NotPerExample, PerDeviceRandom, PerDeviceState
 from dpax.models.bridge import LinenModel
 from dpax.models.layers import SyncBatchNorm
 from dpax.parallel.backends import DEFAULT_BACKEND
@@ -177,21 +177,10 @@ def check_equivalence(
         try:
             row1, rown = (t.fit(data, batch_size=batch_size, until_step=step, log_every=1)[-1]
                           for t in (t1, tn))
-        except PerDeviceRandom:  # refused before the step on N devices ran
-            return CheckResult(devices, batch_size, steps, None, None, None, "rng")
-        except PerDeviceState as e:  # refused before the step on N devices ran
-            unsynced = _per_device_batchnorm(tn.model(), sync_batchnorm)
-            cause = "batchnorm" if unsynced else "state"
-            detail = CAUSES[cause].format(layers=", ".join(unsynced), paths=", ".join(e.paths))
+        except (PerDeviceRandom, PerDeviceState, MixesExamples, NotPerExample) as e:
+            # Refused before the step on N devices ran.
+            cause, detail = _refused(e, tn, t1, loss_fn, data, before, sync_batchnorm)
             return CheckResult(devices, batch_size, steps, None, None, None, cause, detail)
-        except MixesExamples as e:  # refused before the step on N devices ran
-            cause, detail = _diagnose(tn.model(), t1, loss_fn, data, before, sync_batchnorm)
-            return CheckResult(devices, batch_size, steps, None, None, None, cause,
-                               f"{detail} ({e.where})")
-        except DpaxError as e:
-            if "one loss per example" in str(e):
-                return CheckResult(devices, batch_size, steps, None, None, None, "loss-mean")
-            raise
         for name, a, b in (("params", t1.params, tn.params), ("loss", row1["loss"], rown["loss"]),
                            ("state", t1.backend.host(t1.state.model_state),
                             tn.backend.host(tn.state.model_state))):
@@ -203,6 +192,23 @@ def check_equivalence(
     result.cause, result.detail = _diagnose(tn.model(), t1, loss_fn, data, before,
                                             sync_batchnorm)
     return result
+
+
+def _refused(e: Exception, tn, t1, loss_fn, data, before, sync_batchnorm
+             ) -> tuple[str, str]:
+    """(cause, detail) of a refusal; raises `e` again where it is no verdict."""
+    if isinstance(e, PerDeviceRandom):
+        return "rng", ""
+    if isinstance(e, PerDeviceState):
+        unsynced = _per_device_batchnorm(tn.model(), sync_batchnorm)
+        cause = "batchnorm" if unsynced else "state"
+        return cause, CAUSES[cause].format(layers=", ".join(unsynced), paths=", ".join(e.paths))
+    if isinstance(e, MixesExamples):
+        cause, detail = _diagnose(tn.model(), t1, loss_fn, data, before, sync_batchnorm)
+        return cause, f"{detail} ({e.where})"
+    if e.name == "loss":  # a mean over the batch, not one loss per example
+        return "loss-mean", ""
+    raise e
 
 
 def _diagnose(model, trainer, loss_fn, data, rest_before, sync_batchnorm) -> tuple[str, str]:

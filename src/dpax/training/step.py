@@ -9,6 +9,11 @@ generic path a transformer's weight gradients, and a narrow head's, are
 all-reduced before their last transpose, as jit's partitioner does
 (`dpax.training.untransposed`).
 
+Before its computation the step runs a preflight (`preflight`): one trace of
+its forward on one device's shapes refuses what N devices would train
+differently from one (`dpax.analysis.refusals`) and names the model state to
+average.
+
 Where the update runs is the layout's (`dpax.parallel.layout`): per device for a
 replicated state, or on the logical state under jit for a sharded one (then
 only the gradients are computed per device).
@@ -26,14 +31,14 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from dpax.analysis.refusals import Asks, numeric, refuse
+from dpax.analysis.varying import typed_varying
 from dpax.collectives import pmean_tree, psum_tree
-from dpax.errors import DpaxError, MixesExamples, PerDeviceRandom, PerDeviceState
+from dpax.errors import DpaxError
 from dpax.models.layers import BatchContext, batch_context
 from dpax.parallel import layout as layouts
 from dpax.parallel.layout import Layout
 from dpax.parallel.mesh import AXIS
-from dpax.parallel.rows import first_mixed, mixing
-from dpax.parallel.varying import analyze, leaf_flags, trace, typed_varying
 from dpax.training.state import TrainState, eval_params
 from dpax.training.sums import LossFn, example_metrics, shard_sums
 from dpax.training.untransposed import ReduceBeforeTranspose
@@ -66,70 +71,6 @@ class StepOptions:
     pack: bool = False
 
 
-def _per_device_state(forward: Callable, params, model_state, micro,
-                      options: StepOptions) -> dict[int, str]:
-    """{leaf index: path} of the numeric model state that a training step on
-    `micro` (one device's rows) leaves different on each device, from one
-    trace of `forward`. Refuses, before training, what no average mends: a
-    random draw shaped by the rows from a key every device holds alike, such
-    state while `sync_batchnorm` asks for one device's numbers (or when it is
-    a count), and a loss or layer that mixes the examples a device holds."""
-    size = jax.lax.axis_size(AXIS)
-    if size == 1:
-        return {}
-    args, on_rows = (params, model_state, micro), (False, False, True)
-    jaxpr = trace(forward, args, AXIS, size)
-    per_device = {}
-    if options.own_random or options.average_state:
-        per_device = _state_per_device(forward, args, jaxpr, size, options)
-    # With sync_batchnorm off the user asked for per-device batch statistics.
-    mixed = options.sync_batchnorm and first_mixed(mixing(jaxpr, leaf_flags(args, on_rows)))
-    if mixed:
-        raise MixesExamples(
-            f"an example's loss depends on the other examples in its batch ({mixed.where}), "
-            f"so {size} devices, each holding only its own rows, would not train what one "
-            "device trains: compute each example's loss from that example alone; for batch "
-            "statistics use nnx.BatchNorm or Linen's nn.BatchNorm (dpax synchronizes them); "
-            "for a loss over the whole batch (contrastive) take the other examples from "
-            "dpax.models.layers.global_rows", mixed.where)
-    return per_device
-
-
-def _state_per_device(forward, args, jaxpr, size, options: StepOptions) -> dict[int, str]:
-    flags, shared = analyze(forward, args, (False, False, True), AXIS, size,
-                            draws=options.own_random, jaxpr=jaxpr)
-    if shared:
-        raise PerDeviceRandom(
-            f"the model draws random numbers shaped {shared[0]} by a device's rows from a key "
-            f"of its own, the same on every device, so {size} devices would not train what "
-            "one device trains: use nnx.Dropout or dpax.models.layers.example_dropout "
-            "(`broadcast_dims` for a drop-path mask), whose masks follow each example's index")
-    if not options.average_state:
-        return {}
-    model_state = args[1]
-    paths = jax.tree_util.tree_flatten_with_path(model_state)[0]
-    # The new state's leaves are the last of forward's outputs.
-    per_device = {i: jax.tree_util.keystr(path, simple=True, separator=".")
-                  for i, ((path, leaf), d) in enumerate(zip(paths, flags[-len(paths):]))
-                  if d and _numeric(leaf)}
-    # Counts and other integers: an average of them means nothing.
-    whole = any(not jnp.issubdtype(paths[i][1].dtype, jnp.floating) for i in per_device)
-    if per_device and (options.sync_batchnorm or whole):
-        hint = ("" if whole else ", or pass `sync_batchnorm=False` to average it across "
-                "devices (not equivalent)")
-        raise PerDeviceState(
-            f"the model's state {', '.join(per_device.values())} is computed from each "
-            f"device's own rows by a layer dpax does not synchronize, so {size} devices "
-            "would not train what one device trains: for batch statistics use nnx.BatchNorm "
-            f"or Linen's nn.BatchNorm (dpax synchronizes them){hint}",
-            list(per_device.values()))
-    return per_device
-
-
-def _numeric(x) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.number)
-
-
 def _with_index(batch: dict) -> dict:
     """Add each row's position in the global batch (device-major, as placed)."""
     rows = batch["mask"].shape[0]
@@ -160,109 +101,32 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
     """The per-device part of a training step: `(state, shard) -> Reduced`,
     the sums over the global batch (the same on every device) and the
     gradient sums as `layout.reduce` leaves them. `state.opt_state` is unused."""
-    n_micro = options.grad_accum
     dtypes = (options.compute_dtype, options.allreduce_dtype)
 
     def grad_step(state: TrainState, batch: dict) -> Reduced:
+        # The generic path sums weight gradients before their transpose
+        # (`dpax.training.untransposed`); the XLA:CPU tuning times its own
+        # forms. One per trace: it learns what moved from the trace it wraps.
+        reorder = (ReduceBeforeTranspose()
+                   if options.backward is None and layout.sums_elementwise else None)
         # What this device's loss sum is differentiated by, and how the model's
         # params come from it (the layout's: e.g. all-gathered slices).
         wrt, use = layout.grad_target(state.params, dtypes)
-        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         batch = _with_index(batch)
-        # The generic path sums weight gradients before their transpose
-        # (`dpax.training.untransposed`); the XLA:CPU tuning times its own forms.
-        reorder = (ReduceBeforeTranspose()
-                   if options.backward is None and layout.sums_elementwise else None)
-
-        def forward(params, model_state, micro):
-            # Fresh Variable objects at this trace level: NNX refuses to update
-            # (e.g. BatchNorm's running averages) Variables from an outer trace.
-            fresh = jax.tree.map(lambda a: a, model_state)
-            model = nnx.merge(graphdef, _cast_floats(use(params), options.compute_dtype), fresh)
-            model.train()  # batch statistics and dropout on
-            micro_in = _cast_inputs(micro, options.compute_dtype)
-            with batch_context(_context(micro_in, step_key, options)):
-                loss_sum, count, sums = shard_sums(loss_fn, model, micro_in)
-            _, _, new_state = nnx.split(model, nnx.Param, ...)
-            # Model state keeps its own dtype whatever the compute dtype was.
-            new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
-            return loss_sum, (count, sums, new_state)
-
-        def sums_and_grads(model_state, micro):
-            def local_loss_sum(params):
-                return forward(params, model_state, micro)
-
-            grad_fn = jax.value_and_grad(local_loss_sum, has_aux=True)
-            if options.backward is not None:
-                grad_fn = options.backward(grad_fn)
-            elif reorder is not None:
-                grad_fn = reorder.wrap(grad_fn)
-            (loss_sum, (count, sums, model_state)), grads = grad_fn(wrt)
-            return (loss_sum, count, sums, grads), model_state
-
-        if n_micro == 1:
-            (loss_sum, count, sums, grad_sums), model_state = sums_and_grads(
-                state.model_state, batch)
-        else:
-            # The shard's micro-batches, summed in a scan: activations of one
-            # micro-batch live at a time, and the all-reduce below still runs once.
-            # Strided, not contiguous: a shard holds a multiple of n_micro rows,
-            # so micro-batch j holds the global rows r with r % n_micro == j on
-            # every device count. What a micro-batch computes together (a
-            # BatchNorm's statistics) then covers the same examples as on one
-            # device; contiguous runs of each shard would not.
-            micro = jax.tree.map(
-                lambda v: v.reshape((-1, n_micro) + v.shape[1:]).swapaxes(0, 1), batch)
-            first = jax.tree.map(lambda v: v[0], micro)
-            acc, model_state = sums_and_grads(state.model_state, first)
-
-            def accumulate(carry, mb):
-                acc, model_state = carry
-                new, model_state = sums_and_grads(model_state, mb)
-                return (jax.tree.map(jnp.add, acc, new), model_state), None
-
-            (acc, model_state), _ = jax.lax.scan(
-                accumulate, (acc, model_state), jax.tree.map(lambda v: v[1:], micro))
-            loss_sum, count, sums, grad_sums = acc
-
-        first = batch if n_micro == 1 else jax.tree.map(lambda v: v[0], micro)
-        per_device = _per_device_state(forward, wrt, state.model_state, first, options)
+        forward = _forward(graphdef, loss_fn, use, _step_key(state), options)
+        per_device = preflight(forward, wrt, state.model_state, batch, options)
+        sums_and_grads = _sums_and_grads(forward, wrt, reorder, options)
+        acc, model_state = _accumulate(sums_and_grads, state.model_state, batch,
+                                       options.grad_accum)
         if options.average_state:
-            # State of a layer dpax does not synchronize (e.g. a custom running
-            # mean): what a device computes from its own rows is averaged (only
-            # with sync_batchnorm off); what it computes from what every device
-            # holds alike needs no average.
-            leaves, treedef = jax.tree.flatten(model_state)
-            for i, mean in zip(per_device, pmean_tree([leaves[i] for i in per_device], AXIS,
-                                                      options.pack)):
-                leaves[i] = mean
-            # The same value everywhere, but typed per device where it came from
-            # the params as differentiated: a max of equal values types it as
-            # replicated and keeps its bits (a mean over 3 would not).
-            typed = [i for i, leaf in enumerate(leaves) if i not in per_device
-                     and _numeric(leaf) and typed_varying(leaf, AXIS)]
-            if typed:
-                for i, same in zip(typed, jax.lax.pmax([leaves[i] for i in typed], AXIS)):
-                    leaves[i] = same
-            model_state = jax.tree.unflatten(treedef, leaves)
-        if not layout.grads_in_backward:
-            grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
-        loss_sum, count, sums, grads = layout.reduce(loss_sum, count, sums, grad_sums)
-        for_norm = None
-        if reorder is not None:
-            # A sharded layout's norm runs under jit, on the logical gradient.
-            if layout.per_device_update:
-                for_norm = reorder.for_norm(grads)
-            grads = reorder.transposes(grads)
-        return Reduced(loss_sum, count, sums, grads, model_state, for_norm)
+            model_state = _average_state(model_state, per_device, options.pack)
+        return _reduce(layout, reorder, options, acc, model_state)
 
     def checked(state: TrainState, batch: dict) -> Reduced:
         try:
             return grad_step(state, batch)
         except TypeError as e:
-            # shard_map's type check: a loop's carry that starts alike on every
-            # device (zeros) and comes back computed from the device's rows.
-            if "manual axis types do not match" not in str(e):
+            if not _carry_types_differ(e):
                 raise
             raise DpaxError(
                 "the model loops (a scan, e.g. nnx.RNN) with a carry that starts the same on "
@@ -272,6 +136,143 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
             ) from None
 
     return checked
+
+
+def preflight(forward: Callable, params, model_state, batch: dict,
+              options: StepOptions) -> dict[int, str]:
+    """The refusals (`dpax.analysis.refusals`), from one trace of `forward`
+    on one device's first micro-batch: raises what N devices would train
+    differently from one device, and returns {leaf index: path} of the model
+    state to average (`_average_state`).
+
+    Called as the step is traced, before its computation: one device's
+    shapes and the number of devices exist only once a backend (`pmap`,
+    `shard_map`) traces the per-device function. It reads shapes only and
+    adds nothing to the step's program."""
+    n_micro = options.grad_accum
+    micro = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct((v.shape[0] // n_micro,) + v.shape[1:], v.dtype), batch)
+    asks = Asks(own_random=options.own_random, average_state=options.average_state,
+                sync_batchnorm=options.sync_batchnorm)
+    return refuse(forward, (params, model_state, micro), AXIS, jax.lax.axis_size(AXIS), asks)
+
+
+def _step_key(state: TrainState):
+    return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+
+def _forward(graphdef: nnx.GraphDef, loss_fn: LossFn, use: Callable, key,
+             options: StepOptions) -> Callable:
+    """`forward(params, model_state, micro) -> (loss_sum, (count, sums,
+    new_state))`: one micro-batch's masked sums, the model in train mode."""
+
+    def forward(params, model_state, micro):
+        # Fresh Variable objects at this trace level: NNX refuses to update
+        # (e.g. BatchNorm's running averages) Variables from an outer trace.
+        fresh = jax.tree.map(lambda a: a, model_state)
+        model = nnx.merge(graphdef, _cast_floats(use(params), options.compute_dtype), fresh)
+        model.train()  # batch statistics and dropout on
+        micro_in = _cast_inputs(micro, options.compute_dtype)
+        with batch_context(_context(micro_in, key, options)):
+            loss_sum, count, sums = shard_sums(loss_fn, model, micro_in)
+        _, _, new_state = nnx.split(model, nnx.Param, ...)
+        # Model state keeps its own dtype whatever the compute dtype was.
+        new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
+        return loss_sum, (count, sums, new_state)
+
+    return forward
+
+
+def _sums_and_grads(forward: Callable, wrt, reorder: ReduceBeforeTranspose | None,
+                    options: StepOptions) -> Callable:
+    """`(model_state, micro) -> ((loss_sum, count, sums, grads), model_state)`:
+    one micro-batch's sums and this device's gradient sums by `wrt`."""
+
+    def sums_and_grads(model_state, micro):
+        def local_loss_sum(params):
+            return forward(params, model_state, micro)
+
+        grad_fn = jax.value_and_grad(local_loss_sum, has_aux=True)
+        if options.backward is not None:
+            grad_fn = options.backward(grad_fn)
+        elif reorder is not None:
+            grad_fn = reorder.wrap(grad_fn)
+        (loss_sum, (count, sums, model_state)), grads = grad_fn(wrt)
+        return (loss_sum, count, sums, grads), model_state
+
+    return sums_and_grads
+
+
+def _accumulate(sums_and_grads: Callable, model_state, batch: dict, n_micro: int):
+    """The shard's sums and gradient sums over its `n_micro` micro-batches,
+    and the model state after the last: `((loss_sum, count, sums, grads),
+    model_state)`."""
+    if n_micro == 1:
+        return sums_and_grads(model_state, batch)
+    # The shard's micro-batches, summed in a scan: activations of one
+    # micro-batch live at a time, and the all-reduce after it still runs once.
+    # Strided, not contiguous: a shard holds a multiple of n_micro rows,
+    # so micro-batch j holds the global rows r with r % n_micro == j on
+    # every device count. What a micro-batch computes together (a
+    # BatchNorm's statistics) then covers the same examples as on one
+    # device; contiguous runs of each shard would not.
+    micro = jax.tree.map(lambda v: v.reshape((-1, n_micro) + v.shape[1:]).swapaxes(0, 1), batch)
+    first = jax.tree.map(lambda v: v[0], micro)
+    acc, model_state = sums_and_grads(model_state, first)
+
+    def add(carry, mb):
+        acc, model_state = carry
+        new, model_state = sums_and_grads(model_state, mb)
+        return (jax.tree.map(jnp.add, acc, new), model_state), None
+
+    (acc, model_state), _ = jax.lax.scan(
+        add, (acc, model_state), jax.tree.map(lambda v: v[1:], micro))
+    return acc, model_state
+
+
+def _average_state(model_state, per_device: dict[int, str], pack: bool):
+    """State of a layer dpax does not synchronize (e.g. a custom running
+    mean): what a device computes from its own rows (`per_device`, only
+    with sync_batchnorm off) is averaged; what it computes from what every
+    device holds alike needs no average."""
+    leaves, treedef = jax.tree.flatten(model_state)
+    for i, mean in zip(per_device, pmean_tree([leaves[i] for i in per_device], AXIS, pack)):
+        leaves[i] = mean
+    # The same value everywhere, but typed per device where it came from
+    # the params as differentiated: a max of equal values types it as
+    # replicated and keeps its bits (a mean over 3 would not).
+    typed = [i for i, leaf in enumerate(leaves) if i not in per_device
+             and numeric(leaf) and typed_varying(leaf, AXIS)]
+    if typed:
+        for i, same in zip(typed, jax.lax.pmax([leaves[i] for i in typed], AXIS)):
+            leaves[i] = same
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _reduce(layout: Layout, reorder: ReduceBeforeTranspose | None, options: StepOptions,
+            acc: tuple, model_state) -> Reduced:
+    """The device's sums, all-reduced as the layout does (its gradients in
+    the all-reduce dtype), and untransposed where the sums were not."""
+    loss_sum, count, sums, grad_sums = acc
+    if not layout.grads_in_backward:
+        grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
+    loss_sum, count, sums, grads = layout.reduce(loss_sum, count, sums, grad_sums)
+    for_norm = None
+    if reorder is not None:
+        # A sharded layout's norm runs under jit, on the logical gradient.
+        if layout.per_device_update:
+            for_norm = reorder.for_norm(grads)
+        grads = reorder.transposes(grads)
+    return Reduced(loss_sum, count, sums, grads, model_state, for_norm)
+
+
+def _carry_types_differ(e: TypeError) -> bool:
+    """Is `e` shard_map's type check refusing a loop's carry that starts alike
+    on every device (zeros) and comes back computed from the device's rows?
+    JAX 0.10 raises a plain TypeError for it, whose text ends "so the manual
+    axis types do not match" (`jax._src.core.aval_mismatch_extra`): the text
+    is all there is to tell it by."""
+    return "manual axis types do not match" in str(e)
 
 
 def make_train_step(

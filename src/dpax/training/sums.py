@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpax.errors import DpaxError
+from dpax.errors import DpaxError, NotPerExample
 from dpax.training.metrics import Count, Mean, Total
 
 # loss_fn(model, batch) -> per-example losses, or (losses, {name: per-example values}),
@@ -55,10 +55,10 @@ def shard_sums(loss_fn: LossFn, model, batch):
     mask = batch["mask"]
     for name, v in (("loss", losses), ("weight", weights)):
         if v is not None and jnp.shape(v) != mask.shape:  # a mean would break exactness
-            raise DpaxError(
+            raise NotPerExample(
                 f"loss_fn must return one {name} per example (shape {mask.shape} for a "
                 f"device's rows), got {jnp.shape(v)}; return per-example values before "
-                "taking the mean")
+                "taking the mean", name)
     ones = jnp.ones(mask.shape, jnp.float32)
     w = None if weights is None else weights.astype(jnp.float32)
 

@@ -94,14 +94,26 @@ def check_optimizer(tx: optax.GradientTransformation, state: TrainState) -> None
         jax.eval_shape(lambda g, s, p: tx_update(tx, g, s, p, jnp.float32(0)),
                        grads, state.opt_state, state.params)
     except TypeError as e:
-        if "required keyword-only argument" not in str(e):
+        wanted = _missing_keyword(e)
+        if wanted is None:
             raise
-        wanted = str(e).rpartition("argument")[2].strip(": s")
         raise DpaxError(
             f"the optimizer's update needs {wanted}: dpax gives an optax update the "
             "gradients, params and the batch's mean loss (`value`), not a loss function "
             "(e.g. a line search: optax.scale_by_backtracking_linesearch, optax.lbfgs); "
             "use an optimizer without one") from None
+
+
+def _missing_keyword(e: TypeError) -> str | None:
+    """The keyword-only arguments a call lacked, as Python names them, or None
+    when `e` is another TypeError. The optax update that wants them is
+    called deep inside a chain, so no signature read beforehand finds them;
+    Python (3.10-3.13) says so only in the text: "f() missing 1 required
+    keyword-only argument: 'value_fn'"."""
+    text = str(e)
+    if "required keyword-only argument" not in text:
+        return None
+    return text.rpartition("argument")[2].strip(": s")
 
 
 def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | None = None,
@@ -113,52 +125,9 @@ def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | Non
     partitions it, collectives included)."""
 
     def update(state: TrainState, r: Reduced):
-        # A batch of zero weight has no mean (0/0): skipped like a NaN one.
-        finite = jnp.isfinite(r.loss_sum) & (r.count > 0)
-        norm = None
-        # One pass over the summed gradients gives the norm and the finiteness
-        # test (a NaN or inf anywhere makes the sum of squares non-finite); the
-        # division then fuses into the update instead of being stored and read
-        # twice more. Without the guard or clipping nothing needs it: the step
-        # then does a hand-written loop's work, no more (the pass reads every
-        # gradient once more), and a non-finite gradient shows as the next
-        # step's non-finite loss.
-        if options.skip_nonfinite or options.clip_norm is not None:
-            sq = sum_of_squares(r.grads if r.for_norm is None else r.for_norm,
-                                options.whole_leaves)
-            norm = jnp.sqrt(sq) / r.count
-            finite &= jnp.isfinite(sq)
-
-        def apply():
-            # A product by the reciprocal, not a division: XLA counts a divide
-            # as expensive and stores g / count as a pass of its own, where a
-            # multiply fuses into each optimizer loop that reads it: one pass
-            # over the gradients fewer. One more rounding, the same on any
-            # device count.
-            scale = 1.0 / r.count
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32) * scale, r.grads)
-            if options.clip_norm is not None:  # optax.clip_by_global_norm's formula
-                small = norm < options.clip_norm
-                grads = jax.tree.map(
-                    lambda g: jax.lax.select(small, g, g / norm * options.clip_norm), grads)
-            updates, opt_state = tx_update(tx, grads, state.opt_state, state.params,
-                                            r.loss_sum / r.count)
-            return optax.apply_updates(state.params, updates), opt_state
-
-        model_state = r.model_state
-        if options.skip_nonfinite:
-            # A branch, not a select of new against old: the good path writes
-            # the update once, in place, where with a select XLA:CPU copies
-            # Adam's moments first (scripts/guard_forms.py times both). A
-            # non-finite step leaves the state as it was, the counters aside.
-            params, opt_state = jax.lax.cond(finite, apply,
-                                             lambda: (state.params, state.opt_state))
-            model_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), model_state,
-                                       state.model_state)
-            bad = jnp.where(finite, 0, state.bad_in_a_row + 1)
-        else:  # applied as a hand-written loop applies it; still counted
-            params, opt_state = apply()
-            bad = jnp.where(finite, 0, state.bad_in_a_row + 1)
+        finite, norm = _finite_and_norm(r, options)
+        params, opt_state, model_state = _apply(tx, state, r, finite, norm, options)
+        bad = jnp.where(finite, 0, state.bad_in_a_row + 1)
         ema = state.ema
         if options.ema_decay is not None:
             ema = ema_update(ema, params, state.step, options.ema_decay)
@@ -166,15 +135,7 @@ def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | Non
                 ema = jax.tree.map(lambda a, b: jnp.where(finite, a, b), ema, state.ema)
         new = state.replace(step=state.step + 1, params=params, model_state=model_state,
                             opt_state=opt_state, bad_in_a_row=bad, ema=ema)
-        # A skipped step adds nothing to the logged means; it is counted instead.
-        # An applied one shows in them (a NaN loss).
-        loss_sum, count, sums = r.loss_sum, r.count, r.sums
-        if options.skip_nonfinite:
-            loss_sum, count, sums = jax.tree.map(lambda v: jnp.where(finite, v, 0.0),
-                                                 (loss_sum, count, sums))
-        metrics = example_metrics(loss_sum, count, sums)
-        skipped = (1.0 - finite.astype(jnp.float32)) if options.skip_nonfinite else 0.0
-        metrics["skipped"] = Total(jnp.asarray(skipped, jnp.float32))
+        metrics = _metrics(r, finite, norm, options)
         metrics["bad_in_a_row"] = Last(new.bad_in_a_row)
         if norm is not None:
             metrics["grad_norm"] = Last(norm)
@@ -183,3 +144,67 @@ def make_update(tx: optax.GradientTransformation, schedule: optax.Schedule | Non
         return new, metrics
 
     return update
+
+
+def _finite_and_norm(r: Reduced, options: UpdateOptions):
+    """(whether the step is finite, the mean gradient's norm or None)."""
+    # A batch of zero weight has no mean (0/0): skipped like a NaN one.
+    finite = jnp.isfinite(r.loss_sum) & (r.count > 0)
+    norm = None
+    # One pass over the summed gradients gives the norm and the finiteness
+    # test (a NaN or inf anywhere makes the sum of squares non-finite); the
+    # division then fuses into the update instead of being stored and read
+    # twice more. Without the guard or clipping nothing needs it: the step
+    # then does a hand-written loop's work, no more (the pass reads every
+    # gradient once more), and a non-finite gradient shows as the next
+    # step's non-finite loss.
+    if options.skip_nonfinite or options.clip_norm is not None:
+        sq = sum_of_squares(r.grads if r.for_norm is None else r.for_norm,
+                            options.whole_leaves)
+        norm = jnp.sqrt(sq) / r.count
+        finite &= jnp.isfinite(sq)
+    return finite, norm
+
+
+def _apply(tx, state: TrainState, r: Reduced, finite, norm, options: UpdateOptions):
+    """(params, opt_state, model_state) after the optimizer's step; with
+    `skip_nonfinite`, a non-finite step's are the state's as they were."""
+
+    def apply():
+        # A product by the reciprocal, not a division: XLA counts a divide
+        # as expensive and stores g / count as a pass of its own, where a
+        # multiply fuses into each optimizer loop that reads it. One more
+        # rounding, the same on any device count.
+        scale = 1.0 / r.count
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) * scale, r.grads)
+        if options.clip_norm is not None:  # optax.clip_by_global_norm's formula
+            small = norm < options.clip_norm
+            grads = jax.tree.map(
+                lambda g: jax.lax.select(small, g, g / norm * options.clip_norm), grads)
+        updates, opt_state = tx_update(tx, grads, state.opt_state, state.params,
+                                        r.loss_sum / r.count)
+        return optax.apply_updates(state.params, updates), opt_state
+
+    if not options.skip_nonfinite:  # applied as a hand-written loop applies it; still counted
+        return (*apply(), r.model_state)
+    # A branch, not a select of new against old: the good path writes the
+    # update once, in place, where with a select XLA:CPU copies Adam's
+    # moments first (scripts/guard_forms.py times both). A non-finite step
+    # leaves the state as it was, the counters aside.
+    params, opt_state = jax.lax.cond(finite, apply, lambda: (state.params, state.opt_state))
+    model_state = jax.tree.map(lambda a, b: jnp.where(finite, a, b), r.model_state,
+                               state.model_state)
+    return params, opt_state, model_state
+
+
+def _metrics(r: Reduced, finite, norm, options: UpdateOptions) -> dict:
+    """The step's typed metrics. A skipped step adds nothing to the logged
+    means; it is counted instead. An applied one shows in them (a NaN loss)."""
+    loss_sum, count, sums = r.loss_sum, r.count, r.sums
+    if options.skip_nonfinite:
+        loss_sum, count, sums = jax.tree.map(lambda v: jnp.where(finite, v, 0.0),
+                                             (loss_sum, count, sums))
+    metrics = example_metrics(loss_sum, count, sums)
+    skipped = (1.0 - finite.astype(jnp.float32)) if options.skip_nonfinite else 0.0
+    metrics["skipped"] = Total(jnp.asarray(skipped, jnp.float32))
+    return metrics

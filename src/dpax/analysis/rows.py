@@ -34,6 +34,8 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend import core as jcore
 
+from dpax.analysis.propagate import Domain, propagate
+
 CONST, SUMMARY, UNKNOWN = "const", "summary", "unknown"
 
 
@@ -48,9 +50,6 @@ class Mixed:
     where: str  # the operation that first mixed rows, and its source line
 
 
-# Collectives whose result combines every device's values.
-_COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "all_gather",
-                "all_gather_invariant"}
 # Same shape in and out, but along an axis: on the rows' axis they mix them.
 _ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "rev"}
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
@@ -62,38 +61,61 @@ def mixing(jaxpr: jcore.Jaxpr, rows: Sequence[bool]) -> list:
     hold one row each along their leading axis (all others `CONST`)."""
     ins = [Row(0) if r and len(getattr(v.aval, "shape", ())) else CONST
            for v, r in zip(jaxpr.invars, rows)]
-    return _propagate(jaxpr, ins)
+    return propagate(jaxpr, ins, _KINDS)
 
 
 def first_mixed(kinds: Sequence) -> Mixed | None:
     return next((k for k in kinds if isinstance(k, Mixed)), None)
 
 
-def _propagate(jaxpr: jcore.Jaxpr, ins: list) -> list:
-    env = dict(zip(jaxpr.invars, ins))
+class Kinds(Domain):
+    """A kind per value (the module's docstring)."""
 
-    def kind(atom):
-        return CONST if isinstance(atom, jcore.Literal) else env.get(atom, CONST)
+    bottom = CONST
+    scan_rounds = 8  # the carry's kinds settle in a step or two
 
-    for eqn in jaxpr.eqns:
-        kinds = [kind(a) for a in eqn.invars]
+    def first(self, eqn, kinds):
+        mixed = first_mixed(kinds)
+        if mixed is not None:
+            return [mixed] * len(eqn.outvars)
         if all(k == CONST for k in kinds):  # nothing from a row, whatever the op
-            outs = [CONST] * len(eqn.outvars)
-        else:
-            outs = _eqn(eqn, kinds)
-        env.update(zip(eqn.outvars, outs))
-    return [kind(v) for v in jaxpr.outvars]
+            return [CONST] * len(eqn.outvars)
+        return None
+
+    def collective(self, eqn, kinds, over_axis):
+        # Every device's rows combined, as one device has them.
+        return [CONST] * len(eqn.outvars)
+
+    def call(self, eqn, outs):
+        return _located(outs, eqn)
+
+    def control(self, eqn, kinds):
+        if UNKNOWN in kinds or (eqn.primitive.name == "cond" and kinds[0] != CONST):
+            return [UNKNOWN] * len(eqn.outvars)
+        return None
+
+    def join(self, kinds):
+        return _join(kinds)
+
+    def primitive(self, eqn, kinds):
+        return _eqn(eqn, kinds)
+
+    def sliced(self, k):  # the body sees one slice along axis 0
+        if isinstance(k, Row):
+            return UNKNOWN if k.axis == 0 else Row(k.axis - 1, k.group)
+        return k
+
+    def stacked(self, k):
+        return Row(k.axis + 1, k.group) if isinstance(k, Row) else k
+
+    def carried(self, settled, out):
+        return settled
+
+    def opaque(self, eqn):
+        return [UNKNOWN] * len(eqn.outvars)
 
 
-def _inner(eqn):
-    """The body of a call (pjit, remat, custom_jvp/vjp), argument for argument."""
-    inner = [p for p in eqn.params.values() if isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr))]
-    if eqn.primitive.name in ("while", "scan", "cond") or len(inner) != 1:
-        return None
-    body = inner[0].jaxpr if isinstance(inner[0], jcore.ClosedJaxpr) else inner[0]
-    if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
-        return None
-    return body
+_KINDS = Kinds()
 
 
 def _line(eqn) -> str:
@@ -121,25 +143,17 @@ def _shape(atom) -> tuple:
 
 
 def _eqn(eqn, kinds: list) -> list:
-    name, n_out = eqn.primitive.name, len(eqn.outvars)
-    mixed = first_mixed(kinds)
-    if mixed is not None:
-        return [mixed] * n_out
-    if name in _COLLECTIVES:  # every device's rows combined, as one device has them
-        return [CONST] * n_out
-    body = _inner(eqn)
-    if body is not None:
-        return _located(_propagate(body, kinds), eqn)
+    """An equation the walk does not open, read by its rule."""
     if UNKNOWN in kinds:
-        return [UNKNOWN] * n_out
-    rule = _RULES.get(name)
+        return [UNKNOWN] * len(eqn.outvars)
+    rule = _RULES.get(eqn.primitive.name)
     if rule is not None:
         out = rule(eqn, kinds)
     else:
         out = _elementwise(eqn, kinds)
     if isinstance(out, Mixed) or out == "mix":
         out = Mixed(_where(eqn))
-    return out if isinstance(out, list) else [out] * n_out
+    return out if isinstance(out, list) else [out] * len(eqn.outvars)
 
 
 def _elementwise(eqn, kinds: list):
@@ -407,14 +421,6 @@ def _key_scalar_ok(eqn, kinds):
     return out if out != "mix" else UNKNOWN
 
 
-def _cond(eqn, kinds):
-    index, *ops = kinds
-    if index != CONST:
-        return [UNKNOWN] * len(eqn.outvars)
-    branches = [_propagate(b.jaxpr, list(ops)) for b in eqn.params["branches"]]
-    return [_join([b[i] for b in branches]) for i in range(len(eqn.outvars))]
-
-
 def _join(kinds: list):
     mixed = first_mixed(kinds)
     if mixed is not None:
@@ -423,25 +429,6 @@ def _join(kinds: list):
     if not found:
         return CONST
     return found.pop() if len(found) == 1 else UNKNOWN
-
-
-def _scan(eqn, kinds):
-    p = eqn.params
-    body, n_consts, n_carry = p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"]
-    xs = kinds[n_consts + n_carry:]
-    # The body sees one slice of each xs along its axis 0.
-    sliced = [UNKNOWN if isinstance(k, Row) and k.axis == 0
-              else Row(k.axis - 1, k.group) if isinstance(k, Row) else k for k in xs]
-    carry = list(kinds[n_consts:n_consts + n_carry])
-    for _ in range(8):  # the carry's kinds settle in a step or two
-        outs = _propagate(body, kinds[:n_consts] + carry + sliced)
-        joined = [_join([a, b]) for a, b in zip(carry, outs[:n_carry])]
-        if joined == carry:
-            ys = [Row(k.axis + 1, k.group) if isinstance(k, Row) else k
-                  for k in outs[n_carry:]]
-            return carry + ys
-        carry = joined
-    return [UNKNOWN] * len(eqn.outvars)
 
 
 def _while(eqn, kinds):
@@ -456,7 +443,7 @@ _RULES = {
     "dynamic_update_slice": _dynamic_update_slice, "gather": _gather,
     "random_bits": _first, "pcast": _first, "pvary": _first, "random_fold_in": _key_scalar_ok,
     "random_split": _key_scalar_ok, "random_wrap": _key_scalar_ok,
-    "random_unwrap": _key_scalar_ok, "cond": _cond, "scan": _scan, "while": _while,
+    "random_unwrap": _key_scalar_ok, "while": _while,
     **{n: _reduce for n in _REDUCTIONS},
     **{n: _along_axis for n in _ALONG_AXIS},
     **{n: _keeps_rows(_window_one) for n in ("reduce_window_sum", "reduce_window_max",

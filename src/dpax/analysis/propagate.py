@@ -1,0 +1,175 @@
+"""One walk over a jaxpr that carries a fact per value, for every analysis.
+
+An analysis (`dpax.analysis.varying`, `dpax.analysis.rows`) is a `Domain`:
+the fact a value starts with, how facts join, and what each kind of
+equation makes of its operands' facts. The walk is shared: the one table of
+collectives, calls into a sub-jaxpr argument for argument (pjit, remat,
+custom_jvp/vjp), a cond's branches joined, and a scan's carry iterated until
+its facts settle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+# Collectives whose result combines every device's values: the same everywhere.
+COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "all_gather",
+                         "all_gather_invariant"})
+# Primitives whose result differs per device whatever their operands.
+PER_DEVICE = frozenset({"axis_index", "ppermute", "all_to_all", "reduce_scatter",
+                        "psum_scatter"})
+
+
+class Domain:
+    """What an analysis knows of values; the defaults pass facts through.
+
+    `axis`: the devices' axis name, where the analysis reads collectives by
+    it. `scan_rounds`: how many passes over a scan's body may settle its
+    carry before every output is `opaque` (None: until they settle)."""
+
+    bottom: Any = None  # the fact of a literal, a constant, a value from no operand
+    axis: str | None = None
+    scan_rounds: int | None = None
+
+    def first(self, eqn, facts: list) -> list | None:
+        """A verdict before the equation is read (None: read it)."""
+        return None
+
+    def join(self, facts: list):
+        """One fact for a value that may be any of `facts` (branches, loop rounds)."""
+        raise NotImplementedError
+
+    def primitive(self, eqn, facts: list) -> list:
+        """The outputs' facts of an equation the walk does not open."""
+        raise NotImplementedError
+
+    def per_device(self, eqn, facts: list) -> list:
+        return self.primitive(eqn, facts)
+
+    def collective(self, eqn, facts: list, over_axis: bool) -> list:
+        return self.primitive(eqn, facts)
+
+    def control(self, eqn, facts: list) -> list | None:
+        """A verdict on a cond or scan before the walk opens it (None: open it)."""
+        return None
+
+    def call(self, eqn, outs: list) -> list:
+        """A call's outputs, from its body's."""
+        return outs
+
+    def sliced(self, fact):  # a scan's xs, as one iteration sees them
+        return fact
+
+    def stacked(self, fact):  # a scan's ys, stacked along a new leading axis
+        return fact
+
+    def carried(self, settled, out):
+        """A scan's carry out, from the settled carry in and the body's out."""
+        return out
+
+    def opaque(self, eqn) -> list:
+        """A scan whose carry did not settle within `scan_rounds`."""
+        raise NotImplementedError
+
+
+Observer = Callable[[Any, list], None]
+
+
+def propagate(jaxpr: jcore.Jaxpr, ins: Sequence, domain: Domain,
+              observe: Observer | None = None) -> list:
+    """The facts of `jaxpr`'s outputs from its inputs'. `observe(eqn, facts)`
+    sees every equation the walk reaches with its operands' facts, in
+    program order (a scan's body once, with the carry's settled facts)."""
+    env = dict(zip(jaxpr.invars, ins))
+
+    def fact(atom):
+        return domain.bottom if isinstance(atom, jcore.Literal) else env.get(atom, domain.bottom)
+
+    for eqn in jaxpr.eqns:
+        facts = [fact(a) for a in eqn.invars]
+        if observe is not None:
+            observe(eqn, facts)
+        env.update(zip(eqn.outvars, _eqn(eqn, facts, domain, observe)))
+    return [fact(v) for v in jaxpr.outvars]
+
+
+def _eqn(eqn, facts: list, domain: Domain, observe: Observer | None) -> list:
+    outs = domain.first(eqn, facts)
+    if outs is not None:
+        return outs
+    name = eqn.primitive.name
+    if name in PER_DEVICE:
+        return domain.per_device(eqn, facts)
+    if name in COLLECTIVES:
+        return domain.collective(eqn, facts, domain.axis in axes(eqn.params))
+    body = call_body(eqn)
+    if body is not None:
+        return domain.call(eqn, propagate(body, facts, domain, observe))
+    if name in ("cond", "scan"):
+        outs = domain.control(eqn, facts)
+        if outs is not None:
+            return outs
+        return (_cond if name == "cond" else _scan)(eqn, facts, domain, observe)
+    return domain.primitive(eqn, facts)
+
+
+def _cond(eqn, facts: list, domain: Domain, observe: Observer | None) -> list:
+    """The branch index, then the operands of every branch."""
+    index, *ops = facts
+    branches = [propagate(b.jaxpr, ops, domain, observe) for b in eqn.params["branches"]]
+    return [domain.join([index] + [b[i] for b in branches]) for i in range(len(eqn.outvars))]
+
+
+def _scan(eqn, facts: list, domain: Domain, observe: Observer | None) -> list:
+    """consts, carry, xs -> carry, ys: the body again until the carry's facts settle."""
+    p = eqn.params
+    body, n_consts, n_carry = p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"]
+    consts, carry = facts[:n_consts], facts[n_consts:n_consts + n_carry]
+    xs = [domain.sliced(f) for f in facts[n_consts + n_carry:]]
+    rounds = 0
+    while domain.scan_rounds is None or rounds < domain.scan_rounds:
+        rounds += 1
+        outs = propagate(body, consts + carry + xs, domain)
+        joined = [domain.join([a, b]) for a, b in zip(carry, outs[:n_carry])]
+        if joined == carry:
+            if observe is not None:  # once more, seen: the body as the settled carry runs it
+                outs = propagate(body, consts + carry + xs, domain, observe)
+            return ([domain.carried(a, b) for a, b in zip(carry, outs[:n_carry])]
+                    + [domain.stacked(f) for f in outs[n_carry:]])
+        carry = joined
+    return domain.opaque(eqn)
+
+
+def call_body(eqn) -> jcore.Jaxpr | None:
+    """The body of a call (pjit, remat, custom_jvp/vjp), argument for argument."""
+    inner = [p for p in eqn.params.values() if isinstance(p, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+    if eqn.primitive.name in ("while", "scan", "cond") or len(inner) != 1:
+        return None
+    body = inner[0].jaxpr if isinstance(inner[0], jcore.ClosedJaxpr) else inner[0]
+    if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
+        return None
+    return body
+
+
+def axes(params: dict) -> tuple:
+    """The axis names a collective runs over."""
+    found = params.get("axes", params.get("axis_name", ()))
+    return found if isinstance(found, tuple) else (found,)
+
+
+def shapes(args: Sequence[Any]) -> list:
+    return [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg) for arg in args]
+
+
+def trace(fn: Callable, args: Sequence[Any], axis: str, size: int) -> jcore.Jaxpr:
+    """`fn`'s jaxpr on the shapes of `args`, inside `size` devices of `axis`."""
+    return jax.make_jaxpr(fn, axis_env=[(axis, size)])(*shapes(args)).jaxpr
+
+
+def leaf_flags(args: Sequence[Any], flags: Sequence[bool]) -> list[bool]:
+    """Each argument's flag, once per leaf: the jaxpr's inputs."""
+    return [flag for arg, flag in zip(args, flags) for _ in jax.tree.leaves(arg)]

@@ -1,0 +1,93 @@
+"""The refusals a step's analyses give before training: what N devices would
+compute differently from one device, and no average mends.
+
+`refuse` reads one trace of a step's forward on one device's rows: a random
+draw shaped by the rows from a key every device holds alike
+(`PerDeviceRandom`), numeric model state computed from each device's rows
+while `sync_batchnorm` asks for one device's numbers or when it is a count
+(`PerDeviceState`), and a loss or layer that mixes the examples a device
+holds (`MixesExamples`). It returns the state that is averaged instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from dpax.analysis.propagate import leaf_flags, trace
+from dpax.analysis.rows import first_mixed, mixing
+from dpax.analysis.varying import analyze
+from dpax.errors import MixesExamples, PerDeviceRandom, PerDeviceState
+
+# forward(params, model_state, rows): the params and the state are alike on
+# every device, the rows (one device's micro-batch) are its own.
+ON_ROWS = (False, False, True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Asks:
+    """What the step asks of the analyses (`dpax.training.step.StepOptions`'s)."""
+
+    own_random: bool = False  # the model draws from RNG streams of its own
+    average_state: bool = False  # find the model state that differs per device
+    sync_batchnorm: bool = True  # off: the user asked for per-device batch statistics
+
+
+def refuse(forward: Callable, args: tuple, axis: str, size: int, asks: Asks) -> dict[int, str]:
+    """{leaf index: path} of the numeric model state (`args[1]`) that a step
+    leaves different on each of `size` devices, which is averaged; raises
+    what no average mends. The new state's leaves are the last of
+    `forward`'s outputs."""
+    if size == 1:
+        return {}
+    jaxpr = trace(forward, args, axis, size)
+    per_device = {}
+    if asks.own_random or asks.average_state:
+        per_device = _state_per_device(forward, args, jaxpr, axis, size, asks)
+    # With sync_batchnorm off the user asked for per-device batch statistics.
+    mixed = asks.sync_batchnorm and first_mixed(mixing(jaxpr, leaf_flags(args, ON_ROWS)))
+    if mixed:
+        raise MixesExamples(
+            f"an example's loss depends on the other examples in its batch ({mixed.where}), "
+            f"so {size} devices, each holding only its own rows, would not train what one "
+            "device trains: compute each example's loss from that example alone; for batch "
+            "statistics use nnx.BatchNorm or Linen's nn.BatchNorm (dpax synchronizes them); "
+            "for a loss over the whole batch (contrastive) take the other examples from "
+            "dpax.models.layers.global_rows", mixed.where)
+    return per_device
+
+
+def _state_per_device(forward, args, jaxpr, axis, size, asks: Asks) -> dict[int, str]:
+    flags, shared = analyze(forward, args, ON_ROWS, axis, size, draws=asks.own_random,
+                            jaxpr=jaxpr)
+    if shared:
+        raise PerDeviceRandom(
+            f"the model draws random numbers shaped {shared[0]} by a device's rows from a key "
+            f"of its own, the same on every device, so {size} devices would not train what "
+            "one device trains: use nnx.Dropout or dpax.models.layers.example_dropout "
+            "(`broadcast_dims` for a drop-path mask), whose masks follow each example's index")
+    if not asks.average_state:
+        return {}
+    paths = jax.tree_util.tree_flatten_with_path(args[1])[0]
+    per_device = {i: jax.tree_util.keystr(path, simple=True, separator=".")
+                  for i, ((path, leaf), d) in enumerate(zip(paths, flags[-len(paths):]))
+                  if d and numeric(leaf)}
+    # Counts and other integers: an average of them means nothing.
+    whole = any(not jnp.issubdtype(paths[i][1].dtype, jnp.floating) for i in per_device)
+    if per_device and (asks.sync_batchnorm or whole):
+        hint = ("" if whole else ", or pass `sync_batchnorm=False` to average it across "
+                "devices (not equivalent)")
+        raise PerDeviceState(
+            f"the model's state {', '.join(per_device.values())} is computed from each "
+            f"device's own rows by a layer dpax does not synchronize, so {size} devices "
+            "would not train what one device trains: for batch statistics use nnx.BatchNorm "
+            f"or Linen's nn.BatchNorm (dpax synchronizes them){hint}",
+            list(per_device.values()))
+    return per_device
+
+
+def numeric(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.number)
