@@ -48,7 +48,7 @@ test: lint
 	site=$$(mktemp -d) && $(MAKE) docs-site SITE=$$site && rm -rf $$site
 	session=$$(mktemp -d) && trap 'rm -rf "$$session"' EXIT && \
 	  export DPAX_TEST_SESSION_DIR=$$session && \
-	  $(BIN)/pytest $(PARALLEL) --durations=15 && $(MAKE) test-tuned
+	  DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) --durations=15 && $(MAKE) test-tuned
 
 test-tuned: $(DEV)
 	DPAX_XLA_CPU_TUNING=1 $(BIN)/pytest $(PARALLEL) -m equivalence

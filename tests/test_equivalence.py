@@ -21,7 +21,7 @@ from dpax.models import losses
 from dpax.training import optim
 from reference import plain_jit_params
 
-# Trains long; `make test-generic` runs these again with the XLA:CPU tuning off.
+# Trains long; `make test-tuned` runs these again with the opt-in XLA:CPU tuning.
 pytestmark = [pytest.mark.slow, pytest.mark.equivalence]
 
 STEPS = 10

@@ -48,15 +48,15 @@ def compare(t, opt, **kw):
     return max_diff(leaves(t), ref), rel
 
 
-GENERIC = pytest.mark.equivalence  # also run with the XLA:CPU tuning off (make test-generic)
+TUNED = pytest.mark.equivalence  # also run with the opt-in XLA:CPU tuning (make test-tuned)
 
 
 @pytest.mark.parametrize("sharding,n,opt", [
     *[("full", n, opt) for n in (1, 2, 4, 5) for opt in ("sgd", "adam")],
-    pytest.param("full", 3, "adam", marks=GENERIC), ("full", 3, "sgd"),
-    pytest.param("full", 8, "sgd", marks=GENERIC), ("full", 8, "adam"),
+    pytest.param("full", 3, "adam", marks=TUNED), ("full", 3, "sgd"),
+    pytest.param("full", 8, "sgd", marks=TUNED), ("full", 8, "adam"),
     ("full", 7, "momentum"), ("full", 5, "momentum"),
-    pytest.param("optimizer", 3, "adam", marks=GENERIC), ("optimizer", 8, "momentum")])
+    pytest.param("optimizer", 3, "adam", marks=TUNED), ("optimizer", 8, "momentum")])
 def test_sharded_layouts_equal_one_device_for_any_n(sharding, n, opt):
     t = trainer(n, opt, sharding=sharding)
     diff, rel = compare(t, opt)
@@ -231,7 +231,13 @@ def test_each_layout_declares_what_the_step_the_estimate_and_the_count_ask():
     ({"sharding": layout.FSDP, "backend": "pmap"}, "`sharding=full` needs `backend=shard_map`"),
     ({"sharding": 3}, "`sharding` must be str or type"),
     ({"sharding": "zero3"}, "`sharding` must be one of replicated, optimizer, full"),
+    ({"sharding": int}, "`sharding` must be one of replicated, optimizer, full or a layout"),
     ({"shard_optimizer_state": True}, "Trainer takes no argument shard_optimizer_state")])
 def test_sharding_mistakes_are_one_line_errors(kw, message):
     with pytest.raises(DpaxError, match=message):
         trainer(2, **kw)
+
+
+def test_the_estimate_refuses_an_unknown_layout_in_one_line():
+    with pytest.raises(DpaxError, match="`sharding` must be one of"):
+        layout.layout_class("zero3")

@@ -63,7 +63,7 @@ def host_one_device(request):
     return request.param, jax.tree.leaves(t.params), rows
 
 
-@pytest.mark.equivalence  # the path GPUs take: again with the XLA:CPU tuning off
+@pytest.mark.equivalence  # again with the opt-in XLA:CPU tuning (make test-tuned)
 @pytest.mark.parametrize("case", CASES)
 def test_training_on_gathered_batches_is_training_on_host_batches(case, host_one_device):
     seed, params, rows = host_one_device

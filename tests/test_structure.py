@@ -4,11 +4,15 @@ cannot hide one); every import between packages goes down the layers of
 `LAYERS`; and the XLA:CPU tuning is imported only where the platform is CPU."""
 
 import ast
+import importlib
 import pathlib
 
 SRC = pathlib.Path(__file__).parent.parent / "src"
 # The one module that may import dpax.xla_cpu: it does so only for CPU devices.
 XLA_CPU_GATE = "dpax.parallel.platform"
+
+# What `from dpax import Name` reaches: the module the root loads it from.
+ROOT_EXPORTS: dict[str, str] = importlib.import_module("dpax")._EXPORTS
 
 # dpax's packages (and top-level modules) from the top down. A package imports
 # only from layers below its own: none from its own layer but itself, none
@@ -69,8 +73,10 @@ def imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
             if node.level:  # relative: from the package, up level - 1
                 up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(up + ([base] if base else []))
-            # `from pkg import mod` imports pkg.mod when that is a module.
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+            # `from pkg import mod` imports pkg.mod when that is a module; a
+            # name the package root exports comes from the module that holds it.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known
+                       else ROOT_EXPORTS.get(a.name, base) if base == "dpax" else base
                        for a in node.names]
         else:
             continue

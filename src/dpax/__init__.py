@@ -7,10 +7,12 @@ exceptions. `dpax.pmap` holds `jax.pmap`'s idioms for code written that way;
 (`train(TrainConfig.from_flags(...))`).
 
 The package's folders follow a batch's way: `data` (examples -> padded,
-masked batches), `parallel` (devices, state layouts, collectives, backends),
-`models` (dpax's models, losses, N-independent layers, other models brought
-in), `training` (the step, the loop, the Trainer), `cli` (the commands),
-`writers` (where metrics go), `xla_cpu` (XLA:CPU-only tuning), `bench`.
+masked batches), `collectives` (sums over the devices), `models` (dpax's
+models, losses, N-independent layers, other models brought in), `parallel`
+(devices, state layouts, backends), `analysis` (what a step's jaxpr says
+before it runs), `training` (the step, the loop, the Trainer), `cli` (the
+commands), `writers` (where metrics go), `xla_cpu` (the opt-in XLA:CPU
+tuning), `bench`; tests/test_structure.py holds their layers.
 """
 
 from __future__ import annotations

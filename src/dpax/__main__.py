@@ -11,8 +11,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-# Commands whose speed depends on XLA:CPU's step temporaries.
-COMPUTE = ("train", "bench", "launch", "check")
+# Commands that train with the tuning when asked (`dpax bench` times its
+# tuned rows beside the default ones, in one process: no restart for it).
+COMPUTE = ("train", "launch", "check")
 
 
 def asks_for_tuning(argv: Sequence[str], environ=os.environ) -> bool:

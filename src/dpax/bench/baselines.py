@@ -44,7 +44,9 @@ from dpax.training.trainer import Trainer
 def bench_dpax(w, n, backend, batch_size, steps_per_call=1, name=None,
                sharding="replicated", **options) -> Method:
     """`Trainer.fit` on the workload; `options`: more of `Trainer`'s
-    (`xla_cpu_tuning`, `skip_nonfinite`)."""
+    (`xla_cpu_tuning`, `skip_nonfinite`). The default path unless
+    `xla_cpu_tuning=True`, whatever the environment says."""
+    options.setdefault("xla_cpu_tuning", False)
     x, y = synthetic(w, batch_size)
     t = Trainer(w.make(), w.loss(), w.tx(), devices=n, backend=backend,
                 steps_per_call=steps_per_call, sharding=sharding, **options)

@@ -131,7 +131,7 @@ class Layout(Protocol):
     # One `Split` per param leaf: how each gradient reaches the update (the
     # out_specs of the step's per-device part when the update is not per device).
     grad_splits: Any
-    pack: bool  # all-reduce operands packed (`dpax.parallel.collectives`)
+    pack: bool  # all-reduce operands packed (`dpax.collectives`)
 
     def grad_target(self, params, dtypes) -> tuple[Any, Callable]:
         """Per device: (what to differentiate, how the model's params come from it)."""
@@ -167,7 +167,8 @@ class Layout(Protocol):
         them in; nothing on one device."""
 
 
-def _bytes(tree) -> int:
+def tree_bytes(tree) -> int:
+    """Bytes of `tree`'s leaves (arrays or `jax.ShapeDtypeStruct`s)."""
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
@@ -212,11 +213,11 @@ class Replicated:
     @classmethod
     def memory(cls, params, opt_state, n, grad_accum=1, compute_bytes=None, ema=False,
                model_bytes=0):
-        p = _bytes(params)
+        p = tree_bytes(params)
         # The update's temporaries: about one param-sized buffer where it runs.
         # With several micro-batches, one micro-batch's whole gradients besides their sum.
         return {"model": model_bytes, "params": p,
-                "optimizer": _bytes(opt_state) + (p if ema else 0),
+                "optimizer": tree_bytes(opt_state) + (p if ema else 0),
                 "gradients": p + p if grad_accum > 1 else p, "update": p}
 
     @classmethod
@@ -226,7 +227,7 @@ class Replicated:
 
     @classmethod
     def step_collectives(cls, params, n, grad_accum=1, compute_bytes=None):
-        p = _bytes(params)
+        p = tree_bytes(params)
         return cls.least_collectives(p, p) if n > 1 else {}
 
 
@@ -291,7 +292,7 @@ class ZeRO1(_Sharded):
     @classmethod
     def memory(cls, params, opt_state, n, grad_accum=1, compute_bytes=None, ema=False,
                model_bytes=0):
-        p = _bytes(params)
+        p = tree_bytes(params)
         # Not a micro-batch's whole gradients besides their sum: XLA updates
         # the sum leaf by leaf as the backward pass makes them
         # (tests/test_estimate.py holds the estimate to XLA's analysis).
@@ -327,7 +328,7 @@ class FSDP(_Sharded):
     @classmethod
     def memory(cls, params, opt_state, n, grad_accum=1, compute_bytes=None, ema=False,
                model_bytes=0):
-        p = _bytes(params)
+        p = tree_bytes(params)
         sharded = split_bytes(params, n) / n  # 1/N at rest
         # One micro-batch: each param gathered where it is used, and the gathered
         # copy kept for the backward pass (in the compute dtype); several: the
@@ -495,19 +496,25 @@ LAYOUTS: dict[str, type[Layout]] = {"replicated": Replicated, "optimizer": ZeRO1
 SHARDINGS = tuple(LAYOUTS)
 
 
+# What a class must define to be taken as a layout (the `Layout` protocol's).
+_LAYOUT_MEMBERS = ("name", "whole_state", "per_device_update", "grads_in_backward",
+                   "sums_elementwise", "grad_target", "reduce", "full_params", "memory",
+                   "least_collectives", "step_collectives")
+
+
 def layout_class(sharding: str | type[Layout]) -> type[Layout]:
     """The layout class named `sharding`, or `sharding` itself when it is a
-    layout class (checked: `check_sharding`)."""
-    return LAYOUTS[sharding] if isinstance(sharding, str) else sharding
+    layout class; anything else is refused."""
+    if isinstance(sharding, str) and sharding in LAYOUTS:
+        return LAYOUTS[sharding]
+    if isinstance(sharding, type) and all(hasattr(sharding, m) for m in _LAYOUT_MEMBERS):
+        return sharding
+    raise DpaxError(f"`sharding` must be one of {', '.join(LAYOUTS)} or a layout class "
+                    f"(`dpax.parallel.layout.Layout`), got {sharding!r}")
 
 
 def check_sharding(sharding: str | type[Layout], backend: str) -> None:
     """The one place the rule lives: a known layout; a split one on shard_map."""
-    if isinstance(sharding, str) and sharding not in LAYOUTS:
-        raise DpaxError(f"`sharding` must be one of {', '.join(LAYOUTS)}, got {sharding!r}")
-    if not isinstance(sharding, (str, type)):
-        raise DpaxError(f"`sharding` must be one of {', '.join(LAYOUTS)} or a layout class "
-                        f"(`dpax.parallel.layout.Layout`), got {sharding!r}")
     cls = layout_class(sharding)
     if not cls.whole_state and backend != "shard_map":
         raise DpaxError(f"`sharding={cls.name}` needs `backend=shard_map` (pmap replicates "

@@ -26,9 +26,10 @@ platform, so that a rank whose peer stopped waits at most a couple of steps'
 time while all are alive (`dpax.parallel.watchdog` times the waits). Neither
 changes a number.
 
-This module imports JAX only inside functions: the `dpax` command asks it,
-before JAX is imported, whether to restart its process with glibc's huge
-pages for the tuned step's temporaries (`restart_for_tuning`).
+This module imports JAX only inside functions: a `dpax` command line that asks
+for the tuning (`dpax.__main__`) calls `restart_for_tuning` before JAX is
+imported, to restart its process with glibc's huge pages for the tuned step's
+temporaries.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def for_devices(devices: Sequence[jax.Device], xla_cpu_tuning: bool | None = Non
                 processes: int | None = None) -> Platform:
     """The platform of `devices`; `xla_cpu_tuning` (None: `tuning_default()`)
     matters only for CPU devices. `processes`: of the run (default: JAX's)."""
-    import jax  # here: `prepare_process` runs before JAX is imported
+    import jax  # here: the command imports this module before JAX
 
     name = devices[0].platform
     several = (jax.process_count() if processes is None else processes) > 1

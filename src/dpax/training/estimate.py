@@ -33,7 +33,7 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals  # JAX's list behind print_saved_residuals
 
 from dpax.parallel import comms
-from dpax.parallel.layout import Layout, layout_class
+from dpax.parallel.layout import Layout, layout_class, tree_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +73,6 @@ class Estimate:
     def tokens_per_s(self) -> float | None:
         step = self.step_s
         return None if not step else self.batch_size * self.tokens_per_example / step
-
-
-def _bytes(tree) -> int:
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def _concrete(rest):
@@ -128,7 +124,7 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     rest = _concrete(rest)
     opt = jax.eval_shape(tx.init, params)
-    p = _bytes(params)
+    p = tree_bytes(params)
 
     def batch_of(b):
         return {key: jax.ShapeDtypeStruct((b, *s.shape), s.dtype) for key, s in example.items()}
@@ -149,7 +145,7 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
     built = p + sum(x.nbytes for x in jax.tree.leaves(rest))
     state = layout_type.memory(params, opt, n, k, compute_bytes, ema, built)
     memory = {**state, "activations": acts + recompute,
-              "batch": _bytes(batch_of(micro * k))}
+              "batch": tree_bytes(batch_of(micro * k))}
     memory["total"] = sum(memory.values())
 
     # FLOPs of one micro-batch's forward + backward on one device, from XLA.
