@@ -5,10 +5,13 @@ import ast
 import importlib
 import inspect
 import pathlib
+import re
 import subprocess
 import sys
 
+import optax
 import pytest
+from flax import nnx
 
 import dpax
 from dpax import errors
@@ -109,3 +112,19 @@ def test_importing_dpax_loads_no_jax():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     assert out == ["False", "False"]  # nor does the Trainer's import start a backend
+
+
+def test_a_moved_name_says_where_it_lives_now():
+    """The names the top level gave up point to their new homes, which exist."""
+    for name, where in dpax._MOVED.items():
+        path = where.split(" ")[0]
+        module, _, attr = path.rpartition(".")
+        assert hasattr(importlib.import_module(module), attr), where
+        with pytest.raises(AttributeError, match=f"it is {re.escape(where)} now"):
+            getattr(dpax, name)
+
+
+def test_an_empty_device_list_is_one_line():
+    with pytest.raises(dpax.DpaxError, match="`devices` is an empty list"):
+        dpax.Trainer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), dpax.regression_loss,
+                     optax.sgd(0.1), devices=[])

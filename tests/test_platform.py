@@ -86,3 +86,20 @@ def test_the_generic_all_reduce_is_psum_itself():
     tuned = _cnn_trainer(2, True).lower_train_step(
         {"x": ds.x_train[:40], "y": ds.y_train[:40], "mask": np.ones(40, bool)}).as_text()
     assert "optimization_barrier" in tuned  # the packing's
+
+
+def test_config_yaml_records_the_tuning_the_environment_chose():
+    """A run's config.yaml reruns the same steps without the environment."""
+    import dataclasses
+
+    from dpax.cli.job import TrainConfig
+    from dpax.cli.train import _resolved
+
+    config = TrainConfig.from_flags(steps=3)
+    for taken in (True, False):
+        job = SimpleNamespace(trainer=SimpleNamespace(
+            platform=platform.Platform("cpu", xla_cpu_tuning=taken)))
+        assert _resolved(config, job).trainer.xla_cpu_tuning is taken
+    given = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer,
+                                                                    xla_cpu_tuning=False))
+    assert _resolved(given, job) is given

@@ -87,7 +87,25 @@ def __getattr__(name: str):
     except ModuleNotFoundError as e:
         if e.name != f"{__name__}.{name}":
             raise
+    if name in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}: it is "
+                             f"{_MOVED[name]} now (docs/python-api.md)")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Top-level names that moved on 2026-11-29, and where they live now.
+_MOVED = {
+    **{n: f"dpax.pmap.{n}" for n in ("spmd", "replicate", "unreplicate", "shard_batch",
+                                      "unshard", "replicas_in_sync")},
+    "train": "dpax.cli.train.train", "TrainConfig": "dpax.cli.train.TrainConfig",
+    "LogTo": "dpax.OnLog", "DpaxException": "dpax.DpaxError (the one base)",
+    "describe": "dpax.parallel.mesh.describe", "Dataset": "dpax.data.datasets.Dataset",
+    "BatchPlan": "dpax.data.pipeline.BatchPlan", "pad_batch": "dpax.data.batches.pad_batch",
+    "MAX_SIMULATED_DEVICES": "dpax.parallel.mesh.MAX_SIMULATED_DEVICES",
+    "ModelConfig": "dpax.models.registry.ModelConfig",
+    "DataConfig": "dpax.data.datasets.DataConfig",
+    "OptimizerConfig": "dpax.training.optim.OptimizerConfig",
+}
 
 
 def __dir__():

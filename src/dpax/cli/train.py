@@ -117,7 +117,7 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     if out.out is not None and writer_process:
         if out.overwrite:
             outputs.clear_run(out.out)
-        outputs.save_text(os.path.join(out.out, "config.yaml"), config.to_yaml())
+        outputs.save_text(os.path.join(out.out, "config.yaml"), _resolved(config, job).to_yaml())
         outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak)
         if job.ds.tokenizer is not None and job.ds.tokenizer.hf is not None:
             outputs.save_text(os.path.join(out.out, "tokenizer.json"),
@@ -264,6 +264,16 @@ def _watched(config: TrainConfig):
     faulthandler.enable()
     return watchdog.installed(config.distributed.timeout, jax.process_index(),
                               on_stall=lambda: os._exit(EXIT_STALLED))  # no unwinding
+
+
+def _resolved(config: TrainConfig, job: Job) -> TrainConfig:
+    """`config` as this run took it, for config.yaml: the XLA:CPU tuning the
+    environment chose written out, so the file alone reruns the same steps."""
+    if config.trainer.xla_cpu_tuning is not None:
+        return config
+    taken = job.trainer.platform.xla_cpu_tuning
+    return dataclasses.replace(
+        config, trainer=dataclasses.replace(config.trainer, xla_cpu_tuning=taken))
 
 
 def _language_model(job: Job, peak_flops: peak.Peak | None) -> hooks.LanguageModel | None:

@@ -195,6 +195,8 @@ class Trainer:
         **options: Any,
     ):
         listed = isinstance(devices, (list, tuple))
+        if listed and not devices:
+            raise DpaxError("`devices` is an empty list; give a device count or some devices")
         try:
             config = TrainerConfig(devices=None if listed else devices, **options)
         except TypeError:
