@@ -136,8 +136,14 @@ def _run(steps: Steps, batches, zero, start, total, log_every, hooks, steps_per_
     compiled: set = set()  # the call shapes run once already (watchdog.calling)
     for n, batch in _prefetch(steps.place(batches), PREFETCH):
         step += n
-        with watchdog.calling(compiled, (n, jax.tree.leaves(batch)[0].shape), step):
+        key = (n, jax.tree.leaves(batch)[0].shape)
+        first = key not in compiled
+        with watchdog.calling(compiled, key, step):
             sums = steps.run(n, batch, sums)
+            if first:
+                # Untimed, to its end: a peer that compiles this step slower
+                # joins its collectives here, not inside the next, timed call.
+                jax.block_until_ready(sums)
         summed += n
         queue.add(sums["scalars"], step)
         wanted = [hook.wants_row(step) for hook in hooks]  # every hook asked, every call
