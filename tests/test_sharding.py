@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from dpax.data.batches import pad_batch, padded_size
+from dpax.errors import DpaxError
 from dpax.pmap import replicas_in_sync, replicate, shard_batch, unreplicate, unshard
 
 
@@ -39,6 +40,8 @@ def test_bad_shapes_are_refused():
         pad_batch({"x": np.ones(5)}, 4)
     with pytest.raises(ValueError, match="multiple"):
         shard_batch({"x": np.ones(5)}, 4, size=6)
+    with pytest.raises(DpaxError, match="`batch` must be a dict of arrays"):
+        shard_batch(np.ones((8, 2)), 4)
 
 
 def test_replicate_unreplicate_and_sync_check_on_host():

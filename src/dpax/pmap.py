@@ -95,6 +95,9 @@ def _pmap_like(fn, devs, in_axes, static):
 def shard_batch(batch: Batch, n: int, size: int | None = None) -> Batch:
     """Pad a global batch to `size` rows (default: next multiple of `n`) and
     reshape every array to `(n, size // n, ...)`, with a boolean `mask`."""
+    if not isinstance(batch, dict):  # the mask needs a key of its own
+        raise DpaxError(f"`batch` must be a dict of arrays, e.g. {{'x': x, 'y': y}}, got "
+                        f"{type(batch).__name__}; shard_batch adds its 'mask' beside them")
     b = batch_rows(batch)
     size = padded_size(b, n) if size is None else size
     if size % n:
