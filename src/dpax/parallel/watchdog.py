@@ -102,6 +102,11 @@ def installed(timeout: float, rank: int, stream=None,
         dog.stop()
 
 
+def active() -> bool:
+    """Whether a watchdog is installed (a multi-process run's)."""
+    return _current is not None
+
+
 def waiting(step: int | None = None):
     """The installed watchdog's timer around a wait on the devices (a no-op
     without one)."""

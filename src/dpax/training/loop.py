@@ -137,12 +137,13 @@ def _run(steps: Steps, batches, zero, start, total, log_every, hooks, steps_per_
     for n, batch in _prefetch(steps.place(batches), PREFETCH):
         step += n
         key = (n, jax.tree.leaves(batch)[0].shape)
-        first = key not in compiled
+        first = key not in compiled and watchdog.active()
         with watchdog.calling(compiled, key, step):
             sums = steps.run(n, batch, sums)
             if first:
-                # Untimed, to its end: a peer that compiles this step slower
-                # joins its collectives here, not inside the next, timed call.
+                # Untimed, to its end (a sync, once per shape and only under
+                # a watchdog): a peer that compiles this step slower joins its
+                # collectives here, not inside the next, timed call.
                 jax.block_until_ready(sums)
         summed += n
         queue.add(sums["scalars"], step)
