@@ -114,10 +114,11 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     # A language model's MFU divides by this (measured on CPU: before any step runs).
     mfu_peak = (peak.for_devices(job.trainer.backend.devices, config.trainer.precision)
                 if job.ds.task == "lm" else None)
+    resolved = _resolved(config, job)  # what config.yaml and the trackers record
     if out.out is not None and writer_process:
         if out.overwrite:
             outputs.clear_run(out.out)
-        outputs.save_text(os.path.join(out.out, "config.yaml"), _resolved(config, job).to_yaml())
+        outputs.save_text(os.path.join(out.out, "config.yaml"), resolved.to_yaml())
         outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak)
         if job.ds.tokenizer is not None and job.ds.tokenizer.hf is not None:
             outputs.save_text(os.path.join(out.out, "tokenizer.json"),
@@ -130,11 +131,11 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             print(describe(), file=log)
             if mfu_peak is not None:
                 print(f"MFU peak: {mfu_peak.describe()}", file=log)
-            print(config.to_yaml().rstrip(), file=log, flush=True)
+            print(resolved.to_yaml().rstrip(), file=log, flush=True)
     # After the header line: a bar drawn before it would be broken by it.
     # A resumed run (even one resumed before its first checkpoint) continues its tracker runs.
     resumed = start > 0 or config.checkpoint.resume is not None
-    with out.writers(job.total, start, log, writer_process, cfg.to_dict(config),
+    with out.writers(job.total, start, log, writer_process, cfg.to_dict(resolved),
                      resumed) as writer, _watched(config):
         if out.out is not None and writer_process:
             writer.artifact(os.path.join(out.out, "config.yaml"))
