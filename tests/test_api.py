@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import optax
 import pytest
 from flax import nnx
@@ -124,7 +125,15 @@ def test_a_moved_name_says_where_it_lives_now():
             getattr(dpax, name)
 
 
-def test_an_empty_device_list_is_one_line():
-    with pytest.raises(dpax.DpaxError, match="`devices` is an empty list"):
+@pytest.mark.parametrize("devices,message", [
+    ([], "`devices` is an empty list"),
+    ("cpu", "`devices` must be a device count, got 'cpu'"),
+    (True, "`devices` must be a device count, got True"),
+    ([0, 1], "`devices` lists \\[0, 1\\], not JAX devices"),
+    ("twice", "`devices` lists a device twice")])
+def test_device_mistakes_are_one_line(devices, message):
+    if devices == "twice":
+        devices = jax.devices()[:1] * 2
+    with pytest.raises(dpax.DpaxError, match=f"{message}.*a list of distinct devices"):
         dpax.Trainer(nnx.Linear(2, 1, rngs=nnx.Rngs(0)), dpax.regression_loss,
-                     optax.sgd(0.1), devices=[])
+                     optax.sgd(0.1), devices=devices)

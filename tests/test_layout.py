@@ -229,7 +229,7 @@ def test_each_layout_declares_what_the_step_the_estimate_and_the_count_ask():
 @pytest.mark.parametrize("kw,message", [
     ({"sharding": "full", "backend": "pmap"}, "`sharding=full` needs `backend=shard_map`"),
     ({"sharding": layout.FSDP, "backend": "pmap"}, "`sharding=full` needs `backend=shard_map`"),
-    ({"sharding": 3}, "`sharding` must be str or type"),
+    ({"sharding": 3}, "`sharding` must be one of replicated, optimizer, full or a layout"),
     ({"sharding": "zero3"}, "`sharding` must be one of replicated, optimizer, full"),
     ({"sharding": int}, "`sharding` must be one of replicated, optimizer, full or a layout"),
     ({"shard_optimizer_state": True}, "Trainer takes no argument shard_optimizer_state")])

@@ -195,8 +195,9 @@ class Trainer:
         **options: Any,
     ):
         listed = isinstance(devices, (list, tuple))
-        if listed and not devices:
-            raise DpaxError("`devices` is an empty list; give a device count or some devices")
+        _check_devices(devices, listed)
+        if "sharding" in options:  # before the type check, whose message lists no names
+            layouts.layout_class(options["sharding"])
         try:
             config = TrainerConfig(devices=None if listed else devices, **options)
         except TypeError:
@@ -827,3 +828,18 @@ def _on_host(tree):
     """Host copies of a tree's arrays (typed PRNG keys stay keys): copies, not
     `np.asarray`'s views of CPU buffers, so that the device arrays can go."""
     return jax.tree.map(lambda x: x if is_key(x) else np.array(x), tree)
+
+
+def _check_devices(devices: Any, listed: bool) -> None:
+    """`devices` is a count (checked with the other options), None, or a
+    list of distinct JAX devices."""
+    fix = "give a device count, a list of distinct devices (e.g. jax.devices()[:2]) or None"
+    if listed:
+        if not devices:
+            raise DpaxError(f"`devices` is an empty list; {fix}")
+        if not all(isinstance(d, jax.Device) for d in devices):
+            raise DpaxError(f"`devices` lists {devices!r}, not JAX devices; {fix}")
+        if len(set(devices)) < len(devices):
+            raise DpaxError(f"`devices` lists a device twice; {fix}")
+    elif devices is not None and (not isinstance(devices, int) or isinstance(devices, bool)):
+        raise DpaxError(f"`devices` must be a device count, got {devices!r}; {fix}")
