@@ -56,6 +56,22 @@ def test_only_a_command_line_that_asks_for_the_tuning_restarts(argv, environ, as
     assert asks_for_tuning(argv, environ) == asked
 
 
+def test_a_config_file_that_took_the_tuning_restarts_unless_a_flag_says_otherwise(tmp_path):
+    from dpax.__main__ import asks_for_tuning
+
+    tuned, untuned, broken = (tmp_path / n for n in ("tuned.yaml", "untuned.yaml", "bad.yaml"))
+    tuned.write_text("trainer:\n  xla_cpu_tuning: true\n")
+    untuned.write_text("trainer:\n  xla_cpu_tuning: false\n")
+    broken.write_text("trainer: [\n")
+    on = {platform.ENV: "1"}
+    assert asks_for_tuning(["--config", str(tuned)], {})
+    assert asks_for_tuning([f"--config={tuned}"], {})
+    assert not asks_for_tuning(["--config", str(tuned), "--no-xla-cpu-tuning"], {})
+    assert not asks_for_tuning(["--config", str(untuned)], on)  # the file's choice wins
+    assert asks_for_tuning(["--config", str(broken)], on)  # left to the command to report
+    assert not asks_for_tuning(["--config", str(tmp_path / "missing.yaml")], {})
+
+
 def test_the_command_restarts_with_the_tunable_when_the_tuning_is_asked_for():
     clean = {k: v for k, v in os.environ.items()
              if k not in ("GLIBC_TUNABLES", platform.ENV)}

@@ -19,13 +19,38 @@ COMPUTE = ("train", "launch", "check")
 def asks_for_tuning(argv: Sequence[str], environ=os.environ) -> bool:
     """Whether a command line `argv` (after the command's name) runs tuned
     steps: the last of `--xla-cpu-tuning`/`--no-xla-cpu-tuning` decides, else
-    the environment. A bad value is left to the command to report."""
+    the `--config` file's `trainer.xla_cpu_tuning`, else the environment. A
+    bad value or an unreadable file is left to the command to report."""
     for arg in reversed(argv):
         if arg in ("--xla-cpu-tuning", "--no-xla-cpu-tuning"):
             return arg == "--xla-cpu-tuning"
+    configured = _configured_tuning(argv)
+    if configured is not None:
+        return configured
     from dpax.parallel.platform import ENV  # imports no JAX
 
     return environ.get(ENV, "0").strip() == "1"
+
+
+def _configured_tuning(argv: Sequence[str]) -> bool | None:
+    """`trainer.xla_cpu_tuning` of the last `--config FILE` in `argv`, when
+    it is a bool (a run's config.yaml records the tuning it took)."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    if path is None:
+        return None
+    import yaml  # imports no JAX
+
+    try:
+        with open(path) as f:
+            tuning = (yaml.safe_load(f) or {}).get("trainer", {}).get("xla_cpu_tuning")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return tuning if isinstance(tuning, bool) else None
 
 
 def main() -> int:
