@@ -96,7 +96,8 @@ def test_other_models_train_on_n_devices_as_on_one(name, seed):
     one, _, _ = train(MODELS[name], 1, seed)
     start = jax.tree.leaves(nnx.state(MODELS[name](seed), nnx.Param))
     assert max_diff(jax.tree.leaves(one.params), start) > 1e-3  # it trained
-    for n in (4, 8) if seed == 0 else (8,):  # every N once is enough for a second seed
+    # 4 and 8 both leave the last device padding with 37 rows: each seed takes one.
+    for n in (4,) if seed == 0 else (8,):
         t, _, _ = train(MODELS[name], n, seed)
         diff = max_diff(jax.tree.leaves(t.params), jax.tree.leaves(one.params))
         state = max_diff(nnx.state(t.model(), nnx.BatchStat),
@@ -150,9 +151,9 @@ def test_linen_batchnorm_uses_the_global_batch_and_dropout_masks_examples():
 def test_the_dropout_layers_drop():
     """Against the same models without dropout: the masks are applied (the
     equivalence above would also hold if dropout were silently off)."""
-    for make in (linen_cnn, function_mlp):
-        with_dropout = train(make, 2, 0, steps=4)[0].params
-        without = train(functools.partial(make, rate=0.0), 2, 0, steps=4)[0].params
+    for make in (linen_cnn, function_mlp):  # on 4 devices: the steps compiled above
+        with_dropout = train(make, 4, 0, steps=4)[0].params
+        without = train(functools.partial(make, rate=0.0), 4, 0, steps=4)[0].params
         assert max_diff(with_dropout, without) > 1e-4
 
 
@@ -163,7 +164,7 @@ def _linen(state):
 
 def test_eval_mode_passes_train_false_and_uses_the_running_averages():
     ds = digits()
-    t, model, _ = train(linen_cnn, 2, 0)
+    t, model, _ = train(linen_cnn, 4, 0)
     model.eval()
     x = ds.x_eval[:50]
     variables = {"params": _linen(nnx.state(model, nnx.Param)),

@@ -32,8 +32,10 @@ def test_parser_counts_each_kind_and_its_logical_bytes():
     assert comms.wire_bytes("all-gather", 100, 4) == 75
 
 
+# Replicated shard_map on 8 devices only: what its one all-reduce moves does
+# not depend on N (2 compiled the same step to count the same bytes).
 @pytest.mark.parametrize("workload,n,backend,layout", [
-    ("mlp", 2, "shard_map", "replicated"), ("mlp", 8, "shard_map", "replicated"),
+    ("mlp", 8, "shard_map", "replicated"),
     ("mlp", 4, "pmap", "replicated"), ("mlp", 3, "shard_map", "optimizer"),
     ("mlp", 8, "shard_map", "full"), ("gpt", 4, "shard_map", "replicated"),
     ("gpt", 4, "shard_map", "optimizer"), ("gpt", 4, "shard_map", "full")])

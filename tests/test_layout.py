@@ -52,7 +52,9 @@ TUNED = pytest.mark.equivalence  # also run with the opt-in XLA:CPU tuning (make
 
 
 @pytest.mark.parametrize("sharding,n,opt", [
-    *[("full", n, opt) for n in (1, 2, 4, 5) for opt in ("sgd", "adam")],
+    # No N = 4: it splits and pads each leaf as N = 8 does (64 rows evenly,
+    # 23 and 10 padded), with SGD and Adam both run on 8.
+    *[("full", n, opt) for n in (1, 2, 5) for opt in ("sgd", "adam")],
     pytest.param("full", 3, "adam", marks=TUNED), ("full", 3, "sgd"),
     pytest.param("full", 8, "sgd", marks=TUNED), ("full", 8, "adam"),
     ("full", 7, "momentum"), ("full", 5, "momentum"),
