@@ -53,6 +53,7 @@ def wait_for(path, proc, timeout=120):
 
 
 @pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+@pytest.mark.processes  # starts dpax processes
 def test_kill_9_then_resume_is_bit_identical(tmp_path, backend, capsys):
     flags = [*RUN, "--devices", "4", "--backend", backend, "--steps", "300"]
     assert main(["train", *flags, "--out", str(tmp_path / "ref")]) == 0
@@ -96,6 +97,7 @@ def children(pid):
     return found
 
 
+@pytest.mark.processes  # starts dpax processes
 def test_kill_9_mid_epoch_on_streamed_augmented_data_resumes_on_2_devices(tmp_path, capsys):
     """ArrayRecord shards, crop+flip, an uneven batch: killed on 4 devices at
     step 30 (mid-epoch 4) with a Grain worker, resumed on 2 without one, it ends
@@ -129,6 +131,7 @@ def test_kill_9_mid_epoch_on_streamed_augmented_data_resumes_on_2_devices(tmp_pa
     assert train_rows(out) == list(range(5, 81, 5))
 
 
+@pytest.mark.processes  # starts dpax processes
 def test_sigterm_saves_exits_4_and_resumes_exactly(tmp_path, capsys):
     flags = [*RUN, "--devices", "2", "--steps", "400"]
     assert main(["train", *flags, "--out", str(tmp_path / "ref")]) == 0

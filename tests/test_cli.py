@@ -183,6 +183,7 @@ def dpax_cmd(*args, **kw):
 
 
 @pytest.mark.slow
+@pytest.mark.processes  # starts dpax processes
 def test_train_pulse_through_the_real_entry_point(tmp_path):
     out = tmp_path / "pulse"
     r = dpax_cmd("train", "--devices", "2", "--steps", "6", "--batch-size", "50",
@@ -202,6 +203,7 @@ def test_train_pulse_through_the_real_entry_point(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes  # starts dpax processes
 def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
     r = dpax_cmd("train", "--batch-size", "abc")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
@@ -209,6 +211,7 @@ def test_bad_input_in_a_fresh_process_has_no_traceback(tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.processes  # starts dpax processes
 def test_devices_command_lists_what_jax_sees():
     r = dpax_cmd("devices")
     assert r.returncode == 0 and "8 local" in r.stdout

@@ -19,7 +19,7 @@ import pytest
 from dpax.cli import main
 from test_multiprocess import _children
 
-pytestmark = pytest.mark.slow  # starts dpax processes
+pytestmark = [pytest.mark.slow, pytest.mark.processes]  # starts dpax processes
 
 RUN = ["--batch-size", "50", "--optimizer", "sgd", "--lr", "0.1", "--log-every", "5"]
 

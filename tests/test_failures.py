@@ -56,6 +56,7 @@ def test_a_checkpoint_save_that_fails_is_one_line_fast_and_keeps_the_params(
 
 
 @pytest.mark.slow
+@pytest.mark.processes  # starts dpax processes
 def test_a_background_write_that_fails_names_its_own_step_and_what_is_kept(tmp_path, capsys):
     """Files capped below the checkpoint's largest (RLIMIT_FSIZE: a write past
     it fails with EFBIG, as a full disk fails with ENOSPC): the resumed run's

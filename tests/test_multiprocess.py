@@ -19,7 +19,7 @@ from dpax.cli.train import TrainConfig
 from dpax.data.pipeline import BatchPlan
 from test_gpt import write_corpus
 
-pytestmark = pytest.mark.slow  # starts dpax processes or trains long
+pytestmark = [pytest.mark.slow, pytest.mark.processes]  # starts dpax processes or trains long
 
 RUN = ["--steps", "10", "--batch-size", "50", "--optimizer", "sgd", "--lr", "0.1",
        "--log-every", "5"]

@@ -280,6 +280,7 @@ def test_without_the_guard_or_clipping_the_step_makes_no_pass_over_the_gradient(
 
 
 @pytest.mark.slow
+@pytest.mark.processes  # starts dpax processes
 def test_too_many_bad_steps_exit_3_and_keep_the_last_good_params(tmp_path):
     """With `--skip-nonfinite` the diverging steps are skipped: the run stops
     with exit 3 and params.npz holds the last good params."""

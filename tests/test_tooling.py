@@ -103,6 +103,7 @@ def test_bad_config_files_exit_2(tmp_path, capsys, text, needle):
     assert len(err.strip().splitlines()) == 1 and needle in err, err
 
 
+@pytest.mark.processes  # starts dpax processes
 def test_progress_bar_on_a_terminal_and_lines_without_one():
     cmd = [sys.executable, "-m", "dpax", "train", "--model", "mlp", "--devices", "2",
            "--steps", "30", "--log-every", "10"]

@@ -119,6 +119,7 @@ def killed_and_resumed(tmp_path_factory):
 
 
 @pytest.mark.slow  # starts dpax processes
+@pytest.mark.processes  # starts dpax processes
 def test_mlflow_holds_every_row_once_after_kill_and_resume(killed_and_resumed):
     out, before = killed_and_resumed
     assert before  # the killed attempt had logged rows: the resumed one continued its run
@@ -137,6 +138,7 @@ def test_mlflow_holds_every_row_once_after_kill_and_resume(killed_and_resumed):
 
 
 @pytest.mark.slow
+@pytest.mark.processes  # starts dpax processes
 def test_wandb_offline_files_hold_every_row_once_after_kill_and_resume(killed_and_resumed):
     out, _ = killed_and_resumed
     records = wandb_records(out)
