@@ -42,20 +42,16 @@ docs-site: $(DEV)
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(or $(SITE),site)
 
 # Three tiers, all run by CI (.ci/run): `make test` is lint, the docs' strict
-# build and the main tier, in this process: every unit and every equivalence
-# proof on the default path, the one GPUs and TPUs take. `make test-processes`
+# build and the main tier: the units and the equivalence proofs that run in
+# pytest itself, on the default path, the one GPUs and TPUs take. `make test-processes`
 # runs the tests that start dpax processes (the installed entry point,
 # multi-process launches, kill -9 and resume, cluster restarts, trackers);
 # `make test-tuned` the equivalence tests again with the opt-in XLA:CPU tuning
-# (dpax.parallel.platform). The main tier compiles with XLA's backend
-# optimizations off (tests/conftest.py): compiling is most of its time, and
-# what it proves does not depend on how fast the code runs; the other tiers,
-# like users, compile with them on. `make test-all` runs all three, sharing one
+# (dpax.parallel.platform). `make test-all` runs all three, sharing one
 # session directory (tests/conftest.py), so its persistent XLA cache too.
 test: lint
 	site=$$(mktemp -d) && $(MAKE) docs-site SITE=$$site && rm -rf $$site
-	DPAX_TEST_QUICK_COMPILE=1 DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) \
-	  -m "not processes" --durations=15
+	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m "not processes" --durations=15
 
 test-processes: $(DEV)
 	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m processes --durations=5
@@ -70,7 +66,7 @@ test-all:
 
 # The unit tier: no test marked slow (those start dpax processes or train long).
 test-fast: lint
-	DPAX_TEST_QUICK_COMPILE=1 $(BIN)/pytest $(PARALLEL) -m "not slow"
+	$(BIN)/pytest $(PARALLEL) -m "not slow"
 
 # The flag table in docs/cli.md is generated from TrainConfig; a test checks it is current.
 docs: $(DEV)

@@ -56,14 +56,6 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 dpax.simulate_devices(8)
 
-# `make test`'s main tier: XLA compiles without its backend optimizations
-# (LLVM's), as most of the tier's time is compiling small steps. The numbers
-# the tests compare are computed alike either way (no float reassociation at
-# any level); the steps only run slower. Set in this process's JAX config, not
-# in the environment: the dpax processes a test starts compile as users do.
-if os.environ.get("DPAX_TEST_QUICK_COMPILE") == "1":
-    jax.config.update("jax_disable_most_optimizations", True)
-
 
 @pytest.fixture(autouse=True)
 def _no_shared_wandb_service():
