@@ -11,7 +11,8 @@ DEV := $(VENV)/.installed-dev
 JOBS ?= 2
 PARALLEL := -n $(JOBS) --dist loadfile
 
-.PHONY: setup setup-dev train test test-all test-processes test-fast test-tuned lint docs \
+.PHONY: setup setup-dev train test test-all test-slow test-processes test-fast test-tuned \
+	lint docs \
 	docs-site bench clean
 
 setup: $(CORE)
@@ -41,32 +42,41 @@ lint: $(DEV)
 docs-site: $(DEV)
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(or $(SITE),site)
 
-# Three tiers, all run by CI (.ci/run): `make test` is lint, the docs' strict
-# build and the main tier: the units and the equivalence proofs that run in
-# pytest itself, on the default path, the one GPUs and TPUs take. `make test-processes`
-# runs the tests that start dpax processes (the installed entry point,
-# multi-process launches, kill -9 and resume, cluster restarts, trackers);
-# `make test-tuned` the equivalence tests again with the opt-in XLA:CPU tuning
-# (dpax.parallel.platform). `make test-all` runs all three, sharing one
-# session directory (tests/conftest.py), so its persistent XLA cache too.
+# The tiers; CI (.ci/run) runs them all through `make test-all`. `make test`
+# is lint, the docs' strict build and the main tier: the units and the
+# equivalence proofs of each part of the promise, in pytest itself, on the
+# default path, the one GPUs and TPUs take. `make test-slow` runs more of the
+# same (other device counts, seeds, models, optax transformations, the
+# README's commands); `make test-processes` the tests that start dpax
+# processes (the installed entry point, multi-process launches, kill -9 and
+# resume, cluster restarts, trackers); `make test-tuned` the opt-in XLA:CPU
+# tuning's own tests and the equivalence tests again with it on
+# (dpax.parallel.platform). `make test-all` shares one session directory
+# (tests/conftest.py) among them, so its persistent XLA cache too.
+MAIN := not slow and not processes and not tuned
+
 test: lint
 	site=$$(mktemp -d) && $(MAKE) docs-site SITE=$$site && rm -rf $$site
-	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m "not processes" --durations=15
+	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m "$(MAIN)" --durations=15
+
+test-slow: $(DEV)
+	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m "slow and not processes and not tuned" \
+	  --durations=10
 
 test-processes: $(DEV)
 	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m processes --durations=5
 
 test-tuned: $(DEV)
-	DPAX_XLA_CPU_TUNING=1 $(BIN)/pytest $(PARALLEL) -m equivalence
+	DPAX_XLA_CPU_TUNING=1 $(BIN)/pytest $(PARALLEL) -m "tuned or equivalence"
 
 test-all:
 	session=$$(mktemp -d) && trap 'rm -rf "$$session"' EXIT && \
 	  export DPAX_TEST_SESSION_DIR=$$session && \
-	  $(MAKE) test && $(MAKE) test-processes && $(MAKE) test-tuned
+	  $(MAKE) test && $(MAKE) test-slow && $(MAKE) test-processes && $(MAKE) test-tuned
 
-# The unit tier: no test marked slow (those start dpax processes or train long).
+# The unit tier: the main tier without the equivalence proofs.
 test-fast: lint
-	$(BIN)/pytest $(PARALLEL) -m "not slow"
+	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m "$(MAIN) and not equivalence"
 
 # The flag table in docs/cli.md is generated from TrainConfig; a test checks it is current.
 docs: $(DEV)

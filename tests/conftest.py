@@ -93,11 +93,6 @@ def pytest_sessionfinish(session):
         _COSTS.write()
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "slow: starts dpax processes or trains long; `make test-fast` skips these")
-
-
 # -- helpers the test files share (imported as `from conftest import ...`) ----------------
 STEPS = 10
 

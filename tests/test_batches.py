@@ -81,7 +81,7 @@ def reference():
     return trained(1, examples())
 
 
-@pytest.mark.parametrize("n", [3, 8])
+@pytest.mark.parametrize("n", [3, pytest.param(8, marks=pytest.mark.slow)])
 def test_a_model_with_two_inputs_and_a_data_mask_trains_as_on_one_device(n, reference):
     one, rows1 = reference
     t, rows = trained(n, examples())

@@ -16,8 +16,6 @@ from dpax import models
 from dpax.cli import main
 from dpax.models import losses
 
-pytestmark = pytest.mark.slow  # starts dpax processes or trains long
-
 
 # 43 rows: `dpax check`'s uneven batch on 8 devices (5N + 3), so these runs and the
 # README's `dpax check --model cnn-bn` commands compile the same steps once.
@@ -32,6 +30,7 @@ def train_cnn_bn(n, sync=True, steps=10, batch_size=43):
                                           if not dpax.parallel.arrays.is_key(v)], t
 
 
+@pytest.mark.slow
 @pytest.mark.equivalence
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cnn_bn_steps_on_8_devices_equal_1_device(seed):
@@ -81,6 +80,7 @@ def test_batchnorm_with_grad_accum_steps_equal_1_device(n, grad_accum, seed):
     assert result.equivalent and max(result.param_diff, result.state_diff) <= 1e-5
 
 
+@pytest.mark.slow
 def test_cnn_bn_replicas_stay_in_sync_and_unsynced_statistics_differ():
     p1, s1, _ = train_cnn_bn(1, steps=3)
     _, _, t8 = train_cnn_bn(8, steps=3)
@@ -111,6 +111,7 @@ def train_dropout(n, seed=0, backend="shard_map"):
     return jax.tree.leaves(t.params)
 
 
+@pytest.mark.slow
 def test_dropout_masks_do_not_depend_on_the_device_count():
     ref = train_dropout(1)
     for n, backend in ((2, "shard_map"), (4, "pmap"), (8, "shard_map")):
@@ -120,6 +121,7 @@ def test_dropout_masks_do_not_depend_on_the_device_count():
     assert max_diff(train_dropout(8, seed=1), ref) > 1e-3  # another seed, other masks
 
 
+@pytest.mark.slow
 def test_cnn_bn_trains_digits_and_resumes_exactly(tmp_path, capsys):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     assert main(["train", "--model", "cnn-bn", "--checkpoint-dir", f"{a}/ck",
@@ -196,12 +198,14 @@ def user_module(tmp_path, monkeypatch):
 
 # deep-mlp is mlp, wider (47 s here); gpt trains on text (test_gpt.py checks it);
 # cnn-bn is the README's check command (test_readme runs it).
+@pytest.mark.slow
 @pytest.mark.parametrize("model", sorted(set(models.MODELS) - {"deep-mlp", "gpt", "cnn-bn"}))
 def test_check_passes_for_every_built_in_model(model, capsys):
     assert main(["check", "--model", model, "--devices", "8"]) == 0
     assert "\nequivalent (tolerance" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,cause", [
     (["--factory", "usermodels:BNNet"], "unsynchronized batch statistics: bn"),
     (["--factory", "usermodels:RunningMean"], "per-device model state: mean.value"),

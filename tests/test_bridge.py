@@ -91,7 +91,7 @@ def train(make, n, seed, steps=12):
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_other_models_train_on_n_devices_as_on_one(name, seed):
     one, _, _ = train(MODELS[name], 1, seed)
     start = jax.tree.leaves(nnx.state(MODELS[name](seed), nnx.Param))
@@ -106,7 +106,8 @@ def test_other_models_train_on_n_devices_as_on_one(name, seed):
         assert diff <= 1e-5 and state <= 1e-5
 
 
-@pytest.mark.parametrize("kind", sorted(PYTREES))
+@pytest.mark.parametrize("kind", [k if k == "dict" else pytest.param(k, marks=pytest.mark.slow)
+                                  for k in sorted(PYTREES)])
 def test_a_function_model_hands_its_params_back_in_their_own_type(kind):
     """`model.pytree()` is the pytree given to `from_function`, its type and
     structure, holding the trained arrays after `fit` (in the user's model,
@@ -175,7 +176,7 @@ def test_eval_mode_passes_train_false_and_uses_the_running_averages():
     assert t.evaluate(ds.x_eval, ds.y_eval)["accuracy"] > 0.3
 
 
-@pytest.mark.parametrize("backend", ["shard_map", "pmap"])
+@pytest.mark.parametrize("backend", ["shard_map", pytest.param("pmap", marks=pytest.mark.slow)])
 def test_the_users_model_holds_the_trained_state_and_keeps_its_classes(backend):
     """`fit` leaves the trained params and state in the model given (NNX's
     in-place convention) and does not convert its layers' classes."""
@@ -198,6 +199,7 @@ def test_the_users_model_holds_the_trained_state_and_keeps_its_classes(backend):
     assert max_diff(nnx.state(model, nnx.BatchStat), nnx.state(t.model(), nnx.BatchStat)) == 0.0
 
 
+@pytest.mark.slow
 def test_check_passes_linen_and_function_models_and_names_the_cause_of_a_broken_one():
     ds = digits()
     for make in (linen_cnn, function_mlp):
@@ -232,6 +234,7 @@ def test_bad_bridge_input_is_one_line():
     assert model(np.ones((2, 4))).shape == (2, 3)
 
 
+@pytest.mark.slow
 def test_dpax_check_takes_a_factory_of_a_linen_module(tmp_path, capsys, monkeypatch):
     (tmp_path / "linenmodels.py").write_text(
         "from flax import linen as nn\n\n\n"

@@ -207,6 +207,7 @@ def fit_steps(t, x, y, steps=3):
     return leaves(t)
 
 
+@pytest.mark.slow
 def test_labels_of_any_integer_dtype_or_bool_train_as_int32_labels():
     x, y = data(200)
     ref = fit_steps(mlp_trainer(N), x, y)

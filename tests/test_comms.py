@@ -38,7 +38,8 @@ def test_parser_counts_each_kind_and_its_logical_bytes():
     ("mlp", 8, "shard_map", "replicated"),
     ("mlp", 4, "pmap", "replicated"), ("mlp", 3, "shard_map", "optimizer"),
     ("mlp", 8, "shard_map", "full"), ("gpt", 4, "shard_map", "replicated"),
-    ("gpt", 4, "shard_map", "optimizer"), ("gpt", 4, "shard_map", "full")])
+    pytest.param("gpt", 4, "shard_map", "optimizer", marks=pytest.mark.slow),
+    pytest.param("gpt", 4, "shard_map", "full", marks=pytest.mark.slow)])
 def test_each_layout_moves_the_least_it_needs(workload, n, backend, layout):
     w = WORKLOADS[workload]
     t = Trainer(w.make(), w.loss(), w.tx(), devices=n, backend=backend, sharding=layout)

@@ -17,6 +17,8 @@ from dpax import data, models
 from dpax.models import losses
 from dpax.xla_cpu import compile_options
 
+pytestmark = pytest.mark.tuned  # the opt-in tuning: make test-tuned
+
 
 def test_a_step_that_pools_has_the_old_emitters_timed():
     x = jnp.ones((4, 8, 8, 3))

@@ -17,6 +17,8 @@ from dpax.models import gpt
 from dpax.xla_cpu import dots
 from dpax.xla_cpu.backward import for_xla_cpu
 
+pytestmark = pytest.mark.tuned  # the opt-in tuning: make test-tuned
+
 
 def _compiled(f, *args) -> str:
     return jax.jit(f).lower(*args).compile().as_text()

@@ -21,8 +21,8 @@ from dpax.models import losses
 from dpax.training import optim
 from reference import plain_jit_params
 
-# Trains long; `make test-tuned` runs these again with the opt-in XLA:CPU tuning.
-pytestmark = [pytest.mark.slow, pytest.mark.equivalence]
+# `make test-tuned` runs these again with the opt-in XLA:CPU tuning.
+pytestmark = pytest.mark.equivalence
 
 STEPS = 10
 TOL = 1e-5
@@ -77,7 +77,15 @@ OPTIMIZER_CASES = ([(*case, "sgd") for case in CASES]
                    + [(*case, "momentum") for case in CASES if case[0] == 8])
 
 
-@pytest.mark.parametrize("n,backend,batch_size,optimizer", OPTIMIZER_CASES)
+def _main_tier(case):
+    """`make test` runs the default backend with SGD and Adam; pmap and
+    momentum run in `make test-slow`."""
+    n, backend = case[:2]
+    return case if backend == "shard_map" and case[-1] != "momentum" else pytest.param(
+        *case, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("n,backend,batch_size,optimizer", [_main_tier(c) for c in OPTIMIZER_CASES])
 def test_n_devices_equal_one_device(n, backend, batch_size, optimizer):
     ref, _, _ = train(1, "shard_map", optimizer, batch_size)
     got, _, trainer = train(n, backend, optimizer, batch_size)
@@ -88,7 +96,8 @@ def test_n_devices_equal_one_device(n, backend, batch_size, optimizer):
     assert dpax.pmap.replicas_in_sync(trainer.state)
 
 
-@pytest.mark.parametrize("n,backend", [(n, be) for n in DEVICE_COUNTS for be in BACKENDS])
+@pytest.mark.parametrize("n,backend", [_main_tier((n, be)) for n in DEVICE_COUNTS
+                                       for be in BACKENDS])
 def test_adam_params_and_loss_curve_match_one_device(n, backend):
     batch_size = 5 * n + 1
     ref_params, ref, _ = train(1, "shard_map", "adam", batch_size)

@@ -81,6 +81,7 @@ def test_estimate_is_an_upper_bound_close_to_xla_and_moves_what_the_hlo_moves(ca
         assert ratio >= 0.95 and ratio <= 1.3, ratio
 
 
+@pytest.mark.slow
 def test_the_command_reports_memory_flops_bytes_and_time(capsys):
     flags = ["estimate", "--model", "gpt", "--data", "text", "--layers", "2", "--width", "64",
              "--heads", "4", "--seq-len", "64", "--batch-size", "16", "--devices", "4",

@@ -98,7 +98,9 @@ def test_token_weighted_loss_is_the_mean_over_tokens_not_windows(corpus, sgd_ref
 
 
 @pytest.mark.parametrize("n,remat", [
-    (2, "none"), pytest.param(4, "block", marks=pytest.mark.equivalence), (8, "dots")])
+    pytest.param(2, "none", marks=pytest.mark.slow),
+    pytest.param(4, "block", marks=pytest.mark.equivalence),
+    pytest.param(8, "dots", marks=pytest.mark.slow)])
 def test_gpt_sgd_params_and_ema_equal_one_device(corpus, sgd_reference, n, remat):
     ref, ref_rows = sgd_reference
     t, rows = fit(corpus, n, optax.sgd(0.5), dropout=0.1, ema_decay=0.9, remat=remat)
@@ -156,6 +158,7 @@ def test_greedy_sampling_follows_the_model(corpus):
     assert len(generate(model, prompt, 5, SEQ, temperature=1.0, seed=3)) == 5
 
 
+@pytest.mark.slow
 def test_remat_policies_cut_the_steps_memory_in_xlas_analysis():
     """At a length where activations dominate, XLA's memory analysis of the
     training step itself: what it needs besides its arguments, per policy

@@ -13,6 +13,8 @@ from dpax.parallel import platform
 from dpax.xla_cpu import hostenv
 from dpax.xla_cpu.hostenv import HUGETLB, hugepages_env, wants_hugepages
 
+pytestmark = pytest.mark.tuned  # the opt-in tuning: make test-tuned
+
 
 @pytest.mark.parametrize("environ, thp, glibc, expected", [
     ({}, "madvise", (2, 36), True),

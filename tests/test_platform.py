@@ -57,6 +57,7 @@ def _cnn_trainer(n, tuning, **kw):
                         xla_cpu_tuning=tuning, **kw)
 
 
+@pytest.mark.tuned
 @pytest.mark.parametrize("n,kw", [(4, {}), (3, {"sharding": "full"}),
                                   (2, {"steps_per_call": 4})])
 def test_tuning_on_trains_the_same_params(n, kw):

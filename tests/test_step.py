@@ -68,6 +68,7 @@ def test_grad_accum_does_not_multiply_the_all_reduces():
     assert one[0] >= 1 and (one[0], one[1]) == (four[0], four[1])
 
 
+@pytest.mark.slow
 def test_grad_accum_cuts_peak_activation_memory():
     """XLA's own memory analysis of the compiled step: temp buffers shrink ~K-fold."""
     ds = digits()
@@ -261,6 +262,7 @@ def gradient_reductions(t, batch_size=24):
     return sorted(s for s in found if s in shapes), sorted(shapes)
 
 
+@pytest.mark.slow
 def test_without_the_guard_or_clipping_the_step_makes_no_pass_over_the_gradient():
     """By default the step does a hand loop's work: no sum of squares of the
     gradient (4-6% of the mlp's step on one CPU device), so no grad_norm. The

@@ -238,6 +238,7 @@ def test_a_tracker_that_could_not_open_its_store_is_refused_before_any_work(
     assert os.listdir(tmp_path) == []  # nothing written: no run directory, no store
 
 
+@pytest.mark.slow
 def test_a_resumed_run_fills_in_what_the_trackers_lack_and_repeats_nothing(tmp_path):
     """Tracker runs that hold steps 1..5 but 2 (lost: MLflow's queue commits out
     of order) of a run resumed at step 3 (jsonl kept to 3): the trackers take 2

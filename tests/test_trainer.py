@@ -36,8 +36,10 @@ def test_buckets_must_fit_the_devices():
         mlp_trainer(4, grad_accum=2).fit_stream(iter([]), buckets=[12])
 
 
-@pytest.mark.parametrize("kw", [{}, {"sharding": "full"}, {"backend": "pmap"},
-                                {"steps_per_call": 2}], ids=str)
+@pytest.mark.parametrize("kw", [{}, {"sharding": "full"},
+                                pytest.param({"backend": "pmap"}, marks=pytest.mark.slow),
+                                pytest.param({"steps_per_call": 2}, marks=pytest.mark.slow)],
+                         ids=str)
 def test_a_trainer_is_freed_when_dropped(kw):
     """No reference cycle keeps a Trainer and its compiled executables alive
     until a full collection: a sweep of hundreds of Trainers in one process

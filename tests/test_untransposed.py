@@ -132,6 +132,7 @@ def test_the_generic_step_sums_a_narrow_head_before_its_transpose():
     assert "64,48" in shapes  # folded: the param's own shape
 
 
+@pytest.mark.slow
 def test_on_one_device_the_guards_norm_keeps_a_large_head_unfolded():
     """One device, no all-reduce between the head's dot and its transpose:
     the guard's norm reads the [10, 1024] dot itself (128 x 1024 x 10
@@ -147,7 +148,7 @@ def test_on_one_device_the_guards_norm_keeps_a_large_head_unfolded():
     assert "48,10" in shapes and "10,48" not in shapes
 
 
-@pytest.mark.parametrize("devices", [1, 4])
+@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.slow), 4])
 def test_the_clipped_norm_over_an_unfolded_head_is_optax_clip(devices):
     """The norm that clips (and guards) reads a large head's gradient
     untransposed on one device (61 x 2048 x 10 multiply-adds >= HEAD_MACS):
@@ -171,6 +172,7 @@ def test_the_clipped_norm_over_an_unfolded_head_is_optax_clip(devices):
     assert max_diff(leaves(t), ref) <= 1e-5
 
 
+@pytest.mark.slow
 def test_grad_accumulation_moves_every_micro_batch_alike():
     """Micro-batches summed in a scan are summed untransposed and moved back
     once: 2 devices x 2 micro-batches give one device's params (tuning off,
