@@ -46,8 +46,9 @@ docs-site: $(DEV)
 # is lint, the docs' strict build and the main tier: the units and the
 # equivalence proofs of each part of the promise, in pytest itself, on the
 # default path, the one GPUs and TPUs take. `make test-slow` runs more of the
-# same (other device counts, seeds, models, optax transformations, the
-# README's commands); `make test-processes` the tests that start dpax
+# same (other device counts, seeds, backends, models, optax transformations)
+# and the long runs (the README's commands, exports, damaged checkpoints);
+# `make test-processes` the tests that start dpax
 # processes (the installed entry point, multi-process launches, kill -9 and
 # resume, cluster restarts, trackers); `make test-tuned` the opt-in XLA:CPU
 # tuning's own tests and the equivalence tests again with it on
@@ -74,7 +75,8 @@ test-all:
 	  export DPAX_TEST_SESSION_DIR=$$session && \
 	  $(MAKE) test && $(MAKE) test-slow && $(MAKE) test-processes && $(MAKE) test-tuned
 
-# The unit tier: the main tier without the equivalence proofs.
+# The main tier without the tests marked `equivalence` (test_equivalence.py
+# and the N-vs-1 runs test-tuned repeats): a quicker first look.
 test-fast: lint
 	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m "$(MAIN) and not equivalence"
 

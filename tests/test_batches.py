@@ -117,6 +117,7 @@ def test_predict_returns_one_output_per_example_whatever_its_structure(reference
     assert one.evaluate(data)["loss"] == pytest.approx(t.evaluate(data)["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_fit_stream_takes_dict_batches_of_any_size():
     data = examples()
     sizes = [5, 29, 13, 1, 40]

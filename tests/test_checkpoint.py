@@ -19,8 +19,6 @@ import dpax
 from conftest import max_diff
 from dpax.cli import main
 
-pytestmark = pytest.mark.slow  # starts dpax processes or trains long
-
 RUN = ["--model", "mlp", "--optimizer", "momentum", "--lr", "0.05", "--batch-size", "61",
        "--log-every", "5"]
 
@@ -166,6 +164,7 @@ def warning_lines(err):
     return [ln for ln in err.splitlines() if "warning" in ln]
 
 
+@pytest.mark.slow
 def test_flipped_bytes_in_the_newest_step_are_never_evaluated_nor_trained_from(
         tmp_path, capsys):
     """Flipped bytes in the newest step's largest file: eval and resume fall back
@@ -222,6 +221,7 @@ def test_flipped_bytes_in_the_newest_step_are_never_evaluated_nor_trained_from(
     assert sorted(os.listdir(ck)) == ["10", "20", "25", "30", "30.damaged", "30.damaged.2"]
 
 
+@pytest.mark.slow
 def test_a_resume_from_an_older_step_sets_the_newer_ones_aside(tmp_path, capsys, monkeypatch):
     """`--resume ck/10` with the longer schedule while ck holds the old run's
     20 and 30: the new run's first save renames them out of Orbax's view

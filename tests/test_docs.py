@@ -14,8 +14,6 @@ from dpax.cli import main
 from dpax.cli.flags import flags_markdown
 from dpax.cli.job import TrainConfig
 
-pytestmark = pytest.mark.slow  # starts dpax processes or trains long
-
 ROOT = pathlib.Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text()
 PAGES = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
@@ -34,6 +32,7 @@ def blocks(kind: str) -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_python_blocks_run(capsys):
     found = blocks("python")
     assert any(name == "README.md" for name, _ in found), "README lost its API example"
@@ -80,6 +79,7 @@ def run_command(line: str, capsys) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_every_readme_command_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     digits_x = __import__("dpax").data.digits().x_eval

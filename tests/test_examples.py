@@ -6,8 +6,6 @@ import runpy
 
 import pytest
 
-pytestmark = pytest.mark.slow  # starts dpax processes or trains long
-
 EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
 

@@ -20,8 +20,6 @@ from dpax.cli.job import TrainConfig, build, load_checkpoint
 from dpax.models import hf_gpt2
 from test_gpt import write_corpus
 
-pytestmark = pytest.mark.slow  # starts dpax runs
-
 SHAPE = {"n_layer": 2, "n_embd": 32, "n_head": 2}
 FLAGS = ["--model", "gpt", "--layers", "2", "--width", "32", "--heads", "2", "--seq-len", "16"]
 TOLERANCE = 1e-4  # float32 logits, two frameworks' kernels
@@ -64,6 +62,7 @@ def test_hugging_faces_gpt2_loads_with_the_same_logits(gpt2_dir, corpus):
     assert diff <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_a_dpax_checkpoint_exports_to_what_transformers_loads(tmp_path, corpus, capsys,
                                                               monkeypatch):
     ck, out = str(tmp_path / "ck"), str(tmp_path / "hf")
@@ -100,6 +99,7 @@ def test_a_dpax_checkpoint_exports_to_what_transformers_loads(tmp_path, corpus, 
     assert not os.path.exists(f"{out}/hf.partial")
 
 
+@pytest.mark.slow
 def test_export_overwrite_replaces_its_own_files_and_keeps_the_users(tmp_path, corpus, capsys):
     """`--overwrite` as `dpax train --overwrite` does it: the model's files go
     (with a tokenizer that the new export lacks), the user's stay, a shard
@@ -137,6 +137,7 @@ def test_export_overwrite_replaces_its_own_files_and_keeps_the_users(tmp_path, c
     assert set(read) == {k.removeprefix("transformer.") for k in exported}
 
 
+@pytest.mark.slow
 def test_a_fine_tune_from_imported_weights_on_4_devices_equals_1(gpt2_dir, corpus, tmp_path):
     path, _ = gpt2_dir
     runs = {}

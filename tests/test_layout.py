@@ -92,6 +92,7 @@ def test_fsdp_in_bf16_equals_replicated_in_bf16():
     assert diff <= 1e-5
 
 
+@pytest.mark.slow
 def test_fsdp_with_syncbatchnorm_and_dropout_equals_one_device():
     ds = dpax.data.random_images(n=256, side=8, classes=4)
 

@@ -109,6 +109,7 @@ def test_prepare_from_parquet_and_hf_equals_prepare_from_npz(stored, tmp_path, c
                                       data.load(paths["npz"]).x_train[np.arange(240)])
 
 
+@pytest.mark.slow
 def test_four_formats_train_bit_identical_params_on_4_devices(stored):
     """50 steps on 4 devices, an uneven batch (37), the same params from each."""
     params = {}

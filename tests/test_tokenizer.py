@@ -14,8 +14,6 @@ from dpax.cli import main
 from dpax.data import text, tokenizer
 from test_gpt import write_corpus
 
-pytestmark = pytest.mark.slow  # starts dpax runs
-
 VOCAB = 300
 FLAGS = ["--model", "gpt", "--layers", "2", "--width", "32", "--heads", "2", "--seq-len", "16",
          "--tokenizer", f"bpe:{VOCAB}", "--batch-size", "13", "--optimizer", "sgd", "--lr",
@@ -38,6 +36,7 @@ def test_the_bpe_is_deterministic_and_gives_the_text_back(corpus):
         a.encode(held[0]).tolist()
 
 
+@pytest.mark.slow
 def test_bits_per_byte_are_over_the_bytes_the_tokens_cover(corpus, tmp_path):
     out = tmp_path / "run"
     assert main(["train", *FLAGS, "--data", f"text:{corpus}", "--steps", "8",
@@ -55,6 +54,7 @@ def test_bits_per_byte_are_over_the_bytes_the_tokens_cover(corpus, tmp_path):
     assert per_token > 1.5 and per_token < 8  # a BPE token covers several bytes of this text
 
 
+@pytest.mark.slow
 def test_a_bpe_run_on_4_devices_equals_1(corpus, tmp_path):
     runs = {}
     for n in (1, 4):
@@ -68,6 +68,7 @@ def test_a_bpe_run_on_4_devices_equals_1(corpus, tmp_path):
     assert runs[1]["wte/embedding"].shape == (VOCAB, 32)
 
 
+@pytest.mark.slow
 def test_the_tokenizer_travels_with_checkpoints_exports_and_imports(corpus, tmp_path, capsys):
     from transformers import AutoTokenizer
 

@@ -16,8 +16,6 @@ import pytest
 
 from dpax.cli import main
 
-pytestmark = pytest.mark.slow  # starts dpax processes or trains long
-
 RUN = ["--model", "mlp", "--devices", "4", "--steps", "30", "--log-every", "10",
        "--eval-every", "10", "--skip-nonfinite"]  # the guard logs grad_norm
 
@@ -34,6 +32,7 @@ def runs(tmp_path_factory):
     return a, b
 
 
+@pytest.mark.slow
 def test_rerun_from_config_yaml_is_bit_identical(runs):
     a, b = runs
     pa, pb = np.load(os.path.join(a, "params.npz")), np.load(os.path.join(b, "params.npz"))

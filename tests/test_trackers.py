@@ -155,6 +155,7 @@ def test_wandb_offline_files_hold_every_row_once_after_kill_and_resume(killed_an
     assert files == {"config.yaml", "metrics.png"}
 
 
+@pytest.mark.slow
 def test_non_finite_metrics_reach_both_trackers(tmp_path):
     out = str(tmp_path / "nan")
     os.makedirs(out)

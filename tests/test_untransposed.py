@@ -88,6 +88,7 @@ def _transformer_step_hlo() -> str:
     return t.lower_train_step(host, 8).compile().as_text()
 
 
+@pytest.mark.slow
 def test_the_generic_step_has_no_folded_weight_gradient(monkeypatch):
     """On 2 devices with the tuning off: the GPT's four dense layers' weight
     gradients are dots that XLA did not fold (their all-reduce sits between);
@@ -148,7 +149,7 @@ def test_on_one_device_the_guards_norm_keeps_a_large_head_unfolded():
     assert "48,10" in shapes and "10,48" not in shapes
 
 
-@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("devices", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_the_clipped_norm_over_an_unfolded_head_is_optax_clip(devices):
     """The norm that clips (and guards) reads a large head's gradient
     untransposed on one device (61 x 2048 x 10 multiply-adds >= HEAD_MACS):
