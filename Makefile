@@ -47,10 +47,10 @@ docs-site: $(DEV)
 # equivalence proofs of each part of the promise, in pytest itself, on the
 # default path, the one GPUs and TPUs take. `make test-slow` runs more of the
 # same (other device counts, seeds, backends, models, optax transformations)
-# and the long runs (the README's commands, exports, damaged checkpoints);
-# `make test-processes` the tests that start dpax
-# processes (the installed entry point, multi-process launches, kill -9 and
-# resume, cluster restarts, trackers); `make test-tuned` the opt-in XLA:CPU
+# and the long runs (the README's commands, exports, resumes past flipped
+# bytes and from an older step); `make test-processes` the tests that start
+# dpax processes (the installed entry point, multi-process launches, kill -9
+# and resume, cluster restarts, trackers); `make test-tuned` the opt-in XLA:CPU
 # tuning's own tests and the equivalence tests again with it on
 # (dpax.parallel.platform). `make test-all` shares one session directory
 # (tests/conftest.py) among them, so its persistent XLA cache too.

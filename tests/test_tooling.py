@@ -32,7 +32,6 @@ def runs(tmp_path_factory):
     return a, b
 
 
-@pytest.mark.slow
 def test_rerun_from_config_yaml_is_bit_identical(runs):
     a, b = runs
     pa, pb = np.load(os.path.join(a, "params.npz")), np.load(os.path.join(b, "params.npz"))
