@@ -12,8 +12,7 @@ JOBS ?= 2
 PARALLEL := -n $(JOBS) --dist loadfile
 
 .PHONY: setup setup-dev train test test-all test-slow test-processes test-fast test-tuned \
-	lint docs \
-	docs-site bench clean
+	lint docs docs-site bench clean
 
 setup: $(CORE)
 setup-dev: $(DEV)
