@@ -293,16 +293,15 @@ def make_train_step(
     out_specs)` maps the gradient part over the devices (shard_map), and the
     update runs on the logical state.
     """
-    # A jit of its own, which XLA inlines: a Trainer traces its step twice
-    # (once for the metrics' shapes, once to compile it), and jit's trace
-    # cache turns the second trace of the gradient, most of the tracing, into
-    # a lookup.
-    grad_step = jax.jit(make_grad_step(graphdef, loss_fn, layout, options))
+    grad_step = make_grad_step(graphdef, loss_fn, layout, options)
     update = make_update(tx, schedule, UpdateOptions(
         skip_nonfinite=options.skip_nonfinite, clip_norm=options.clip_norm,
         ema_decay=options.ema_decay, whole_leaves=layout.per_device_update))
+    # Each a jit of its own, which XLA inlines: a Trainer traces its step
+    # twice (once for the metrics' shapes, once to compile it), and jit's
+    # trace cache turns the second trace into a lookup.
     if layout.per_device_update:
-        return lambda state, batch: update(state, grad_step(state, batch))
+        return jax.jit(lambda state, batch: update(state, grad_step(state, batch)))
 
     # The gradient part reads neither the optimizer state nor the EMA.
     def inputs(tree):
@@ -313,6 +312,7 @@ def make_train_step(
         grad_step, (inputs(layouts.specs(layout)), rows),
         Reduced(whole, whole, whole, jax.tree.map(lambda s: s.spec, layout.grad_splits), whole))
 
+    @jax.jit
     def train_step(state: TrainState, batch: dict):
         r = grads_of(inputs(state), batch)
         r = r.replace(grads=jax.tree.map(lambda s, g: s.unpad(g), layout.grad_splits, r.grads))
