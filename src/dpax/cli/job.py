@@ -20,6 +20,7 @@ from dpax.data.tokenizer import Tokenizer
 from dpax.errors import DpaxError, DpaxWarning
 from dpax.models import hf_gpt2, losses
 from dpax.models.registry import TEXT_MODELS, ModelConfig
+from dpax.parallel import compile_cache
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend
 from dpax.parallel.distributed import DistributedConfig
 from dpax.parallel.layout import layout_class
@@ -211,10 +212,12 @@ def load_checkpoint(path: str, devices: int | None = None,
     # sharding to train needs it to evaluate.
     sharding = saved.trainer.sharding if backend == "shard_map" else "replicated"
     # The checkpoint holds the weights: the directory a run started from
-    # (`init_from`) is not read again, and need not exist any more.
+    # (`init_from`) is not read again, and need not exist any more. Nor need
+    # the run's compilation cache: this machine's default serves.
     config = dataclasses.replace(
         saved, trainer=dataclasses.replace(saved.trainer, devices=devices, backend=backend,
-                                           sharding=sharding),
+                                           sharding=sharding,
+                                           compile_cache=compile_cache.DEFAULT),
         model=dataclasses.replace(saved.model, init_from=None),
         checkpoint=type(saved.checkpoint)(), output=type(saved.output)(),
         distributed=type(saved.distributed)())

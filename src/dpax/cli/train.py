@@ -21,7 +21,7 @@ from dpax.cli.flags import add_flags, config_from_args
 from dpax.cli.job import Job, TrainConfig, build, check_same_meaning
 from dpax.cli.plot import plot_runs
 from dpax.errors import DpaxError, Preempted, RunFailed, TooManyBadSteps, summary
-from dpax.parallel import peak, watchdog
+from dpax.parallel import compile_cache, peak, watchdog
 from dpax.parallel.arrays import all_finite
 from dpax.parallel.distributed import is_writer
 from dpax.parallel.mesh import describe
@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         # their first collective (30 s, then a traceback from each).
         outputs.refuse_another_run(config.output, config.checkpoint)
     devices.start(config.trainer.devices, config.distributed)
+    # Before the model is built: its initialization's programs are cached too.
+    compile_cache.use(config.trainer.compile_cache, jax.local_devices()[0])
     log = failures.current()
     if log is not None:  # a failure's details go to the run directory
         log.run_dir, log.rank = config.output.out, jax.process_index()
@@ -119,7 +121,8 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
         if out.overwrite:
             outputs.clear_run(out.out)
         outputs.save_text(os.path.join(out.out, "config.yaml"), resolved.to_yaml())
-        outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak)
+        outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak,
+                              job.trainer.compile_cache)
         if job.ds.tokenizer is not None and job.ds.tokenizer.hf is not None:
             outputs.save_text(os.path.join(out.out, "tokenizer.json"),
                               job.ds.tokenizer.to_json())
@@ -131,6 +134,7 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             print(describe(), file=log)
             if mfu_peak is not None:
                 print(f"MFU peak: {mfu_peak.describe()}", file=log)
+            print(f"compilation cache: {job.trainer.compile_cache or 'none'}", file=log)
             print(resolved.to_yaml().rstrip(), file=log, flush=True)
     # After the header line: a bar drawn before it would be broken by it.
     # A resumed run (even one resumed before its first checkpoint) continues its tracker runs.
@@ -144,7 +148,8 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             writer.artifact(plot_runs([out.out]))
     if out.out is not None and writer_process and mfu_peak is not None:
         # Again: a measured peak rises when a step runs faster than it.
-        outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak)
+        outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak,
+                              job.trainer.compile_cache)
     if log is not None:
         print(result.summary(), file=log, flush=True)
     return result

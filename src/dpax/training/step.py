@@ -297,9 +297,9 @@ def make_train_step(
     update = make_update(tx, schedule, UpdateOptions(
         skip_nonfinite=options.skip_nonfinite, clip_norm=options.clip_norm,
         ema_decay=options.ema_decay, whole_leaves=layout.per_device_update))
-    # Each a jit of its own, which XLA inlines: a Trainer traces its step
-    # twice (once for the metrics' shapes, once to compile it), and jit's
-    # trace cache turns the second trace into a lookup.
+    # The step is a jit of its own, which XLA inlines: a Trainer traces its
+    # step twice (once for the metrics' shapes, once to compile it), and
+    # jit's trace cache turns the second trace into a lookup.
     if layout.per_device_update:
         return jax.jit(lambda state, batch: update(state, grad_step(state, batch)))
 

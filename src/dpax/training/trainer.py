@@ -36,7 +36,7 @@ from dpax.data.pipeline import (
 )
 from dpax.errors import BadExamplesElsewhere, DpaxError, DpaxWarning, TooManyBadSteps
 from dpax.models.layers import draws_own_random, has_per_device_state, synchronize
-from dpax.parallel import distributed, platform, watchdog
+from dpax.parallel import compile_cache, distributed, platform, watchdog
 from dpax.parallel import layout as layouts
 from dpax.parallel.arrays import all_finite, is_key
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend, make_backend
@@ -97,6 +97,11 @@ class TrainerConfig:
         None, "on CPU devices, opt into dpax's XLA:CPU tuning: faster steps there, whose "
         "timed choices may change the last bits of results (default off, or "
         f"{platform.ENV}=0/1); GPUs and TPUs never take it", how=True)
+    compile_cache: str | None = cfg.field(
+        compile_cache.DEFAULT, "where compiled programs are kept for later runs, resumes and "
+        "restarts: 'default' (JAX's own setting, else a per-user, per-machine directory "
+        "under ~/.cache/dpax/xla), a directory, or 'none' (docs/speed.md)", how=True,
+        metavar="DIR")
 
     def check(self) -> None:
         for name in ("devices", "grad_accum", "max_bad_steps", "steps_per_call"):
@@ -110,6 +115,8 @@ class TrainerConfig:
         cfg.one_of(self, "allreduce_dtype", PRECISIONS)
         cfg.number(self, "clip_norm", 0, low_open=True)
         cfg.number(self, "ema_decay", 0, 1, low_open=True)
+        if self.compile_cache == "":
+            raise DpaxError("`compile_cache` is empty: give a directory, 'default' or 'none'")
 
 
 class Trainer:
@@ -168,6 +175,11 @@ class Trainer:
       ema_decay: keep an exponential moving average of the params with this
         decay (in (0, 1); it ramps up from 0.1 over the first steps), laid out
         like the params, in checkpoints, and used by `evaluate` and `predict`.
+      compile_cache: JAX's persistent compilation cache for this process
+        (`dpax.parallel.compile_cache`): "default" (what JAX was set to,
+        else a directory per user and machine under ~/.cache/dpax/xla), a
+        directory, or None / "none" for none. A program read back is the
+        executable an earlier run compiled: a warm run repeats its numbers.
       xla_cpu_tuning: on CPU devices, opt into dpax's XLA:CPU tuning
         (`dpax.parallel.platform`): steps built from choices timed on this
         machine, which can round a dot's or a sum's last bits differently
@@ -208,6 +220,7 @@ class Trainer:
         cfg.validate(config)
         self.config = config
         devs = list(devices) if listed else select_devices(devices)
+        self.compile_cache = compile_cache.use(config.compile_cache, devs[0])
         self.platform = platform.for_devices(devs, config.xla_cpu_tuning)
         self.backend = make_backend(config.backend, devs, self.platform)
         self.n_devices = self.backend.n
