@@ -3,11 +3,16 @@
     python scripts/gpu_check.py equivalence     # dpax vs a hand jit loop, params
     python scripts/gpu_check.py memory CASE     # `estimate` vs XLA vs the device's peak
     python scripts/gpu_check.py host BACKEND    # a `fit` call's host time, per function
+    python scripts/gpu_check.py attention       # the GPT's bf16 step takes cuDNN's kernel
 
 `equivalence`: the generic path (the one GPUs take) trains a CNN and a small
 GPT with Adam for 20 steps; a hand-written `jax.jit` loop with the same model,
 loss and optax chain trains from the same init on the same batches. Prints the
 max |params difference|.
+
+`attention`: GPT-2 small's shape in bf16: whether its compiled training step
+calls cuDNN's fused attention, and its step time, with the platform's choice
+and with XLA's attention; the two kernels' outputs on the same bf16 inputs.
 
 `memory CASE`: a Trainer and six steps of a model in a process of their
 own, so that the device's `peak_bytes_in_use` is theirs: the estimate
@@ -163,11 +168,47 @@ def host(backend: str, workload: str = "gpt", steps: int = 192) -> None:
               f"{file.rsplit('/', 1)[-1]}:{line}({fn})")
 
 
+def attention(case: str = "gpt2-small-bf16", steps: int = 5) -> None:
+    from dpax.models import gpt
+
+    name, options, shape, task, n_out, batch, precision = CASES[case]
+    rng = np.random.default_rng(0)
+    host = {"x": rng.integers(0, 256, (batch, *shape)).astype(np.uint8),
+            "y": rng.integers(0, 256, batch).astype(np.int32), "mask": np.ones(batch, bool)}
+    chosen = gpt.causal_attention
+    for kind in ("platform's", "xla"):
+        if kind == "xla":
+            gpt.causal_attention = lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="xla")
+        t = Trainer(make_model(name, shape, n_out, 0, task, **options), losses.lm_loss,
+                    optax.adam(1e-3), devices=1, precision=precision)
+        # cuDNN's fused attention is a custom call named for fused multi-head attention.
+        fused = "fmha" in t.lower_train_step(host, batch).compile().as_text().lower()
+        t.train_step(host, batch)
+        jax.block_until_ready(t.state)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            t.train_step(host, batch)
+        jax.block_until_ready(t.state)
+        ms = (time.perf_counter() - t0) / steps * 1e3
+        print(f"ATTENTION {case} {kind}: cuDNN in the step: {fused}; step {ms:.1f} ms",
+              flush=True)
+    gpt.causal_attention = chosen
+    heads = options["heads"]
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, shape[0] - 1, heads,
+                                                    options["width"] // heads), jnp.bfloat16)
+    xla = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    diff = jnp.max(jnp.abs(gpt.causal_attention(q, k, v).astype(jnp.float32) - xla))
+    print(f"ATTENTION max |platform's - XLA's| on bf16 inputs: {float(diff):.3g}")
+
+
 if __name__ == "__main__":
     print(f"jax {jax.__version__} {jax.devices()}", flush=True)
     if sys.argv[1] == "memory":
         memory(sys.argv[2])
     elif sys.argv[1] == "host":
         host(*sys.argv[2:3])
+    elif sys.argv[1] == "attention":
+        attention(*sys.argv[2:3])
     else:
         equivalence()

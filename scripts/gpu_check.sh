@@ -23,6 +23,10 @@ for case in deep-mlp gpt2-small-bf16 gpt-4x128; do
   timeout 45 python3 scripts/gpu_check.py memory $case 2>&1 | grep -E "MEMORY|Error"
 done | tee "$OUT/memory.log"
 
+# The GPT's attention: cuDNN's fused kernel in the bf16 step, and its time against XLA's.
+timeout 90 python3 scripts/gpu_check.py attention 2>&1 | grep -E "ATTENTION|Error" \
+  | tee "$OUT/attention.log"
+
 timeout 200 python3 -m dpax bench --workloads mlp,gpt,gpt-wide,cnn-avg --devices 1 --repeats 5 \
   --steps-per-call 1 --no-sweep --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log"
 

@@ -6,6 +6,7 @@ model."""
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -199,3 +200,42 @@ def test_the_model_config_knows_its_flops_per_token():
     config = ModelConfig("gpt", layers=2, width=32, heads=2)
     assert config.flops_per_token(count, 64) == flops_per_token(count - 64 * 32, 2, 32, 64)
     assert ModelConfig("cnn").flops_per_token(count, 64) is None
+
+
+def test_attention_on_cpu_is_xlas_and_equals_the_previous_call_and_the_textbook_one(
+        corpus, monkeypatch):
+    """The GPT's logits with the platform's attention equal those of the call it
+    made before (`jax.nn.dot_product_attention(q, k, v, is_causal=True)`), bit
+    for bit on CPU, and softmax(q k^T / sqrt(d) + causal mask) v to rounding."""
+    from dpax.models import gpt as gpt_module
+
+    q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 17, 4, 8))
+    mine = gpt_module.causal_attention(q, k, v)
+    np.testing.assert_array_equal(mine, jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(8)
+    scores = jnp.where(np.tril(np.ones((17, 17), bool)), scores, -np.inf)
+    textbook = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+    np.testing.assert_allclose(mine, textbook, atol=1e-6)
+
+    model = gpt(corpus)
+    tokens = corpus.x_train[:5]
+    logits = forward(model, tokens)
+    monkeypatch.setattr(gpt_module, "causal_attention",
+                        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    np.testing.assert_array_equal(logits, forward(model, tokens))
+
+
+@pytest.mark.parametrize("dtype,head,capability,takes", [
+    ("bfloat16", 64, 9.0, True),
+    ("float16", 128, 8.0, True),
+    ("float32", 64, 9.0, False),  # cuDNN's kernel takes half precision
+    ("bfloat16", 12, 9.0, False),  # not a multiple of 8
+    ("bfloat16", 256, 9.0, False),  # over dpax's cap
+    ("bfloat16", 64, 7.5, False),  # before Ampere
+    ("bfloat16", 64, None, False),  # no NVIDIA GPU (CPU, TPU, ROCm)
+])
+def test_cudnn_attention_is_chosen_only_where_it_takes_the_inputs(dtype, head, capability,
+                                                                  takes):
+    from dpax.models.gpt import cudnn_takes
+
+    assert cudnn_takes(np.dtype(getattr(jnp, dtype)), head, capability) is takes

@@ -17,6 +17,8 @@ depend on the device count. `remat` trades compute for activation memory with
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -42,6 +44,52 @@ def check_shape(width: int, heads: int, remat: str) -> None:
         raise DpaxError(f"`remat` must be one of {', '.join(REMAT_POLICIES)}, got {remat!r}")
 
 
+# cuDNN's fused attention takes half-precision inputs with heads of a
+# multiple of 8 features, up to 128 in dpax (the size every generation it
+# runs on takes), on GPUs from compute capability 8.0 (Ampere).
+CUDNN_MAX_HEAD = 128
+CUDNN_MIN_CAPABILITY = 8.0
+
+
+def causal_attention(q, k, v):
+    """Causal self-attention of (batch, tokens, heads, head size) arrays as
+    the platform runs it best: cuDNN's fused kernel where the program runs on
+    an NVIDIA GPU that takes these inputs, XLA's formulation elsewhere (the
+    same numbers as `jax.nn.dot_product_attention` with its defaults). The
+    platform is the compiled program's (`jax.lax.platform_dependent`), not
+    the host's: a CPU program on a GPU host takes XLA's."""
+    def xla(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    def cudnn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    if not cudnn_takes(q.dtype, q.shape[-1], _cuda_capability()):
+        return xla(q, k, v)
+    try:  # cuDNN's own checks (its version, the shapes) run as this traces
+        return jax.lax.platform_dependent(q, k, v, cuda=cudnn, default=xla)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return xla(q, k, v)
+
+
+def cudnn_takes(dtype, head_size: int, capability: float | None) -> bool:
+    """Whether cuDNN's fused attention takes `dtype` inputs with heads of
+    `head_size` on a GPU of compute `capability` (None: no NVIDIA GPU)."""
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    fits = head_size % 8 == 0 and head_size <= CUDNN_MAX_HEAD
+    return capability is not None and capability >= CUDNN_MIN_CAPABILITY and half and fits
+
+
+@functools.cache
+def _cuda_capability() -> float | None:
+    """The compute capability of this host's first NVIDIA GPU, or None."""
+    try:
+        gpu = jax.devices("cuda")[0]
+    except RuntimeError:
+        return None
+    return float(getattr(gpu, "compute_capability", 0) or 0)
+
+
 class Block(nnx.Module):
     """x + attn(ln(x)), then x + mlp(ln(x))."""
 
@@ -62,7 +110,7 @@ class Block(nnx.Module):
         q, k, v = (a.reshape(b, t, self.heads, c // self.heads) for a in (q, k, v))
         # Padding sits at the end of a window, so the causal mask alone keeps
         # real positions from seeing it.
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, c)
+        y = causal_attention(q, k, v).reshape(b, t, c)
         x = x + self.drop_attn(self.proj(y))
         return x + self.drop_mlp(self.down(nnx.gelu(self.up(self.ln2(x)))))
 
