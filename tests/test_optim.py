@@ -1,6 +1,9 @@
 """Optimizers and schedules behind the CLI names (`dpax.training.optim`)."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import dpax
@@ -45,3 +48,29 @@ def test_every_named_optimizer_trains(name):
     result = train(cfg, log=None)
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     assert last < 0.6 * first, (first, last)
+
+
+def test_state_stored_in_bf16_rounds_the_state_once_per_step_and_updates_in_f32():
+    """Against optax's own Adam: the state after a step is Adam's, rounded to
+    bf16; the next update is Adam's from that rounded state, in f32; the
+    count stays an integer."""
+    adam = optax.adam(1e-2)
+    stored = optim.state_stored_in(adam, jnp.bfloat16)
+    params = {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)}
+    grads = [jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 3)) / 7, params) for i in range(3)]
+
+    state = stored.init(params)
+    for g in grads:
+        want, want_state = adam.update(g, jax.tree.map(
+            lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a,
+            state), params)
+        got, state = stored.update(g, state, params)
+        np.testing.assert_array_equal(got["w"], want["w"])
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want_state), strict=True):
+            if jnp.issubdtype(b.dtype, jnp.floating):
+                assert a.dtype == jnp.bfloat16
+                np.testing.assert_array_equal(a, b.astype(jnp.bfloat16))
+            else:
+                assert a.dtype == b.dtype and a == b
+    assert float(jnp.max(jnp.abs(state[0].mu["w"].astype(jnp.float32)
+                                 - want_state[0].mu["w"]))) > 0  # it did round

@@ -21,7 +21,7 @@ from dpax.models import losses
 from dpax.models.registry import ModelConfig, make_model
 from dpax.parallel.layout import SHARDINGS
 from dpax.training.estimate import Estimate, Hardware, estimate
-from dpax.training.optim import OptimizerConfig
+from dpax.training.optim import OptimizerConfig, state_stored_in
 from dpax.training.trainer import PRECISIONS
 
 NAME = "estimate"
@@ -37,6 +37,9 @@ class EstimateConfig:
                               "(ZeRO-1) or full (FSDP)")
     grad_accum: int = cfg.field(1, "micro-batches per device, accumulated in the step")
     precision: str = cfg.field("fp32", "fp32, or bf16 compute on fp32 master params")
+    param_dtype: str = cfg.field("fp32", "dtype the params are stored in: fp32 or bf16")
+    opt_state_dtype: str = cfg.field("fp32", "dtype the optimizer's state is kept in: fp32 "
+                                     "or bf16")
     ema_decay: float | None = cfg.field(None, "an EMA of the params is kept (its size counts)")
     device_tflops: float | None = cfg.field(
         None, "peak TFLOP/s per device in the compute dtype (e.g. 989 for an H100's bf16)",
@@ -54,6 +57,8 @@ class EstimateConfig:
             cfg.whole(self, name)
         cfg.one_of(self, "sharding", SHARDINGS)
         cfg.one_of(self, "precision", PRECISIONS)
+        cfg.one_of(self, "opt_state_dtype", PRECISIONS)
+        cfg.one_of(self, "param_dtype", PRECISIONS)
         for name in ("device_tflops", "link_gbps", "device_memory_gb"):
             cfg.number(self, name, 0, low_open=True)
         cfg.number(self, "mfu", 0, 1, low_open=True, high_open=False)
@@ -102,17 +107,21 @@ def estimate_config(config: EstimateConfig, **changes) -> Estimate:
                                     init_from=None)  # its shape is what the flags say
     task, example, n_out, tokens = _shapes(config)
     tx, _ = config.optimizer.build(config.batch_size, 1000, model_cfg.lr)
+    if PRECISIONS[config.opt_state_dtype] is not None:
+        tx = state_stored_in(tx, PRECISIONS[config.opt_state_dtype])
     return estimate_model(model_cfg.name, model_cfg.options(), example, n_out, task, tx,
                           config.batch_size, config.devices,
                           changes.get("sharding", config.sharding),
                           changes.get("grad_accum", config.grad_accum), config.precision,
-                          config.ema_decay is not None, tokens, config.hardware)
+                          config.ema_decay is not None, tokens, config.hardware,
+                          param_dtype=config.param_dtype)
 
 
 def estimate_model(name: str, options: dict, example: dict, n_out: int, task: str, tx,
                    batch_size: int, devices: int, layout: str = "replicated",
                    grad_accum: int = 1, precision: str = "fp32", ema: bool = False,
-                   tokens_per_example: int = 1, hardware: Hardware | None = None) -> Estimate:
+                   tokens_per_example: int = 1, hardware: Hardware | None = None,
+                   param_dtype: str = "fp32") -> Estimate:
     """The estimate of the registered model `name` (`options`: `make_model`'s,
     `remat` among them) on `example`'s shapes, with its built-in loss. With
     remat, the same model without it gives the one block recomputed at a time."""
@@ -126,7 +135,8 @@ def estimate_model(name: str, options: dict, example: dict, n_out: int, task: st
                     grad_accum, PRECISIONS[precision], ema, tokens_per_example,
                     hardware or Hardware(),
                     without_remat=build(remat="none") if remat else None,
-                    blocks=options.get("layers", 1) if remat else 1)
+                    blocks=options.get("layers", 1) if remat else 1,
+                    param_dtype=PRECISIONS[param_dtype])
 
 
 def _size(b: float) -> str:

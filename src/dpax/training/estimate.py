@@ -112,16 +112,20 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
              grad_accum: int = 1,
              compute_dtype=None, ema: bool = False, tokens_per_example: int = 1,
              hardware: Hardware = Hardware(), without_remat: Callable | None = None,
-             blocks: int = 1) -> Estimate:
+             blocks: int = 1, param_dtype=None) -> Estimate:
     """The estimate of one step. `example`: one example's abstract arrays
     (`jax.ShapeDtypeStruct` without the batch axis), e.g. {"x": (785,) uint8,
     "y": () int32}; `batch_size`: global. For a model that rematerializes its
     `blocks` blocks, `without_remat` makes it without: the backward pass
-    recomputes one block's activations at a time, and those are added."""
+    recomputes one block's activations at a time, and those are added.
+    `param_dtype`: the dtype the params are stored in (None: the model's)."""
     n, k = devices, grad_accum
     micro = -(-batch_size // (n * k))  # dpax pads the global batch to a multiple of n*k
     model = nnx.eval_shape(make_model)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if param_dtype is not None:
+        params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype)
+                              if jnp.issubdtype(s.dtype, jnp.floating) else s, params)
     rest = _concrete(rest)
     opt = jax.eval_shape(tx.init, params)
     p = tree_bytes(params)

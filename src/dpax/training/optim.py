@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from dpax import config as cfg
@@ -129,3 +131,39 @@ def _optimizer(name, schedule, momentum, weight_decay) -> optax.GradientTransfor
             "momentum": lambda: optax.sgd(schedule, momentum=momentum),
             "adam": lambda: optax.adam(schedule),
             "adamw": lambda: optax.adamw(schedule, weight_decay=weight_decay)}[name]()
+
+
+def state_stored_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """`tx` with its floating-point arrays of state (Adam's moments, a
+    momentum) kept in `dtype` between steps: each update casts the state to
+    the dtypes `tx` makes it in, updates in them, and casts the new state
+    back. Scalars (counts, injected hyperparameters) stay as they are.
+
+    Args:
+      tx: any optax transformation.
+      dtype: the stored dtype, e.g. `jnp.bfloat16` (half the bytes of f32).
+
+    Returns:
+      The transformation: the same updates as `tx` from a state rounded to
+      `dtype` once per step.
+    """
+    tx = optax.with_extra_args_support(tx)
+
+    def stored(tree):  # scalars (a count, an injected learning rate) keep their dtype
+        return jax.tree.map(lambda a: a.astype(dtype) if _floating(a) and a.ndim else a, tree)
+
+    def init(params):
+        return stored(tx.init(params))
+
+    def update(updates, state, params=None, **extra):
+        # The dtypes tx keeps its state in, from the params' (or the updates') dtypes.
+        computed = jax.eval_shape(tx.init, updates if params is None else params)
+        state = jax.tree.map(lambda a, like: a.astype(like.dtype), state, computed)
+        updates, state = tx.update(updates, state, params, **extra)
+        return updates, stored(state)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _floating(a) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.floating)

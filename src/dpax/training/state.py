@@ -57,7 +57,11 @@ def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 
         # Separate buffers: one buffer in two donated fields would be donated twice.
         step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
         rng = jax.random.key_data(jax.random.key(seed))
-        average = jax.tree.map(lambda a: jnp.array(a, copy=True), on_host) if ema else None
+        # In fp32 whatever the params' dtype: a bf16 average stops moving once
+        # (1 - decay) times a step's change falls below half a bf16 unit.
+        average = jax.tree.map(lambda a: jnp.array(
+            a, jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype, copy=True),
+            on_host) if ema else None
     return graphdef, TrainState(step, params, model_state, opt_state, bad, rng, average)
 
 
@@ -76,7 +80,8 @@ def ema_update(ema, params, step, decay: float):
     the first updates do not pin the average to the initial params."""
     t = step.astype(jnp.float32)
     d = jnp.minimum(jnp.float32(decay), (1.0 + t) / (10.0 + t))
-    return jax.tree.map(lambda e, p: d * e + (1.0 - d) * p.astype(e.dtype), ema, params)
+    return jax.tree.map(lambda e, p: (d * e + (1.0 - d) * p.astype(e.dtype)).astype(e.dtype),
+                        ema, params)
 
 
 def eval_params(state: TrainState):

@@ -42,7 +42,7 @@ from dpax.parallel.arrays import all_finite, is_key
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend, make_backend
 from dpax.parallel.layout import check_sharding, make_layout
 from dpax.parallel.mesh import MAX_SIMULATED_DEVICES, select_devices
-from dpax.training import loop, metrics
+from dpax.training import loop, metrics, optim
 from dpax.training.compiled import CompiledSteps
 from dpax.training.handback import ModelHandback
 from dpax.training.state import TrainState, field_spans, init_state
@@ -72,6 +72,13 @@ class TrainerConfig:
                                 how=True)
     precision: str = cfg.field("fp32", "fp32, or bf16 compute on fp32 master params")
     allreduce_dtype: str = cfg.field("fp32", "dtype of the gradient all-reduce: fp32 or bf16")
+    param_dtype: str = cfg.field(
+        "fp32", "dtype the params are stored and updated in: fp32 (as the model made them), "
+        "or bf16 (half their memory; no fp32 master copy: each update rounds to bf16, and "
+        "one smaller than half a bf16 unit of its weight is lost)")
+    opt_state_dtype: str = cfg.field(
+        "fp32", "dtype the optimizer's state (Adam's moments) is kept in between steps: fp32, "
+        "or bf16 (half its memory; each update computes in the params' dtype)")
     clip_norm: float | None = cfg.field(None, "clip the reduced gradient to this global norm")
     ema_decay: float | None = cfg.field(
         None, "keep an EMA of the params with this decay (e.g. 0.999); eval uses it")
@@ -113,6 +120,8 @@ class TrainerConfig:
         check_sharding(self.sharding, self.backend)
         cfg.one_of(self, "precision", PRECISIONS)
         cfg.one_of(self, "allreduce_dtype", PRECISIONS)
+        cfg.one_of(self, "opt_state_dtype", PRECISIONS)
+        cfg.one_of(self, "param_dtype", PRECISIONS)
         cfg.number(self, "clip_norm", 0, low_open=True)
         cfg.number(self, "ema_decay", 0, 1, low_open=True)
         if self.compile_cache == "":
@@ -141,6 +150,17 @@ class Trainer:
       grad_accum: micro-batches per device shard, accumulated inside the step.
       precision: "fp32", or "bf16" for bf16 forward/backward on fp32 params.
       allreduce_dtype: "fp32" or "bf16" for the gradient all-reduce.
+      param_dtype: "fp32" (the model's own dtypes), or "bf16" to store and
+        update the model's floating-point params in bf16, with no fp32
+        master copy: an update smaller than half a bf16 unit of its weight
+        is lost, and N devices agree with one to bf16's rounding
+        (docs/exactness.md). Their gradients are all-reduced in fp32 unless
+        `allreduce_dtype` says bf16; the EMA stays in fp32. The model given
+        here gets bf16 params after `fit`.
+      opt_state_dtype: "fp32", or "bf16" to keep the optimizer's
+        floating-point state (Adam's moments) in bf16 between steps
+        (`dpax.training.optim.state_stored_in`): half its memory, each
+        update computed in the params' dtype from the rounded state.
       max_bad_steps: stop with `TooManyBadSteps` after this many non-finite
         steps in a row (applied, or skipped with `skip_nonfinite`), checked at
         log boundaries; None: never.
@@ -233,16 +253,23 @@ class Trainer:
         # the user's model keeps its classes (and gets the trained state after `fit`).
         model = nnx.clone(model)
         synchronize(model, batchnorm=config.sync_batchnorm)
+        if PRECISIONS[config.param_dtype] is not None:
+            _store_params_in(model, PRECISIONS[config.param_dtype])
         self.param_count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        allreduce = PRECISIONS[config.allreduce_dtype]
+        if allreduce is None and PRECISIONS[config.param_dtype] is not None:
+            allreduce = jnp.float32  # bf16 params' gradients are summed in fp32 unless asked
         step_options = StepOptions(
             grad_accum=config.grad_accum, compute_dtype=PRECISIONS[config.precision],
-            allreduce_dtype=PRECISIONS[config.allreduce_dtype],
+            allreduce_dtype=allreduce,
             average_state=has_per_device_state(model), own_random=draws_own_random(model),
             sync_batchnorm=config.sync_batchnorm,
             clip_norm=config.clip_norm, ema_decay=config.ema_decay,
             skip_nonfinite=config.skip_nonfinite,
             backward=self.platform.backward, pack=self.platform.pack_collectives)
         ema = config.ema_decay is not None
+        if PRECISIONS[config.opt_state_dtype] is not None:
+            optimizer = optim.state_stored_in(optimizer, PRECISIONS[config.opt_state_dtype])
         self._graphdef, state = init_state(model, optimizer, seed, ema=ema)
         # Copied to numpy before it is placed, so that no device array made for
         # it outlives the placing: on one H100, Adam's moments made on the
@@ -841,6 +868,13 @@ def _on_host(tree):
     """Host copies of a tree's arrays (typed PRNG keys stay keys): copies, not
     `np.asarray`'s views of CPU buffers, so that the device arrays can go."""
     return jax.tree.map(lambda x: x if is_key(x) else np.array(x), tree)
+
+
+def _store_params_in(model: nnx.Module, dtype) -> None:
+    """Cast `model`'s floating-point params to `dtype`, in place."""
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(
+        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params))
 
 
 def _check_devices(devices: Any, listed: bool) -> None:

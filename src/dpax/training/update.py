@@ -183,6 +183,10 @@ def _apply(tx, state: TrainState, r: Reduced, finite, norm, options: UpdateOptio
                 lambda g: jax.lax.select(small, g, g / norm * options.clip_norm), grads)
         updates, opt_state = tx_update(tx, grads, state.opt_state, state.params,
                                         r.loss_sum / r.count)
+        # The state keeps its dtypes from step to step: bf16 params' Adam
+        # moments, made in bf16, come back from the fp32 gradient in fp32.
+        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state,
+                                 state.opt_state)
         return optax.apply_updates(state.params, updates), opt_state
 
     if not options.skip_nonfinite:  # applied as a hand-written loop applies it; still counted
