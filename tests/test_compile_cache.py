@@ -27,6 +27,8 @@ def _restore_jax_cache():
     for name, value in before.items():
         jax.config.update(name, value)
     compile_cache.compilation_cache.reset_cache()
+    compile_cache._off_by_dpax = False
+    compile_cache._warned.clear()
 
 
 @pytest.fixture
@@ -66,12 +68,22 @@ def test_a_second_trainer_reads_its_steps_from_the_cache_and_trains_the_same_bit
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_none_compiles_afresh_and_default_then_keeps_it_off(cache_events):
+def test_none_compiles_afresh_and_default_turns_it_on_again(cache_events):
+    session = jax.config.jax_compilation_cache_dir
     t = mlp_trainer(2, compile_cache="none")
     assert t.compile_cache is None and not jax.config.jax_enable_compilation_cache
     fit_digits(t, 50, steps=2)
     assert cache_events == {"hits": 0, "misses": 0}
-    assert mlp_trainer(1).compile_cache is None  # "default": as JAX was left
+    assert mlp_trainer(1).compile_cache == session  # dpax turned it off, not the user
+    with compile_cache.off():  # as `dpax bench` times compilations
+        assert mlp_trainer(1).compile_cache is None
+    assert jax.config.jax_enable_compilation_cache
+
+
+def test_a_cache_the_user_turned_off_stays_off():
+    jax.config.update("jax_enable_compilation_cache", False)  # JAX_ENABLE_COMPILATION_CACHE=false
+    assert mlp_trainer(1).compile_cache is None
+    assert not jax.config.jax_enable_compilation_cache
 
 
 def test_default_keeps_the_directory_jax_was_given():
@@ -96,9 +108,10 @@ def test_a_default_directory_that_cannot_be_written_means_no_cache_and_a_warning
     a_file.write_text("x")
     monkeypatch.setenv("DPAX_CACHE_DIR", str(a_file))  # as a home that cannot be written
     jax.config.update("jax_compilation_cache_dir", None)
-    with pytest.warns(DpaxWarning, match="no compilation cache: .* cannot be written"):
+    with pytest.warns(DpaxWarning, match="no compilation cache: .* cannot be written") as said:
         assert mlp_trainer(1).compile_cache is None
-    assert jax.config.jax_compilation_cache_dir is None
+        assert mlp_trainer(1).compile_cache is None  # said once, as the CLI and its Trainer ask
+    assert len(said) == 1 and jax.config.jax_compilation_cache_dir is None
 
 
 def test_a_directory_that_cannot_be_written_is_refused_before_training(tmp_path, capsys):

@@ -6,10 +6,12 @@ estimate` counts them so."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 from conftest import fit_digits, leaves, max_diff, mlp_trainer
+from dpax.cli import main
 from dpax.cli.estimate import EstimateConfig, estimate_config
 from dpax.models.registry import ModelConfig
 
@@ -74,3 +76,16 @@ def test_estimate_counts_bf16_params_and_optimizer_state_at_half_the_bytes():
     assert opt16["params"] == fp32["params"]
     assert abs(both["params"] * 2 - fp32["params"]) <= 64
     assert both["optimizer"] == opt16["optimizer"]
+
+
+def test_a_bf16_run_through_the_cli_writes_params_any_numpy_reads(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model", "mlp", "--steps", "2", "--devices", "2", "--quiet",
+                 "--param-dtype", "bf16", "--opt-state-dtype", "bf16", "--out", str(out)]) == 0
+    saved = np.load(out / "params.npz")
+    assert all(saved[k].dtype == np.float32 for k in saved.files)
+    # bf16 values, exactly: rounding them to bf16 changes nothing.
+    assert all(np.array_equal(saved[k], saved[k].astype(jnp.bfloat16).astype(np.float32))
+               for k in saved.files)
+    assert main(["estimate", "--model", "mlp", "--param-dtype", "bf16"]) == 0
+    assert "fp32, params bf16" in capsys.readouterr().out

@@ -148,7 +148,10 @@ def report(config: EstimateConfig, e: Estimate) -> str:
     parts = ", ".join(f"{k} {_size(v)}" for k, v in m.items() if k != "total")
     lines = [f"dpax estimate: {config.model.name} ({e.params / 1e6:.1f}M params) on "
              f"{e.devices} devices, --sharding {e.layout}, global batch {e.batch_size} = "
-             f"{e.devices} x {e.grad_accum} x {e.micro_batch}, {config.precision}",
+             f"{e.devices} x {e.grad_accum} x {e.micro_batch}, {config.precision}"
+             + "".join(f", {what} {dtype}" for what, dtype in (
+                 ("params", config.param_dtype), ("optimizer state", config.opt_state_dtype))
+                       if dtype != "fp32"),
              f"memory per device: {_size(m['total'])} ({parts}); activations are an upper "
              "bound (JAX's saved residuals; XLA's fusion keeps less)"]
     if e.fits is not None:

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
@@ -149,6 +150,10 @@ def summary_line(ev: dict, steps: int | None = None, speed: float | None = None)
 
 
 def save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+    """`arrays` in a .npz any numpy reads: bf16 ones (`--param-dtype bf16`) as
+    float32, which holds every bf16 value exactly."""
+    arrays = {k: np.asarray(a, np.float32) if np.asarray(a).dtype == jnp.bfloat16 else a
+              for k, a in arrays.items()}
     tmp = path + ".tmp.npz"
     np.savez(tmp, **arrays)
     os.replace(tmp, path)

@@ -33,6 +33,12 @@ MIN_COMPILE_SECS = 0.1
 # ... and at most this many bytes of them, the least recently read going first.
 MAX_BYTES = 4 << 30
 
+# Whether the cache is off because dpax turned it off (`OFF`), not the user:
+# a later `DEFAULT` turns it on again. And the default directories already
+# warned about (the CLI and then its Trainer both ask).
+_off_by_dpax = False
+_warned: set[str] = set()
+
 
 def default_dir(device: jax.Device) -> str:
     """The per-user, per-machine directory: `xla/` and a hash of `device`'s
@@ -56,22 +62,30 @@ def use(setting: str | None = DEFAULT, device: jax.Device | None = None) -> str 
     Raises:
       DpaxError: a directory given here cannot be made or written.
     """
+    global _off_by_dpax
     config = jax.config
     if setting is None or setting == OFF:
         _set(jax_enable_compilation_cache=False)
+        _off_by_dpax = True
         return None
     if setting == DEFAULT:
-        if not config.jax_enable_compilation_cache:
-            return None
+        if not config.jax_enable_compilation_cache and not _off_by_dpax:
+            return None  # the user turned JAX's cache off
+        _off_by_dpax = False
         if config.jax_compilation_cache_dir:
+            _set(jax_enable_compilation_cache=True)
             return config.jax_compilation_cache_dir
         path = default_dir(device or jax.local_devices()[0])
         problem = _unwritable(path)
         if problem:
-            warnings.warn(f"no compilation cache: {path} cannot be written ({problem}); "
-                          "give `compile_cache` a writable directory", DpaxWarning, stacklevel=3)
+            if path not in _warned:
+                _warned.add(path)
+                warnings.warn(f"no compilation cache: {path} cannot be written ({problem}); "
+                              "give `compile_cache` a writable directory", DpaxWarning,
+                              stacklevel=3)
             return None
     else:
+        _off_by_dpax = False
         path = os.path.abspath(os.path.expanduser(setting))
         if path == config.jax_compilation_cache_dir:
             _set(jax_enable_compilation_cache=True)
@@ -89,13 +103,17 @@ def use(setting: str | None = DEFAULT, device: jax.Device | None = None) -> str 
 
 @contextlib.contextmanager
 def off():
-    """No cache inside (e.g. to time compilations), the settings as they were after."""
-    was = jax.config.jax_enable_compilation_cache
+    """No cache inside, whatever a Trainer made there asks (e.g. to time
+    compilations); the settings as they were after."""
+    global _off_by_dpax
+    was, was_ours = jax.config.jax_enable_compilation_cache, _off_by_dpax
     _set(jax_enable_compilation_cache=False)
+    _off_by_dpax = False  # as if the user had: `DEFAULT` keeps it off
     try:
         yield
     finally:
         _set(jax_enable_compilation_cache=was)
+        _off_by_dpax = was_ours
 
 
 def _set(**settings) -> None:
@@ -110,6 +128,8 @@ def _set(**settings) -> None:
 
 def _unwritable(path: str) -> str | None:
     """Why `path` cannot hold the cache, or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "it is a file"
     try:
         os.makedirs(path, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=path, prefix=".dpax-write-check-")
