@@ -94,6 +94,25 @@ def test_launch_2x2_equals_1x4_equals_1x1_and_its_checkpoint_resumes_on_2(tmp_pa
         assert diff <= 1e-5
 
 
+def test_launch_2x2_in_a_group_per_process_equals_one_device(tmp_path):
+    """Hybrid sharding as multi-host users run it (`--replicas processes`):
+    Adam's state split over each process's 2 devices, replicated across the
+    2 processes, a batch of 50 padded to 52; the same params as one device."""
+    run = [*RUN, "--optimizer", "adam", "--lr", "0.01"]
+    r = launch("--nprocs", "2", "--devices-per-process", "2", "--", *run, "--sharding", "full",
+               "--replicas", "processes", "--out", str(tmp_path / "launched"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--sharding full in 2 replica groups" in r.stdout
+    info = json.loads((tmp_path / "launched" / "run.json").read_text())
+    assert (info["processes"], info["devices"], info["replica_groups"]) == (2, 4, 2)
+    assert main(["train", *run, "--devices", "1", "--out", str(tmp_path / "one")]) == 0
+    with np.load(tmp_path / "launched" / "params.npz") as a, \
+            np.load(tmp_path / "one" / "params.npz") as b:
+        diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in b.files)
+    print(f"launched 2x2 in a group per process vs one device: max |diff| {diff:.2e}")
+    assert diff <= 1e-5
+
+
 def _children(ppid):
     """{pid: command line} of the live processes whose parent is `ppid` (from /proc)."""
     kids = {}

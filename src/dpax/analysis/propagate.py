@@ -27,12 +27,13 @@ PER_DEVICE = frozenset({"axis_index", "ppermute", "all_to_all", "reduce_scatter"
 class Domain:
     """What an analysis knows of values; the defaults pass facts through.
 
-    `axis`: the devices' axis name, where the analysis reads collectives by
-    it. `scan_rounds`: how many passes over a scan's body may settle its
+    `axis`: the devices' axis name (or names, with hybrid sharding's
+    groups), where the analysis reads collectives by it: one over all of
+    them combines every device. `scan_rounds`: how many passes over a scan's body may settle its
     carry before every output is `opaque` (None: until they settle)."""
 
     bottom: Any = None  # the fact of a literal, a constant, a value from no operand
-    axis: str | None = None
+    axis: str | tuple[str, ...] | None = None
     scan_rounds: int | None = None
 
     def first(self, eqn, facts: list) -> list | None:
@@ -105,7 +106,8 @@ def _eqn(eqn, facts: list, domain: Domain, observe: Observer | None) -> list:
     if name in PER_DEVICE:
         return domain.per_device(eqn, facts)
     if name in COLLECTIVES:
-        return domain.collective(eqn, facts, domain.axis in axes(eqn.params))
+        over = domain.axis is not None and set(names(domain.axis)) <= set(axes(eqn.params))
+        return domain.collective(eqn, facts, over)
     body = call_body(eqn)
     if body is not None:
         return domain.call(eqn, propagate(body, facts, domain, observe))
@@ -161,13 +163,21 @@ def axes(params: dict) -> tuple:
     return found if isinstance(found, tuple) else (found,)
 
 
+def names(axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    """A mesh axis name, or several, as a tuple."""
+    return axis if isinstance(axis, tuple) else (axis,)
+
+
 def shapes(args: Sequence[Any]) -> list:
     return [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arg) for arg in args]
 
 
-def trace(fn: Callable, args: Sequence[Any], axis: str, size: int) -> jcore.Jaxpr:
-    """`fn`'s jaxpr on the shapes of `args`, inside `size` devices of `axis`."""
-    return jax.make_jaxpr(fn, axis_env=[(axis, size)])(*shapes(args)).jaxpr
+def trace(fn: Callable, args: Sequence[Any], axis: str | tuple[str, ...],
+          size: int | tuple[int, ...]) -> jcore.Jaxpr:
+    """`fn`'s jaxpr on the shapes of `args`, inside `size` devices of `axis`
+    (or, for several axes, `size[i]` along `axis[i]`)."""
+    env = list(zip(names(axis), size if isinstance(size, tuple) else (size,)))
+    return jax.make_jaxpr(fn, axis_env=env)(*shapes(args)).jaxpr
 
 
 def leaf_flags(args: Sequence[Any], flags: Sequence[bool]) -> list[bool]:

@@ -12,6 +12,7 @@ holds (`MixesExamples`). It returns the state that is averaged instead.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -36,17 +37,19 @@ class Asks:
     sync_batchnorm: bool = True  # off: the user asked for per-device batch statistics
 
 
-def refuse(forward: Callable, args: tuple, axis: str, size: int, asks: Asks) -> dict[int, str]:
+def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
+           size: int | tuple[int, ...], asks: Asks) -> dict[int, str]:
     """{leaf index: path} of the numeric model state (`args[1]`) that a step
-    leaves different on each of `size` devices, which is averaged; raises
-    what no average mends. The new state's leaves are the last of
-    `forward`'s outputs."""
-    if size == 1:
+    leaves different on each of `size` devices of `axis` (several axes:
+    `size[i]` along each), which is averaged; raises what no average mends.
+    The new state's leaves are the last of `forward`'s outputs."""
+    if math.prod(size if isinstance(size, tuple) else (size,)) == 1:
         return {}
     jaxpr = trace(forward, args, axis, size)
     per_device = {}
     if asks.own_random or asks.average_state:
         per_device = _state_per_device(forward, args, jaxpr, axis, size, asks)
+    size = math.prod(size) if isinstance(size, tuple) else size  # the devices, for messages
     # With sync_batchnorm off the user asked for per-device batch statistics.
     mixed = asks.sync_batchnorm and first_mixed(mixing(jaxpr, leaf_flags(args, ON_ROWS)))
     if mixed:
@@ -63,6 +66,7 @@ def refuse(forward: Callable, args: tuple, axis: str, size: int, asks: Asks) -> 
 def _state_per_device(forward, args, jaxpr, axis, size, asks: Asks) -> dict[int, str]:
     flags, shared = analyze(forward, args, ON_ROWS, axis, size, draws=asks.own_random,
                             jaxpr=jaxpr)
+    size = math.prod(size) if isinstance(size, tuple) else size  # the devices, for messages
     if shared:
         raise PerDeviceRandom(
             f"the model draws random numbers shaped {shared[0]} by a device's rows from a key "

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from dpax.analysis.propagate import Domain, leaf_flags, propagate, shapes, trace
+from dpax.analysis.propagate import Domain, leaf_flags, names, propagate, shapes, trace
 
 
 class Varying(Domain):
@@ -106,4 +106,4 @@ def typed_varying(x, axis: str) -> bool:
     vma = getattr(aval, "vma", None)  # JAX 0.7-0.9
     if vma is None:
         vma = getattr(getattr(aval, "mat", None), "varying", None)  # JAX 0.10
-    return True if vma is None else axis in vma
+    return True if vma is None else any(a in vma for a in names(axis))

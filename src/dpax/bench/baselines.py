@@ -93,7 +93,9 @@ def step_comms(t: Trainer, compiled) -> dict:
     """The step's collectives from its optimized HLO (`dpax.parallel.comms`),
     the least its layout needs (from the params' logical bytes), and what that
     least is in the padded shapes a sharded layout splits."""
-    found = comms.summary(comms.collectives(compiled.as_text(), t.n_devices))
+    groups = t.backend.replicas
+    group = t.n_devices // groups if groups > 1 else None
+    found = comms.summary(comms.collectives(compiled.as_text(), t.n_devices, group))
     if t.n_devices == 1:
         return {"found": found, "minimum": {}, "padded": {}}
     # Each param's bytes from its split (its logical shape whatever the
@@ -104,7 +106,11 @@ def step_comms(t: Trainer, compiled) -> dict:
                            for x, s in zip(stored, splits))
                        for shape in ("shape", "padded_shape"))
     least = t.layout.least_collectives
-    return {"found": found, "minimum": least(logical, logical), "padded": least(padded, padded)}
+    minimum, padded = least(logical, logical), least(padded, padded)
+    if groups > 1:  # each device's slice of the gradients, summed across the groups
+        minimum[comms.ACROSS + "all-reduce"] = logical // group
+        padded[comms.ACROSS + "all-reduce"] = padded["reduce-scatter"] // group
+    return {"found": found, "minimum": minimum, "padded": padded}
 
 
 def _split(w):

@@ -22,6 +22,8 @@ from dpax.models import losses
 from dpax.models.bridge import from_linen, takes
 from dpax.models.registry import MODELS, TEXT_MODELS
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend
+from dpax.parallel.layout import SHARDINGS, check_sharding
+from dpax.parallel.mesh import replica_count
 from dpax.training.check import check_equivalence
 
 NAME = "check"
@@ -46,6 +48,10 @@ class CheckConfig:
     steps: int = cfg.field(5, "SGD steps")
     grad_accum: int = cfg.field(1, "micro-batches per step, on both sides")
     backend: str = cfg.field(DEFAULT_BACKEND, "shard_map or pmap")
+    sharding: str = cfg.field("replicated", "where the state lives on N devices: replicated, "
+                              "optimizer (ZeRO-1) or full (FSDP)")
+    replicas: str | int = cfg.field(1, "hybrid sharding's groups on N devices (a divisor of "
+                                    "N)", metavar="R")
     sync_batchnorm: bool = cfg.field(
         True, "BatchNorm statistics over the global batch (--no-sync-batchnorm shows the "
               "difference per-device statistics make)")
@@ -54,6 +60,10 @@ class CheckConfig:
         for name in ("devices", "steps", "batch_size", "grad_accum"):
             cfg.whole(self, name)
         check_backend(self.backend, 1)
+        cfg.one_of(self, "sharding", SHARDINGS)
+        check_sharding(self.sharding, self.backend)
+        self.replicas = replica_count(int(self.replicas) if str(self.replicas).isdigit()
+                                      else self.replicas, self.devices, 1)
         if self.factory is None:
             cfg.one_of(self, "model", MODELS)
         check_name(self.data)
@@ -96,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         make_model, loss_fn, ds.x_train, ds.y_train, devices=config.devices,
         batch_size=config.batch_size, steps=config.steps,
         sync_batchnorm=config.sync_batchnorm, backend=config.backend,
-        grad_accum=config.grad_accum)
+        grad_accum=config.grad_accum, sharding=config.sharding, replicas=config.replicas)
     print(as_flags(result.report()))
     return 0 if result.equivalent else 1
 

@@ -20,6 +20,7 @@ from dpax.errors import DpaxError
 from dpax.models import losses
 from dpax.models.registry import ModelConfig, make_model
 from dpax.parallel.layout import SHARDINGS
+from dpax.parallel.mesh import replica_count
 from dpax.training.estimate import Estimate, Hardware, estimate
 from dpax.training.optim import OptimizerConfig, state_stored_in
 from dpax.training.trainer import PRECISIONS
@@ -35,6 +36,9 @@ class EstimateConfig:
     devices: int = cfg.field(8, "devices of the run (any count: none are used here)")
     sharding: str = cfg.field("replicated", "where the state lives: replicated, optimizer "
                               "(ZeRO-1) or full (FSDP)")
+    replicas: str | int = cfg.field(
+        1, "hybrid sharding's groups: a divisor of --devices, or 'processes' (one per host, "
+        "--devices-per-host)", metavar="R")
     grad_accum: int = cfg.field(1, "micro-batches per device, accumulated in the step")
     precision: str = cfg.field("fp32", "fp32, or bf16 compute on fp32 master params")
     param_dtype: str = cfg.field("fp32", "dtype the params are stored in: fp32 or bf16")
@@ -46,6 +50,11 @@ class EstimateConfig:
         metavar="X")
     link_gbps: float | None = cfg.field(
         None, "collective bandwidth per device, Gbit/s (e.g. 3600 for NVLink 4)", metavar="X")
+    devices_per_host: int | None = cfg.field(
+        None, "devices in one host (default: all --devices in one)")
+    host_link_gbps: float | None = cfg.field(
+        None, "bandwidth per device between hosts, Gbit/s (e.g. 400 for one 400G NIC per "
+        "GPU; default: --link-gbps)", metavar="X")
     device_memory_gb: float | None = cfg.field(None, "memory per device, GB", metavar="X")
     mfu: float = cfg.field(0.5, "fraction of the peak the step's compute reaches")
     model: ModelConfig = cfg.group(ModelConfig)
@@ -53,13 +62,19 @@ class EstimateConfig:
     optimizer: OptimizerConfig = cfg.group(OptimizerConfig)
 
     def check(self) -> None:
-        for name in ("batch_size", "devices", "grad_accum"):
+        for name in ("batch_size", "devices", "grad_accum", "devices_per_host"):
             cfg.whole(self, name)
+        if self.devices_per_host is not None and self.devices % self.devices_per_host:
+            raise DpaxError(f"--devices {self.devices} is not a whole number of hosts of "
+                            f"--devices-per-host {self.devices_per_host}")
+        hosts = self.devices // (self.devices_per_host or self.devices)
+        self.replicas = replica_count(int(self.replicas) if str(self.replicas).isdigit()
+                                      else self.replicas, self.devices, hosts)
         cfg.one_of(self, "sharding", SHARDINGS)
         cfg.one_of(self, "precision", PRECISIONS)
         cfg.one_of(self, "opt_state_dtype", PRECISIONS)
         cfg.one_of(self, "param_dtype", PRECISIONS)
-        for name in ("device_tflops", "link_gbps", "device_memory_gb"):
+        for name in ("device_tflops", "link_gbps", "host_link_gbps", "device_memory_gb"):
             cfg.number(self, name, 0, low_open=True)
         cfg.number(self, "mfu", 0, 1, low_open=True, high_open=False)
         if self.model.takes_text != self.data.is_text:
@@ -67,7 +82,8 @@ class EstimateConfig:
 
     @property
     def hardware(self) -> Hardware:
-        return Hardware(self.device_tflops, self.link_gbps, self.device_memory_gb, self.mfu)
+        return Hardware(self.device_tflops, self.link_gbps, self.device_memory_gb, self.mfu,
+                        self.devices_per_host, self.host_link_gbps)
 
 
 def add_parser(sub) -> None:
@@ -114,14 +130,14 @@ def estimate_config(config: EstimateConfig, **changes) -> Estimate:
                           changes.get("sharding", config.sharding),
                           changes.get("grad_accum", config.grad_accum), config.precision,
                           config.ema_decay is not None, tokens, config.hardware,
-                          param_dtype=config.param_dtype)
+                          param_dtype=config.param_dtype, replicas=config.replicas)
 
 
 def estimate_model(name: str, options: dict, example: dict, n_out: int, task: str, tx,
                    batch_size: int, devices: int, layout: str = "replicated",
                    grad_accum: int = 1, precision: str = "fp32", ema: bool = False,
                    tokens_per_example: int = 1, hardware: Hardware | None = None,
-                   param_dtype: str = "fp32") -> Estimate:
+                   param_dtype: str = "fp32", replicas: int = 1) -> Estimate:
     """The estimate of the registered model `name` (`options`: `make_model`'s,
     `remat` among them) on `example`'s shapes, with its built-in loss. With
     remat, the same model without it gives the one block recomputed at a time."""
@@ -136,7 +152,7 @@ def estimate_model(name: str, options: dict, example: dict, n_out: int, task: st
                     hardware or Hardware(),
                     without_remat=build(remat="none") if remat else None,
                     blocks=options.get("layers", 1) if remat else 1,
-                    param_dtype=PRECISIONS[param_dtype])
+                    param_dtype=PRECISIONS[param_dtype], replicas=replicas)
 
 
 def _size(b: float) -> str:
@@ -147,7 +163,10 @@ def report(config: EstimateConfig, e: Estimate) -> str:
     m = e.memory
     parts = ", ".join(f"{k} {_size(v)}" for k, v in m.items() if k != "total")
     lines = [f"dpax estimate: {config.model.name} ({e.params / 1e6:.1f}M params) on "
-             f"{e.devices} devices, --sharding {e.layout}, global batch {e.batch_size} = "
+             f"{e.devices} devices, --sharding {e.layout}"
+             + (f" in {e.replicas} replica groups of {e.devices // e.replicas}"
+                if e.replicas > 1 else "")
+             + f", global batch {e.batch_size} = "
              f"{e.devices} x {e.grad_accum} x {e.micro_batch}, {config.precision}"
              + "".join(f", {what} {dtype}" for what, dtype in (
                  ("params", config.param_dtype), ("optimizer state", config.opt_state_dtype))
@@ -160,10 +179,14 @@ def report(config: EstimateConfig, e: Estimate) -> str:
     lines.append(f"FLOPs per step: {e.flops_per_step:.3g} (XLA's cost analysis), "
                  f"{e.flops_per_step / e.devices:.3g} per device")
     moved = ", ".join(f"{k} {_size(v)}" for k, v in e.collectives.items()) or "none"
-    lines.append(f"collectives per step: {moved}; {_size(e.wire_bytes)} sent per device "
-                 "(ring)")
+    sent = " and ".join(f"{_size(b)} {link}" for link, b in e.links.items()
+                        if config.devices_per_host) or _size(e.wire_bytes)
+    lines.append(f"collectives per step: {moved}; {sent} sent per device (ring)")
     if e.step_s is not None:
-        comm = (f" + {1e3 * e.comm_s:.1f} ms collectives at {config.link_gbps:g} Gbit/s, "
+        rates = f"{config.link_gbps:g} Gbit/s" + (
+            f" inside a host, {config.host_link_gbps:g} between hosts"
+            if config.host_link_gbps and config.devices_per_host else "")
+        comm = (f" + {1e3 * e.comm_s:.1f} ms collectives at {rates}, "
                 "not overlapped" if e.comm_s is not None else " (no --link-gbps: no comms)")
         unit = "tokens" if e.tokens_per_example > 1 else "examples"
         lines.append(f"predicted step: {1e3 * e.step_s:.1f} ms = {1e3 * e.compute_s:.1f} ms "

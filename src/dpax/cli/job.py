@@ -209,14 +209,15 @@ def load_checkpoint(path: str, devices: int | None = None,
         raise DpaxError(f"checkpoint step {step} in {directory} was written by another "
                         f"version of dpax ({e})") from None
     # The run's sharding where the backend allows it: a model that needed
-    # sharding to train needs it to evaluate.
+    # sharding to train needs it to evaluate, split over every device here
+    # (the run's groups need not divide this device count).
     sharding = saved.trainer.sharding if backend == "shard_map" else "replicated"
     # The checkpoint holds the weights: the directory a run started from
     # (`init_from`) is not read again, and need not exist any more. Nor need
     # the run's compilation cache: this machine's default serves.
     config = dataclasses.replace(
         saved, trainer=dataclasses.replace(saved.trainer, devices=devices, backend=backend,
-                                           sharding=sharding,
+                                           sharding=sharding, replicas=1,
                                            compile_cache=compile_cache.DEFAULT),
         model=dataclasses.replace(saved.model, init_from=None),
         checkpoint=type(saved.checkpoint)(), output=type(saved.output)(),

@@ -159,15 +159,16 @@ def save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
-def save_run_info(out: str, devices: int, mfu_peak=None, compile_cache: str | None = None) -> None:
-    """`run.json`: what ran where (dpax, JAX, devices, processes, the
-    compilation cache) and, for a language model, the peak FLOP/s its MFU
-    divides by and where it comes from."""
+def save_run_info(out: str, devices: int, mfu_peak=None, compile_cache: str | None = None,
+                  replica_groups: int = 1) -> None:
+    """`run.json`: what ran where (dpax, JAX, devices, processes, hybrid
+    sharding's groups, the compilation cache) and, for a language model, the
+    peak FLOP/s its MFU divides by and where it comes from."""
     info = {"dpax": __version__, "jax": jax.__version__,
             "platform": jax.devices()[0].platform,
             "device_kind": jax.devices()[0].device_kind,
             "devices": devices, "processes": jax.process_count(),
-            "compile_cache": compile_cache}
+            "replica_groups": replica_groups, "compile_cache": compile_cache}
     if mfu_peak is not None:
         info.update(mfu_peak_flops=mfu_peak.flops, mfu_peak_source=mfu_peak.source)
     save_text(os.path.join(out, "run.json"), json.dumps(info, indent=1) + "\n")

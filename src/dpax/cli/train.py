@@ -122,13 +122,17 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
             outputs.clear_run(out.out)
         outputs.save_text(os.path.join(out.out, "config.yaml"), resolved.to_yaml())
         outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak,
-                              job.trainer.compile_cache)
+                              job.trainer.compile_cache, job.trainer.backend.replicas)
         if job.ds.tokenizer is not None and job.ds.tokenizer.hf is not None:
             outputs.save_text(os.path.join(out.out, "tokenizer.json"),
                               job.ds.tokenizer.to_json())
     if log is not None and not out.quiet:
+        groups = job.trainer.backend.replicas
         print(f"dpax: {config.model.name} on {job.ds.name}, {job.trainer.n_devices} device(s) "
-              f"({config.trainer.backend}), global batch {config.batch_size}, {job.total} steps"
+              f"({config.trainer.backend}"
+              + (f", --sharding {job.trainer.layout.name} in {groups} replica groups"
+                 if groups > 1 else "")
+              + f"), global batch {config.batch_size}, {job.total} steps"
               + (f", resumed at step {start}" if start else ""), file=log, flush=True)
         if out.verbose:
             print(describe(), file=log)
@@ -149,7 +153,7 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     if out.out is not None and writer_process and mfu_peak is not None:
         # Again: a measured peak rises when a step runs faster than it.
         outputs.save_run_info(out.out, job.trainer.n_devices, mfu_peak,
-                              job.trainer.compile_cache)
+                              job.trainer.compile_cache, job.trainer.backend.replicas)
     if log is not None:
         print(result.summary(), file=log, flush=True)
     return result

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from dpax.errors import DpaxError
 from dpax.parallel import watchdog
 from dpax.parallel.arrays import host_leaf, is_key, replicate, unreplicate
-from dpax.parallel.mesh import AXIS
+from dpax.parallel.mesh import AXIS, REPLICAS, device_axes
 from dpax.parallel.platform import Platform
 
 BACKENDS = ("shard_map", "pmap")
@@ -37,7 +37,9 @@ class Backend(Protocol):
     devices: list[jax.Device]
     n: int
     platform: Platform
-    mesh: Mesh  # the devices along `AXIS`
+    replicas: int  # hybrid sharding's groups (1: none)
+    axis: Any  # the mesh axes spanning every device (`dpax.parallel.mesh.device_axes`)
+    mesh: Mesh  # the devices along `AXIS`, in `replicas` groups along `REPLICAS`
 
     # -- placing: the state, a step's batch, K steps' batches ---------------------------
     def put_state(self, state: Any, specs: Any = None) -> Any:
@@ -116,17 +118,26 @@ def _batch_spec(rows: P, with_data: bool) -> Any:
 
 
 class ShardMapBackend:
-    """State replicated as one logical array; batches split along their rows."""
+    """State replicated as one logical array; batches split along their rows.
+
+    With `replicas` > 1 the devices form a 2-D mesh, `replicas` groups of
+    consecutive devices (one per process when each process brings one
+    group): a split state lies along `AXIS` inside each group."""
 
     name = "shard_map"
 
-    def __init__(self, devices: Sequence[jax.Device], platform: Platform):
+    def __init__(self, devices: Sequence[jax.Device], platform: Platform, replicas: int = 1):
         self.devices = list(devices)
         self.n = len(self.devices)
         self.platform = platform
-        self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        self.replicas = replicas
+        self.axis = device_axes(replicas)
+        if replicas == 1:
+            self.mesh = Mesh(np.array(self.devices), (AXIS,))
+        else:
+            self.mesh = Mesh(np.array(self.devices).reshape(replicas, -1), (REPLICAS, AXIS))
         self._replicated = NamedSharding(self.mesh, P())
-        self._rows = NamedSharding(self.mesh, P(AXIS))
+        self._rows = NamedSharding(self.mesh, P(self.axis))
 
     def put_state(self, state: Any, specs: Any = None) -> Any:
         """Replicated, or laid out by `specs` (a PartitionSpec tree prefix)."""
@@ -170,7 +181,7 @@ class ShardMapBackend:
     def put_batches(self, batches: list[dict], size: int) -> dict:
         """K host batches -> one array per key of shape (K, size, ...), rows split
         over devices: the input of a K-steps-per-call step."""
-        sharding = NamedSharding(self.mesh, P(None, AXIS))
+        sharding = NamedSharding(self.mesh, P(None, self.axis))
         if jax.process_count() == 1:
             return jax.tree.map(lambda *vs: np.stack(vs), *batches)
 
@@ -201,7 +212,7 @@ class ShardMapBackend:
         """`fn(state, [metrics,] batch)` run per device: the optional middle
         argument is the replicated running metric sums of a training step (not
         donated: the host waits on earlier ones to bound the steps in flight)."""
-        batch_spec = P(AXIS) if batch_spec is None else batch_spec
+        batch_spec = P(self.axis) if batch_spec is None else batch_spec
         # A sharded state (`dpax.parallel.layout`) rebuilds the params with all_gather, whose result
         # JAX 0.10 cannot type as replicated; the check is off for that step only,
         # as it is in pmap. The step's own pcast/psum are explicit either way. On
@@ -223,14 +234,14 @@ class ShardMapBackend:
         their indices split (`dpax.data.batches.gather_rows`)."""
         out_state = P() if state_spec is None else state_spec
         return self._wrap(fn, (out_state, P()), donate=True,
-                          batch_spec=_batch_spec(P(AXIS), with_data),
+                          batch_spec=_batch_spec(P(self.axis), with_data),
                           state_spec=state_spec, carries_metrics=True)
 
     def multi_stepper(self, fn: Callable, state_spec=None, with_data: bool = False) -> Callable:
         """`fn(state, metric sums, batches)`, batches stacked along a leading step axis."""
         out_state = P() if state_spec is None else state_spec
         return self._wrap(fn, (out_state, P()), donate=True,
-                          batch_spec=_batch_spec(P(None, AXIS), with_data),
+                          batch_spec=_batch_spec(P(None, self.axis), with_data),
                           state_spec=state_spec, carries_metrics=True)
 
     def global_stepper(self, fn: Callable, state_spec, steps_axis: bool = False,
@@ -238,7 +249,8 @@ class ShardMapBackend:
         """`fn(state, metric sums, batch) -> (state, metric sums)` of the whole
         stored state and batch, under jit (it maps its own per-device part);
         `steps_axis`: batches stacked along a leading step axis."""
-        batch_spec = _batch_spec(P(None, AXIS) if steps_axis else P(AXIS), with_data)
+        batch_spec = _batch_spec(P(None, self.axis) if steps_axis else P(self.axis),
+                                 with_data)
         return self._compile(fn, (state_spec, P(), batch_spec), donate=True,
                              out_specs=(state_spec, P()))
 
@@ -248,7 +260,7 @@ class ShardMapBackend:
 
     def per_example(self, fn: Callable, state_spec=None) -> Callable:
         """`fn(state, shard) -> one output per example of the shard`, per device."""
-        return self._wrap(fn, P(AXIS), donate=False, state_spec=state_spec)
+        return self._wrap(fn, P(self.axis), donate=False, state_spec=state_spec)
 
     def host(self, tree: Any) -> Any:
         """Host copy of replicated outputs. A device-to-host transfer: a sync
@@ -285,9 +297,13 @@ class PmapBackend:
     """`jax.pmap`'s layout: a leading device axis on state and batches."""
 
     name = "pmap"
+    replicas = 1
+    axis = AXIS
 
-    def __init__(self, devices: Sequence[jax.Device], platform: Platform):
+    def __init__(self, devices: Sequence[jax.Device], platform: Platform, replicas: int = 1):
         check_backend(self.name, jax.process_count())
+        if replicas != 1:
+            raise DpaxError(_WHOLE_ONLY)
         self.devices = list(devices)
         self.n = len(self.devices)
         self.platform = platform  # jax.pmap takes no compile options
@@ -362,6 +378,9 @@ class PmapBackend:
         return jax.tree.map(lambda x: np.asarray(x).reshape((-1,) + x.shape[2:]), tree)
 
 
-def make_backend(name: str, devices: Sequence[jax.Device], platform: Platform) -> Backend:
+def make_backend(name: str, devices: Sequence[jax.Device], platform: Platform,
+                 replicas: int = 1) -> Backend:
+    """The backend `name` on `devices`, in `replicas` groups (hybrid sharding)."""
     check_backend(name, jax.process_count())
-    return {"shard_map": ShardMapBackend, "pmap": PmapBackend}[name](devices, platform)
+    return {"shard_map": ShardMapBackend, "pmap": PmapBackend}[name](devices, platform,
+                                                                      replicas)

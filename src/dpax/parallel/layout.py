@@ -12,6 +12,13 @@
 A sharded leaf is split along one of its dimensions (`Split`), zero-padded to
 a multiple of N there, so any device count splits any shape.
 
+Hybrid sharding (`replicas` = R > 1): the N devices form R groups of N/R
+(`dpax.parallel.mesh`); a sharded layout splits the state over the devices
+of a group and replicates it across the groups. A gradient is
+reduce-scattered inside each group, then its slice all-reduced across the
+groups: the fast links (inside a host) carry the gathers and scatters, the
+slow ones (between hosts) 1/(N/R) of the gradient bytes.
+
 The update of a sharded layout runs on the params, gradients and optimizer
 state in their logical shapes and tree, outside the per-device function: jit
 partitions it over the mesh, and XLA adds whatever collectives the optimizer's
@@ -40,29 +47,33 @@ from jax.sharding import PartitionSpec as P
 from dpax.collectives import psum_tree, reduce_scatter
 from dpax.errors import DpaxError
 from dpax.parallel.arrays import is_key
-from dpax.parallel.mesh import AXIS
+from dpax.parallel.comms import ACROSS
+from dpax.parallel.mesh import AXIS, REPLICAS, device_axes
 
 
 @dataclasses.dataclass(frozen=True)
 class Split:
     """How one state leaf of logical `shape` lives on n devices: split along
-    `dim` (None: replicated), zero-padded there to a multiple of n."""
+    `dim` (None: replicated), zero-padded there to a multiple of n. With
+    hybrid sharding the n devices are one group of `replicas`, each holding
+    the same slices."""
 
     shape: tuple[int, ...]
     n: int
     dim: int | None = None
+    replicas: int = 1
 
     @classmethod
-    def best(cls, shape: tuple[int, ...], n: int) -> Split:
+    def best(cls, shape: tuple[int, ...], n: int, replicas: int = 1) -> Split:
         """Split along the dimension that needs the least padding (the
         outermost one on a tie): a dimension n divides needs none, and a
         split of the outermost dimension leaves each device one contiguous
         block, which gathers and scatters without reordering."""
         if not shape:
-            return cls(shape, n)
+            return cls(shape, n, replicas=replicas)
         padded = [math.prod(shape) // s * _round_up(s, n) for s in shape]
         dim = min(range(len(shape)), key=lambda d: (padded[d], d))
-        return cls(tuple(shape), n, dim)
+        return cls(tuple(shape), n, dim, replicas)
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
@@ -97,8 +108,10 @@ class Split:
         return self.unpad(jax.lax.all_gather(local, AXIS, axis=self.dim, tiled=True))
 
     def scatter_sum(self, whole: jax.Array) -> jax.Array:
-        """This device's slice of the sum over devices of a logical leaf."""
-        return reduce_scatter(self.pad(whole), AXIS, self.dim)
+        """This device's slice of the sum over devices of a logical leaf: over
+        its group's devices, then (hybrid sharding) over the groups."""
+        part = reduce_scatter(self.pad(whole), AXIS, self.dim)
+        return part if self.replicas == 1 else psum_tree(part, REPLICAS)
 
 
 def _round_up(size: int, n: int) -> int:
@@ -109,12 +122,17 @@ class Layout(Protocol):
     """Where each state leaf lives (`splits`, one `Split` per leaf of the
     state) and the few things the step asks of it. The step owns the update.
 
-    A layout is made by its class, `cls(state, n, grad_accum, pack)`, for a
-    logical state on n devices (`LAYOUTS` names the built-in ones). What the
-    estimate and the collective count ask (`memory`, `least_collectives`,
-    `step_collectives`) needs no state: it is asked of the class."""
+    A layout is made by its class, `cls(state, n, grad_accum, pack,
+    replicas)`, for a logical state on n devices in `replicas` groups
+    (`LAYOUTS` names the built-in ones; `replicas` is passed only when it is
+    more than 1). What the estimate and the collective count ask (`memory`,
+    `least_collectives`, `step_collectives`) needs no state: it is asked of
+    the class, `memory` for the devices of one group."""
 
     name: str
+    # The mesh axes spanning every device (`dpax.parallel.mesh.device_axes`):
+    # the step's sums over the global batch run over them.
+    axis: Any
     # True: every device holds the whole state (each leaf's `Split` has no
     # dim), so any backend can place it, pmap's replicas included.
     whole_state: bool
@@ -161,10 +179,12 @@ class Layout(Protocol):
 
     @classmethod
     def step_collectives(cls, params, n: int, grad_accum: int = 1,
-                         compute_bytes: int | None = None) -> dict[str, int]:
+                         compute_bytes: int | None = None,
+                         replicas: int = 1) -> dict[str, int]:
         """`least_collectives` of a step of `params` (a tree, as for
-        `memory`) on n devices, in the shapes and dtypes this layout moves
-        them in; nothing on one device."""
+        `memory`) on n devices in `replicas` groups, in the shapes and dtypes
+        this layout moves them in; nothing on one device. What crosses the
+        groups is keyed `ACROSS` + kind."""
 
 
 def tree_bytes(tree) -> int:
@@ -184,27 +204,32 @@ class Replicated:
     """Every field of the state on every device; one all-reduce per step."""
 
     name = "replicated"
+    axis = AXIS
     whole_state = True
     per_device_update = True
     grads_in_backward = False
     sums_elementwise = True
 
-    def __init__(self, state, n: int = 1, grad_accum: int = 1, pack: bool = False):
+    def __init__(self, state, n: int = 1, grad_accum: int = 1, pack: bool = False,
+                 replicas: int = 1):
+        # Every device holds the whole state: groups change nothing, and
+        # `dpax.training.trainer` makes none for this layout.
         self.splits = jax.tree.map(lambda x: Split(tuple(np.shape(x)), n), state)
         self.grad_splits = self.splits.params
         self.pack = pack
+        self.axis = device_axes(replicas)
 
     def grad_target(self, params, dtypes):
         # Differentiate this device's own loss sum. Without the cast, shard_map
         # would transpose the replicated params into an implicit psum, and the
         # explicit one in `reduce` would count every gradient N times.
-        return jax.lax.pcast(params, AXIS, to="varying"), lambda p: p
+        return jax.lax.pcast(params, self.axis, to="varying"), lambda p: p
 
     def reduce(self, loss_sum, count, sums, grad_sums):
         # One all-reduce for everything (sums add up exactly across devices),
         # packed into as few buffers as possible.
-        loss_sum, count, grad_sums, sums = psum_tree((loss_sum, count, grad_sums, sums), AXIS,
-                                                     self.pack)
+        loss_sum, count, grad_sums, sums = psum_tree((loss_sum, count, grad_sums, sums),
+                                                     self.axis, self.pack)
         return loss_sum, count, sums, grad_sums
 
     def full_params(self, params):
@@ -226,7 +251,7 @@ class Replicated:
         return {"all-reduce": grad_bytes}
 
     @classmethod
-    def step_collectives(cls, params, n, grad_accum=1, compute_bytes=None):
+    def step_collectives(cls, params, n, grad_accum=1, compute_bytes=None, replicas=1):
         p = tree_bytes(params)
         return cls.least_collectives(p, p) if n > 1 else {}
 
@@ -235,26 +260,33 @@ class _Sharded:
     """What ZeRO-1 and FSDP share: split leaves, and gradients reduce-scattered
     along each param's split (`grad_splits`)."""
 
+    axis = AXIS
     whole_state = False
     per_device_update = False
     grads_in_backward = False  # FSDP: reduce-scattered as the backward pass runs
     sums_elementwise = False  # reduce-scattered along each param's split
 
-    def __init__(self, state, n: int, split_params: bool, pack: bool):
-        self.n = n
+    def __init__(self, state, n: int, split_params: bool, pack: bool, replicas: int = 1):
+        if n % replicas:
+            raise DpaxError(f"`replicas={replicas}` does not divide the {n} devices into "
+                            "equal groups; use a divisor of the device count")
+        self.n = g = n // replicas  # the devices a leaf is split over: one group's
+        self.replicas = replicas
+        self.axis = device_axes(replicas)
         self.pack = pack
-        self.grad_splits = jax.tree.map(lambda x: Split.best(np.shape(x), n), state.params)
+        self.grad_splits = jax.tree.map(lambda x: Split.best(np.shape(x), g, replicas),
+                                        state.params)
 
         def split(x):
             if is_key(x) or not np.ndim(x):
-                return Split(tuple(np.shape(x)), n)  # scalars (step counts) stay replicated
-            return Split.best(np.shape(x), n)
+                return Split(tuple(np.shape(x)), g)  # scalars (step counts) stay replicated
+            return Split.best(np.shape(x), g, replicas)
 
         def replicated(tree):
-            return jax.tree.map(lambda x: Split(tuple(np.shape(x)), n), tree)
+            return jax.tree.map(lambda x: Split(tuple(np.shape(x)), g), tree)
 
         self.splits = state.replace(
-            step=Split((), n), bad_in_a_row=Split((), n), rng=replicated(state.rng),
+            step=Split((), g), bad_in_a_row=Split((), g), rng=replicated(state.rng),
             model_state=replicated(state.model_state),
             params=self.grad_splits if split_params else replicated(state.params),
             opt_state=jax.tree.map(split, state.opt_state),
@@ -264,7 +296,7 @@ class _Sharded:
     def reduce(self, loss_sum, count, sums, grad_sums):
         if not self.grads_in_backward:
             grad_sums = jax.tree.map(lambda s, g: s.scatter_sum(g), self.grad_splits, grad_sums)
-        loss_sum, count, sums = psum_tree((loss_sum, count, sums), AXIS, self.pack)
+        loss_sum, count, sums = psum_tree((loss_sum, count, sums), self.axis, self.pack)
         return loss_sum, count, sums, grad_sums
 
     @classmethod
@@ -273,9 +305,13 @@ class _Sharded:
         return {"reduce-scatter": grad_bytes, "all-gather": param_bytes}
 
     @classmethod
-    def step_collectives(cls, params, n, grad_accum=1, compute_bytes=None):
-        padded = split_bytes(params, n)  # moved in the padded shapes the layout splits
-        return cls.least_collectives(padded, padded) if n > 1 else {}
+    def step_collectives(cls, params, n, grad_accum=1, compute_bytes=None, replicas=1):
+        g = n // replicas  # a group's devices
+        padded = split_bytes(params, g)  # moved in the padded shapes the layout splits
+        moved = cls.least_collectives(padded, padded) if g > 1 else {}
+        if replicas > 1:  # each device's slice of the gradients, summed across the groups
+            moved[ACROSS + "all-reduce"] = padded // g
+        return moved
 
 
 class ZeRO1(_Sharded):
@@ -283,8 +319,9 @@ class ZeRO1(_Sharded):
 
     name = "optimizer"
 
-    def __init__(self, state, n: int, grad_accum: int = 1, pack: bool = False):
-        super().__init__(state, n, split_params=False, pack=pack)
+    def __init__(self, state, n: int, grad_accum: int = 1, pack: bool = False,
+                 replicas: int = 1):
+        super().__init__(state, n, split_params=False, pack=pack, replicas=replicas)
 
     grad_target = Replicated.grad_target
     full_params = Replicated.full_params
@@ -312,8 +349,9 @@ class FSDP(_Sharded):
 
     name = "full"
 
-    def __init__(self, state, n: int, grad_accum: int = 1, pack: bool = False):
-        super().__init__(state, n, split_params=True, pack=pack)
+    def __init__(self, state, n: int, grad_accum: int = 1, pack: bool = False,
+                 replicas: int = 1):
+        super().__init__(state, n, split_params=True, pack=pack, replicas=replicas)
         self.grads_in_backward = grad_accum == 1
 
     def grad_target(self, params, dtypes):
@@ -341,9 +379,9 @@ class FSDP(_Sharded):
                 "gradients": p + p if grad_accum > 1 else sharded, "update": sharded}
 
     @classmethod
-    def step_collectives(cls, params, n, grad_accum=1, compute_bytes=None):
-        moved = super().step_collectives(params, n, grad_accum, compute_bytes)
-        if moved and compute_bytes and grad_accum == 1:  # gathered in the compute dtype
+    def step_collectives(cls, params, n, grad_accum=1, compute_bytes=None, replicas=1):
+        moved = super().step_collectives(params, n, grad_accum, compute_bytes, replicas)
+        if "all-gather" in moved and compute_bytes and grad_accum == 1:  # in the compute dtype
             moved["all-gather"] = moved["all-gather"] * compute_bytes // 4
         return moved
 
@@ -497,7 +535,7 @@ SHARDINGS = tuple(LAYOUTS)
 
 
 # What a class must define to be taken as a layout (the `Layout` protocol's).
-_LAYOUT_MEMBERS = ("name", "whole_state", "per_device_update", "grads_in_backward",
+_LAYOUT_MEMBERS = ("name", "axis", "whole_state", "per_device_update", "grads_in_backward",
                    "sums_elementwise", "grad_target", "reduce", "full_params", "memory",
                    "least_collectives", "step_collectives")
 
@@ -523,6 +561,8 @@ def check_sharding(sharding: str | type[Layout], backend: str) -> None:
 
 def make_layout(sharding: str | type[Layout], backend, state, grad_accum: int = 1) -> Layout:
     """The layout `sharding` (a name or a layout class, checked:
-    `check_sharding`) for a logical `state` on the backend's devices."""
+    `check_sharding`) for a logical `state` on the backend's devices, in its
+    replica groups."""
+    groups = {"replicas": backend.replicas} if backend.replicas > 1 else {}
     return layout_class(sharding)(state, backend.n, grad_accum,
-                                  backend.platform.pack_collectives)
+                                  backend.platform.pack_collectives, **groups)

@@ -1,5 +1,12 @@
-"""Which devices a run uses, and the one mesh axis they form: simulated CPU
-devices, subsets, clear limits, and what the devices can compute."""
+"""Which devices a run uses, and the mesh axes they form: simulated CPU
+devices, subsets, clear limits, and what the devices can compute.
+
+One mesh axis, `AXIS`, holds every device; with hybrid sharding
+(`replicas` > 1) the devices form a 2-D mesh: `REPLICAS` groups along the
+first axis, each group's devices along `AXIS`. A split state is split
+along `AXIS` only (inside a group) and replicated along `REPLICAS`, and
+what spans every device (a batch's rows, a sum over the global batch) runs
+over both (`device_axes`)."""
 
 from __future__ import annotations
 
@@ -7,7 +14,8 @@ import jax
 
 from dpax.errors import DpaxError
 
-AXIS = "data"  # the one mesh axis: devices, each with its rows of the batch
+AXIS = "data"  # the devices of a group (every device without hybrid sharding)
+REPLICAS = "replicas"  # hybrid sharding: the groups, across which the state is replicated
 
 # XLA:CPU builds one thread pool and one stream per simulated device; past a few
 # hundred the process spends its time in thread start-up, so dpax refuses more.
@@ -94,6 +102,31 @@ def select_devices(n: int | None = None) -> list[jax.Device]:
             f"available; use `devices={len(available)}` or fewer{simulate}"
         )
     return list(available[:n])
+
+
+def device_axes(replicas: int = 1) -> str | tuple[str, str]:
+    """The mesh axis name(s) spanning every device: what a batch's rows are
+    split over and what a sum over the global batch runs over."""
+    return AXIS if replicas == 1 else (REPLICAS, AXIS)
+
+
+def replica_count(replicas: int | str, devices: int, processes: int) -> int:
+    """The number of replica groups `replicas` asks for on `devices` devices
+    (over every process): a whole number that divides them, or "processes",
+    one group per process (per host).
+
+    Raises:
+      DpaxError: anything else, or a count that does not divide the devices.
+    """
+    if replicas == "processes":
+        replicas = processes
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise DpaxError(f"`replicas` must be a whole number >= 1 or 'processes', "
+                        f"got {replicas!r}")
+    if devices % replicas:
+        raise DpaxError(f"`replicas={replicas}` does not divide the {devices} devices into "
+                        "equal groups; use a divisor of the device count")
+    return replicas
 
 
 def describe() -> str:

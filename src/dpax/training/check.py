@@ -133,6 +133,8 @@ def check_equivalence(
     sync_batchnorm: bool = True,
     backend: str = DEFAULT_BACKEND,
     grad_accum: int = 1,
+    sharding: str = "replicated",
+    replicas: int | str = 1,
 ) -> CheckResult:
     """Train `make_model()` for `steps` SGD steps on 1 device, run each step on
     `devices` too from the state one device had before it, with a global
@@ -150,6 +152,8 @@ def check_equivalence(
       sync_batchnorm: as `Trainer` takes it.
       backend: "shard_map" or "pmap", for the run on `devices`.
       grad_accum: micro-batches per step, on both sides.
+      sharding, replicas: the layout and hybrid sharding's groups of the run
+        on `devices`, as `Trainer` takes them (one device: replicated).
 
     Returns:
       A `CheckResult`: the largest differences of params, loss and model
@@ -168,8 +172,9 @@ def check_equivalence(
     batch_size = batch_size or 5 * devices + 3
     t1, tn = (Trainer(make_model(), loss_fn, optax.sgd(lr), devices=n, backend=backend,
                       sync_batchnorm=sync_batchnorm, max_bad_steps=None,
-                      grad_accum=grad_accum)
-              for n in (1, devices))
+                      grad_accum=grad_accum, **layout)
+              for n, layout in ((1, {}), (devices, {"sharding": sharding,
+                                                    "replicas": replicas})))
     before = t1.backend.host(t1.state.model_state)
     diffs = {"params": 0.0, "loss": 0.0, "state": 0.0}
     for step in range(1, steps + 1):

@@ -17,8 +17,13 @@ be estimated).
                             which tests/test_comms.py holds the compiled step to
 
 The step time is a model, stated as such: compute at `mfu` of the devices'
-peak, plus the collectives' ring traffic over the link, not overlapped (an
-upper bound; perfect overlap would give the larger of the two).
+peak, plus the collectives' ring traffic over the links, not overlapped (an
+upper bound; perfect overlap would give the larger of the two). A
+collective whose devices are all in one host runs at `link_gbps`; one that
+spans hosts at `host_link_gbps`, each device's share of the network between
+hosts, which bounds the whole ring. Hybrid sharding (`replicas`) keeps the
+gathers and scatters inside a group and sends only the all-reduce of each
+device's gradient slice across the groups.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals  # JAX's list behind print_saved_residuals
 
 from dpax.parallel import comms
+from dpax.parallel.comms import ACROSS
 from dpax.parallel.layout import Layout, layout_class, tree_bytes
 
 
@@ -41,9 +47,11 @@ class Hardware:
     """What the user rents: per-device peak, link and memory (None: unknown)."""
 
     tflops: float | None = None  # dense peak per device in the compute dtype, TFLOP/s
-    link_gbps: float | None = None  # per-device collective bandwidth, Gbit/s
+    link_gbps: float | None = None  # per-device collective bandwidth inside a host, Gbit/s
     memory_gb: float | None = None  # per device, GB (1e9 bytes)
     mfu: float = 0.5  # the fraction of peak the step's compute reaches
+    devices_per_host: int | None = None  # None: every device in one host
+    host_link_gbps: float | None = None  # per device, between hosts (None: `link_gbps`)
 
 
 @dataclasses.dataclass
@@ -57,6 +65,9 @@ class Estimate:
     flops_per_step: float  # the whole global batch, forward + backward
     collectives: dict[str, int]  # kind -> logical bytes per step
     wire_bytes: float  # per device per step, ring algorithms
+    # Of `wire_bytes`, sent over each link: INSIDE a host, BETWEEN hosts.
+    links: dict[str, float] = dataclasses.field(default_factory=dict)
+    replicas: int = 1
     tokens_per_example: int = 1
     batch_size: int = 0
     compute_s: float | None = None
@@ -73,6 +84,27 @@ class Estimate:
     def tokens_per_s(self) -> float | None:
         step = self.step_s
         return None if not step else self.batch_size * self.tokens_per_example / step
+
+
+INSIDE, BETWEEN = "inside a host", "between hosts"
+
+
+def link_bytes(moved: dict[str, int], n: int, replicas: int,
+               devices_per_host: int | None) -> dict[str, float]:
+    """Bytes each device sends per step over each link, ring algorithms, for
+    `moved` (`Layout.step_collectives`) on n devices in `replicas` groups of
+    consecutive devices, `devices_per_host` to a host (None: one host)."""
+    per_host = devices_per_host or n
+    out: dict[str, float] = {}
+    for kind, nbytes in moved.items():
+        across = kind.startswith(ACROSS)
+        # A group's devices are consecutive; the devices one slice is summed
+        # over are a group apart, one per group, in as many hosts as all n.
+        members, span = (replicas, n) if across else (n // replicas, n // replicas)
+        link = BETWEEN if span > per_host else INSIDE
+        out[link] = out.get(link, 0.0) + comms.wire_bytes(kind.removeprefix(ACROSS), nbytes,
+                                                          members)
+    return out
 
 
 def _concrete(rest):
@@ -112,14 +144,19 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
              grad_accum: int = 1,
              compute_dtype=None, ema: bool = False, tokens_per_example: int = 1,
              hardware: Hardware = Hardware(), without_remat: Callable | None = None,
-             blocks: int = 1, param_dtype=None) -> Estimate:
+             blocks: int = 1, param_dtype=None, replicas: int = 1) -> Estimate:
     """The estimate of one step. `example`: one example's abstract arrays
     (`jax.ShapeDtypeStruct` without the batch axis), e.g. {"x": (785,) uint8,
     "y": () int32}; `batch_size`: global. For a model that rematerializes its
     `blocks` blocks, `without_remat` makes it without: the backward pass
     recomputes one block's activations at a time, and those are added.
-    `param_dtype`: the dtype the params are stored in (None: the model's)."""
+    `param_dtype`: the dtype the params are stored in (None: the model's).
+    `replicas`: hybrid sharding's groups (a divisor of `devices`; a layout
+    that holds the whole state everywhere has none)."""
     n, k = devices, grad_accum
+    layout_type = layout_class(layout)  # its memory and bytes models
+    if layout_type.whole_state:
+        replicas = 1
     micro = -(-batch_size // (n * k))  # dpax pads the global batch to a multiple of n*k
     model = nnx.eval_shape(make_model)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -140,14 +177,14 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
         recompute = activation_bytes(g0, p0, _concrete(r0), loss_fn, batch_of(micro),
                                      compute_dtype) / blocks
     compute_bytes = jnp.dtype(compute_dtype).itemsize if compute_dtype is not None else None
-    layout_type = layout_class(layout)  # its memory and bytes models
     # The model as built: the user's model object keeps its arrays on the
     # device it was made on (the first), and `fit` leaves the trained state in
     # it. On one H100 that device's peak was XLA's need plus this. `dpax train`
     # builds a split layout's model in host memory (`cli.job.make_trainer`),
     # which the layout's memory model counts as nothing.
     built = p + sum(x.nbytes for x in jax.tree.leaves(rest))
-    state = layout_type.memory(params, opt, n, k, compute_bytes, ema, built)
+    # A split state is split over one group's devices.
+    state = layout_type.memory(params, opt, n // replicas, k, compute_bytes, ema, built)
     memory = {**state, "activations": acts + recompute,
               "batch": tree_bytes(batch_of(micro * k))}
     memory["total"] = sum(memory.values())
@@ -166,16 +203,17 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
         cost = jax.jit(grad_step).lower(params, rest, batch_of(micro)).cost_analysis() or {}
     flops = float(cost.get("flops", 0.0)) * n * k
 
-    moved = layout_type.step_collectives(params, n, k, compute_bytes)
-    wire = sum(comms.wire_bytes(kind, b, n) for kind, b in moved.items())
-    count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    est = Estimate(n, layout_type.name, k, micro, count, memory, flops, moved, wire,
-                   tokens_per_example, micro * n * k)
     h = hardware
+    moved = layout_type.step_collectives(params, n, k, compute_bytes, replicas)
+    links = link_bytes(moved, n, replicas, h.devices_per_host)
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    est = Estimate(n, layout_type.name, k, micro, count, memory, flops, moved,
+                   sum(links.values()), links, replicas, tokens_per_example, micro * n * k)
     if h.tflops:
         est.compute_s = flops / n / (h.tflops * 1e12 * h.mfu)
     if h.link_gbps:
-        est.comm_s = wire / (h.link_gbps * 1e9 / 8)
+        rate = {INSIDE: h.link_gbps, BETWEEN: h.host_link_gbps or h.link_gbps}
+        est.comm_s = sum(b / (rate[link] * 1e9 / 8) for link, b in links.items())
     if h.memory_gb:
         est.fits = memory["total"] <= h.memory_gb * 1e9
     return est

@@ -1,7 +1,7 @@
 """The step functions: the training step, evaluation and prediction.
 
 The per-device parts are plain functions of ONE device's shard that call
-collectives on the named axis `AXIS`; a backend (`pmap` or `jit(shard_map)`)
+collectives on the mesh axes of every device (`layout.axis`); a backend (`pmap` or `jit(shard_map)`)
 only wraps them. The training step sums masked per-example losses and
 gradients (`dpax.training.sums`), all-reduces the sums and the example count
 together, and divides once in the update (`dpax.training.update`). On the
@@ -38,7 +38,6 @@ from dpax.errors import DpaxError
 from dpax.models.layers import BatchContext, batch_context
 from dpax.parallel import layout as layouts
 from dpax.parallel.layout import Layout
-from dpax.parallel.mesh import AXIS
 from dpax.training.state import TrainState, eval_params
 from dpax.training.sums import LossFn, example_metrics, shard_sums
 from dpax.training.untransposed import ReduceBeforeTranspose
@@ -71,15 +70,16 @@ class StepOptions:
     pack: bool = False
 
 
-def _with_index(batch: dict) -> dict:
-    """Add each row's position in the global batch (device-major, as placed)."""
+def _with_index(batch: dict, axis) -> dict:
+    """Add each row's position in the global batch (device-major, as placed
+    over the mesh axes `axis`)."""
     rows = batch["mask"].shape[0]
-    offset = jax.lax.axis_index(AXIS) * rows
+    offset = jax.lax.axis_index(axis) * rows
     return {**batch, "index": offset + jnp.arange(rows, dtype=jnp.int32)}
 
 
-def _context(batch: dict, key, options: StepOptions) -> BatchContext:
-    return BatchContext(mask=batch["mask"], index=batch["index"], key=key, axis=AXIS,
+def _context(batch: dict, key, axis, options: StepOptions) -> BatchContext:
+    return BatchContext(mask=batch["mask"], index=batch["index"], key=key, axis=axis,
                         sync_batchnorm=options.sync_batchnorm, pack=options.pack)
 
 
@@ -112,14 +112,14 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
         # What this device's loss sum is differentiated by, and how the model's
         # params come from it (the layout's: e.g. all-gathered slices).
         wrt, use = layout.grad_target(state.params, dtypes)
-        batch = _with_index(batch)
-        forward = _forward(graphdef, loss_fn, use, _step_key(state), options)
-        per_device = preflight(forward, wrt, state.model_state, batch, options)
+        batch = _with_index(batch, layout.axis)
+        forward = _forward(graphdef, loss_fn, use, _step_key(state), layout.axis, options)
+        per_device = preflight(forward, wrt, state.model_state, batch, layout.axis, options)
         sums_and_grads = _sums_and_grads(forward, wrt, reorder, options)
         acc, model_state = _accumulate(sums_and_grads, state.model_state, batch,
                                        options.grad_accum)
         if options.average_state:
-            model_state = _average_state(model_state, per_device, options.pack)
+            model_state = _average_state(model_state, per_device, layout.axis, options.pack)
         return _reduce(layout, reorder, options, acc, model_state)
 
     def checked(state: TrainState, batch: dict) -> Reduced:
@@ -138,7 +138,7 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
     return checked
 
 
-def preflight(forward: Callable, params, model_state, batch: dict,
+def preflight(forward: Callable, params, model_state, batch: dict, axis,
               options: StepOptions) -> dict[int, str]:
     """The refusals (`dpax.analysis.refusals`), from one trace of `forward`
     on one device's first micro-batch: raises what N devices would train
@@ -154,14 +154,16 @@ def preflight(forward: Callable, params, model_state, batch: dict,
         lambda v: jax.ShapeDtypeStruct((v.shape[0] // n_micro,) + v.shape[1:], v.dtype), batch)
     asks = Asks(own_random=options.own_random, average_state=options.average_state,
                 sync_batchnorm=options.sync_batchnorm)
-    return refuse(forward, (params, model_state, micro), AXIS, jax.lax.axis_size(AXIS), asks)
+    names = axis if isinstance(axis, tuple) else (axis,)
+    sizes = tuple(jax.lax.axis_size(a) for a in names)
+    return refuse(forward, (params, model_state, micro), names, sizes, asks)
 
 
 def _step_key(state: TrainState):
     return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
 
-def _forward(graphdef: nnx.GraphDef, loss_fn: LossFn, use: Callable, key,
+def _forward(graphdef: nnx.GraphDef, loss_fn: LossFn, use: Callable, key, axis,
              options: StepOptions) -> Callable:
     """`forward(params, model_state, micro) -> (loss_sum, (count, sums,
     new_state))`: one micro-batch's masked sums, the model in train mode."""
@@ -173,7 +175,7 @@ def _forward(graphdef: nnx.GraphDef, loss_fn: LossFn, use: Callable, key,
         model = nnx.merge(graphdef, _cast_floats(use(params), options.compute_dtype), fresh)
         model.train()  # batch statistics and dropout on
         micro_in = _cast_inputs(micro, options.compute_dtype)
-        with batch_context(_context(micro_in, key, options)):
+        with batch_context(_context(micro_in, key, axis, options)):
             loss_sum, count, sums = shard_sums(loss_fn, model, micro_in)
         _, _, new_state = nnx.split(model, nnx.Param, ...)
         # Model state keeps its own dtype whatever the compute dtype was.
@@ -230,21 +232,21 @@ def _accumulate(sums_and_grads: Callable, model_state, batch: dict, n_micro: int
     return acc, model_state
 
 
-def _average_state(model_state, per_device: dict[int, str], pack: bool):
+def _average_state(model_state, per_device: dict[int, str], axis, pack: bool):
     """State of a layer dpax does not synchronize (e.g. a custom running
     mean): what a device computes from its own rows (`per_device`, only
     with sync_batchnorm off) is averaged; what it computes from what every
     device holds alike needs no average."""
     leaves, treedef = jax.tree.flatten(model_state)
-    for i, mean in zip(per_device, pmean_tree([leaves[i] for i in per_device], AXIS, pack)):
+    for i, mean in zip(per_device, pmean_tree([leaves[i] for i in per_device], axis, pack)):
         leaves[i] = mean
     # The same value everywhere, but typed per device where it came from
     # the params as differentiated: a max of equal values types it as
     # replicated and keeps its bits (a mean over 3 would not).
     typed = [i for i, leaf in enumerate(leaves) if i not in per_device
-             and numeric(leaf) and typed_varying(leaf, AXIS)]
+             and numeric(leaf) and typed_varying(leaf, axis)]
     if typed:
-        for i, same in zip(typed, jax.lax.pmax([leaves[i] for i in typed], AXIS)):
+        for i, same in zip(typed, jax.lax.pmax([leaves[i] for i in typed], axis)):
             leaves[i] = same
     return jax.tree.unflatten(treedef, leaves)
 
@@ -307,7 +309,7 @@ def make_train_step(
     def inputs(tree):
         return tree.replace(opt_state=None, ema=None)
 
-    rows, whole = P(AXIS), P()
+    rows, whole = P(layout.axis), P()
     grads_of = per_device(
         grad_step, (inputs(layouts.specs(layout)), rows),
         Reduced(whole, whole, whole, jax.tree.map(lambda s: s.spec, layout.grad_splits), whole))
@@ -347,10 +349,10 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
     def eval_step(state: TrainState, batch: dict):
         model = nnx.merge(graphdef, layout.full_params(eval_params(state)), state.model_state)
         model.eval()  # running averages, no dropout
-        batch = _with_index(batch)
-        with batch_context(_context(batch, None, options)):
+        batch = _with_index(batch, layout.axis)
+        with batch_context(_context(batch, None, layout.axis, options)):
             loss_sum, count, sums = shard_sums(loss_fn, model, batch)
-        return example_metrics(*psum_tree((loss_sum, count, sums), AXIS, options.pack))
+        return example_metrics(*psum_tree((loss_sum, count, sums), layout.axis, options.pack))
 
     return eval_step
 

@@ -41,7 +41,7 @@ from dpax.parallel import layout as layouts
 from dpax.parallel.arrays import all_finite, is_key
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend, make_backend
 from dpax.parallel.layout import check_sharding, make_layout
-from dpax.parallel.mesh import MAX_SIMULATED_DEVICES, select_devices
+from dpax.parallel.mesh import MAX_SIMULATED_DEVICES, replica_count, select_devices
 from dpax.training import loop, metrics, optim
 from dpax.training.compiled import CompiledSteps
 from dpax.training.handback import ModelHandback
@@ -68,6 +68,11 @@ class TrainerConfig:
         "replicated", "where the state lives: replicated; optimizer (ZeRO-1: optimizer state "
         "1/N per device); full (FSDP: params, gradients and optimizer state 1/N per device); "
         "shard_map backend", how=True)
+    replicas: str | int = cfg.field(
+        1, "hybrid sharding: the devices form this many groups (or 'processes': one per "
+        "process, i.e. per host); a sharded state is split inside each group and "
+        "replicated across the groups, whose gradients are summed after the scatter "
+        "(a replicated state has no groups)", how=True, metavar="R")
     grad_accum: int = cfg.field(1, "micro-batches per device, accumulated in the step",
                                 how=True)
     precision: str = cfg.field("fp32", "fp32, or bf16 compute on fp32 master params")
@@ -118,6 +123,12 @@ class TrainerConfig:
                             f"{MAX_SIMULATED_DEVICES}; use fewer devices")
         check_backend(self.backend, 1)
         check_sharding(self.sharding, self.backend)
+        if isinstance(self.replicas, str) and self.replicas.isdigit():  # from a flag
+            self.replicas = int(self.replicas)
+        if self.replicas != "processes" and (isinstance(self.replicas, bool) or not isinstance(
+                self.replicas, int) or self.replicas < 1):
+            raise DpaxError("`replicas` must be a whole number >= 1 or 'processes', "
+                            f"got {self.replicas!r}")
         cfg.one_of(self, "precision", PRECISIONS)
         cfg.one_of(self, "allreduce_dtype", PRECISIONS)
         cfg.one_of(self, "opt_state_dtype", PRECISIONS)
@@ -181,6 +192,13 @@ class Trainer:
         rows (a BatchNorm subclass, a custom running mean or count) is
         refused before training on several devices (`PerDeviceState`); False
         averages such float state too (a count is refused either way).
+      replicas: hybrid sharding: the devices form this many groups of
+        consecutive devices, or "processes" for one group per process (per
+        host). A sharded layout splits the state over the devices of a group
+        and replicates it across the groups; each gradient is
+        reduce-scattered inside its group, then its slice summed across the
+        groups. It must divide the device count; a replicated state ignores
+        it. A resume may change it.
       sharding: where the state lives (`dpax.parallel.layout`): "replicated" (every
         device holds all of it), "optimizer" (ZeRO-1: the optimizer state 1/N
         per device) or "full" (FSDP: params, gradients and optimizer state 1/N
@@ -242,7 +260,8 @@ class Trainer:
         devs = list(devices) if listed else select_devices(devices)
         self.compile_cache = compile_cache.use(config.compile_cache, devs[0])
         self.platform = platform.for_devices(devs, config.xla_cpu_tuning)
-        self.backend = make_backend(config.backend, devs, self.platform)
+        self.backend = make_backend(config.backend, devs, self.platform,
+                                    _groups(config, len(devs)))
         self.n_devices = self.backend.n
         self.grad_accum = config.grad_accum
         self.max_bad_steps = config.max_bad_steps
@@ -890,3 +909,10 @@ def _check_devices(devices: Any, listed: bool) -> None:
             raise DpaxError(f"`devices` lists a device twice; {fix}")
     elif devices is not None and (not isinstance(devices, int) or isinstance(devices, bool)):
         raise DpaxError(f"`devices` must be a device count, got {devices!r}; {fix}")
+
+
+def _groups(config: TrainerConfig, devices: int) -> int:
+    """Hybrid sharding's groups on `devices` devices (over every process);
+    one for a layout that holds the whole state on every device."""
+    groups = replica_count(config.replicas, devices, jax.process_count())
+    return 1 if layouts.layout_class(config.sharding).whole_state else groups

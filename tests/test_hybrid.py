@@ -1,0 +1,177 @@
+"""Hybrid sharding (`replicas`): the devices in groups, the state split inside
+a group and replicated across them, trains what one device trains; each
+gradient crosses the groups once, as its slice; a checkpoint resumes across
+a change of groups, layout and device count; bad counts are refused."""
+
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dpax
+from conftest import digits, fit_digits, leaves, max_diff
+from dpax.bench.baselines import compiled_step, step_comms
+from dpax.bench.workloads import WORKLOADS
+from dpax.cli import main
+from dpax.errors import DpaxError
+from dpax.models import losses
+from dpax.parallel import comms
+from dpax.parallel.layout import FSDP, ZeRO1, split_bytes
+from dpax.training.estimate import BETWEEN, INSIDE, link_bytes
+from test_batchnorm_dropout import BatchNormMLP
+from test_layout import BATCH, compare, trainer
+
+SCALARS = 64 * 4  # loss, count and metric sums ride along in the across-groups all-reduce
+
+
+@pytest.mark.parametrize("sharding,n,replicas", [("full", 4, 2), ("optimizer", 8, 4)])
+def test_groups_train_what_one_device_trains(sharding, n, replicas):
+    """Adam, an uneven batch of 61 rows, leaves padded inside each group."""
+    t = trainer(n, "adam", sharding=sharding, replicas=replicas)
+    assert dict(t.backend.mesh.shape) == {"replicas": replicas, "data": n // replicas}
+    diff, rel = compare(t, "adam")
+    print(f"{sharding} N={n} in {replicas} groups: params {diff:.2e}, loss curve rel {rel:.2e}")
+    assert diff <= 1e-4 and rel <= 1e-4  # as test_layout holds Adam on one axis
+
+
+def seeded_mlp(seed):
+    ds = digits()
+    return dpax.models.MLP(ds.input_shape, ds.n_out, hidden=23, rngs=nnx.Rngs(seed))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("sharding,n,replicas", [("full", 4, 2), ("optimizer", 8, 4),
+                                                 ("full", 6, 3)])
+def test_groups_train_what_one_device_trains_from_several_seeds(sharding, n, replicas, seed):
+    runs = []
+    for devices, kw in ((1, {}), (n, {"sharding": sharding, "replicas": replicas})):
+        t = dpax.Trainer(seeded_mlp(seed), dpax.classification_loss, optax.adam(3e-3),
+                         devices=devices, **kw)
+        fit_digits(t, BATCH)
+        runs.append(leaves(t))
+    diff = max_diff(*runs)
+    print(f"{sharding} N={n} in {replicas} groups, seed {seed}: params {diff:.2e}")
+    assert diff <= 1e-4
+
+
+@pytest.mark.slow
+def test_groups_with_batchnorm_dropout_and_accumulation_equal_one_device():
+    """`dpax.check_equivalence` with the layout: BatchNorm statistics and
+    dropout masks over the global batch whatever the groups."""
+    ds = digits()
+    result = dpax.check_equivalence(
+        lambda: BatchNormMLP(ds.input_shape, ds.n_out, rngs=nnx.Rngs(1)),
+        losses.classification_loss, ds.x_train, ds.y_train, devices=8, batch_size=61,
+        steps=3, grad_accum=3, sharding="full", replicas=2)
+    print(result.report())
+    assert result.equivalent and max(result.param_diff, result.state_diff) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def fsdp_in_two_groups():
+    w = WORKLOADS["mlp"]
+    t = dpax.Trainer(w.make(), w.loss(), w.tx(), devices=8, sharding="full", replicas=2)
+    return t, step_comms(t, compiled_step(t, w.batch_size, w))
+
+
+def test_gathers_and_scatters_stay_in_a_group_and_a_slice_crosses(fsdp_in_two_groups):
+    """From the compiled step's HLO: each param gathered and each gradient
+    reduce-scattered once inside its group of 4, and only each device's
+    gradient slice (1/4 of the gradients) all-reduced across the groups."""
+    _, c = fsdp_in_two_groups
+    found, least, padded = c["found"], c["minimum"], c["padded"]
+    print(f"mlp full x8 in 2 groups: {found}; least {least}")
+    across = comms.ACROSS + "all-reduce"
+    assert set(found) == {"reduce-scatter", "all-gather", across}
+    for kind in ("reduce-scatter", "all-gather"):
+        assert found[kind]["bytes"] == padded[kind] <= 1.01 * least[kind]
+    assert padded[across] <= found[across]["bytes"] <= padded[across] + SCALARS
+    assert padded[across] == padded["reduce-scatter"] // 4
+
+
+def test_each_device_holds_a_group_share_and_the_groups_the_same(fsdp_in_two_groups):
+    t, _ = fsdp_in_two_groups
+    for leaf in jax.tree.leaves(t.state.params):
+        shards = sorted(leaf.addressable_shards, key=lambda s: s.device.id)
+        assert shards[0].data.size * 4 == leaf.size  # a quarter of the padded leaf
+        for a, b in zip(shards[:4], shards[4:]):  # group 2 holds what group 1 holds
+            assert a.index == b.index
+            np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_replica_groups_are_read_in_each_of_xlas_spellings():
+    explicit = "%a = f32[4]{0} all-reduce(%x), replica_groups={{0,2},{1,3}}, to_apply=%add"
+    iota = "%b = f32[4]{0} all-reduce(%x), replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add"
+    mesh = ("%c = f32[8]{0} all-gather(%x), replica_groups=mesh['axis_0'=2,'axis_1'=2], "
+            "device_ids=([2,2]T(1,0)) {'axis_0'}, dimensions={0}")
+    assert comms.replica_groups(explicit) == [[0, 2], [1, 3]]
+    assert comms.replica_groups(iota) == [[0, 2], [1, 3]]
+    # The mesh's axis_0 runs along device ids 0, 1 (ids laid [2,2] transposed).
+    assert comms.replica_groups(mesh) == [[0, 1], [2, 3]]
+    found = comms.collectives("\n".join([explicit, iota, mesh]), 4, group=2)
+    assert [c.across for c in found] == [True, True, False]
+
+
+def test_the_estimate_counts_each_link_as_a_ring_over_its_devices():
+    """32 devices, 8 per host: FSDP over all of them sends its gathers and
+    scatters over the hosts' network; in 4 groups (one per host) only the
+    all-reduce of a device's 1/8 slice does."""
+    g = 8 * 2**20
+    flat = FSDP.step_collectives({"w": jax.ShapeDtypeStruct((g // 4,), np.float32)}, 32)
+    hybrid = FSDP.step_collectives({"w": jax.ShapeDtypeStruct((g // 4,), np.float32)}, 32,
+                                   replicas=4)
+    assert hybrid == {"reduce-scatter": g, "all-gather": g, comms.ACROSS + "all-reduce": g // 8}
+    assert link_bytes(flat, 32, 1, 8) == {BETWEEN: 2 * g * 31 / 32}
+    assert link_bytes(hybrid, 32, 4, 8) == {INSIDE: 2 * g * 7 / 8,
+                                            BETWEEN: 2 * (g // 8) * 3 / 4}
+    # Groups of 16 span two hosts: their own gathers cross too.
+    assert set(link_bytes(FSDP.step_collectives({"w": jax.ShapeDtypeStruct(
+        (g // 4,), np.float32)}, 32, replicas=2), 32, 2, 8)) == {BETWEEN}
+    # Memory per device: a group's share.
+    p = {"w": jax.ShapeDtypeStruct((1000, 3), np.float32)}
+    assert ZeRO1.memory(p, p, 4)["optimizer"] == split_bytes(p, 4) / 4
+
+
+@pytest.mark.parametrize("kw,says", [
+    ({"devices": 4, "sharding": "full", "replicas": 3}, "does not divide the 4 devices"),
+    ({"devices": 2, "sharding": "full", "replicas": 0}, "whole number >= 1 or 'processes'"),
+    ({"devices": 2, "sharding": "full", "replicas": "hosts"}, "'processes'")])
+def test_a_bad_group_count_is_refused_before_training(kw, says):
+    with pytest.raises(DpaxError, match=says):
+        trainer(kw.pop("devices"), **kw)
+
+
+def test_the_cli_refuses_a_bad_group_count_in_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dpax", "estimate", "--devices", "8",
+                        "--replicas", "3", "--sharding", "full", "--model", "mlp"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [
+        "dpax: error: --replicas 3 does not divide the 8 devices into equal groups; "
+        "use a divisor of the device count"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_groups_resumes_in_one_and_on_three_devices(tmp_path, capsys):
+    """Saved at step 10 by FSDP on 4 devices in 2 groups; resumed by FSDP on
+    the 4 in one group, and by ZeRO-1 on 3 devices: each ends where the
+    uninterrupted run does."""
+    flags = ["--model", "mlp", "--optimizer", "adam", "--lr", "0.003", "--batch-size", "61",
+             "--steps", "20", "--log-every", "5"]
+    ck, ref = str(tmp_path / "ck"), str(tmp_path / "ref")
+    assert main(["train", *flags, "--devices", "4", "--sharding", "full", "--replicas", "2",
+                 "--checkpoint-dir", ck, "--checkpoint-every", "10", "--out", ref]) == 0
+    assert "in 2 replica groups" in capsys.readouterr().out
+    for name, more in (("one-group", ["--devices", "4", "--sharding", "full"]),
+                       ("three", ["--devices", "3", "--sharding", "optimizer"])):
+        out = str(tmp_path / name)
+        assert main(["train", *flags, *more, "--resume", f"{ck}/10", "--out", out]) == 0
+        with np.load(f"{ref}/params.npz") as a, np.load(f"{out}/params.npz") as b:
+            diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files)
+        print(f"2 groups -> {name}: max |diff| {diff:.2e}")
+        assert diff <= 1e-5
