@@ -30,6 +30,70 @@ def test_constant_schedule_with_warmup_ramps_then_holds():
     assert [round(float(s(i)), 6) for i in (0, 2, 4, 100)] == [0.0, 0.1, 0.2, 0.2]
 
 
+@pytest.mark.parametrize("name,expected", [
+    # Peak 1, 2 warmup steps, 12 steps in all, to 0.1; wsd decays over the last 3.
+    ("constant", [0, .5] + [1] * 10),
+    ("warmup-linear", [0, .5] + [1 - .09 * i for i in range(10)]),
+    ("warmup-cosine", [0, .5] + [.1 + .45 * (1 + np.cos(np.pi * i / 10)) for i in range(10)]),
+    ("wsd", [0, .5] + [1] * 7 + [1, .7, .4])])
+def test_each_schedule_warms_up_then_follows_its_closed_form(name, expected):
+    s = optim.make_schedule(1.0, name, warmup_steps=2, total_steps=12, min_lr_ratio=0.1,
+                            decay_fraction=0.25)
+    np.testing.assert_allclose([float(s(i)) for i in range(12)], expected, atol=1e-6)
+    if name != "constant":  # the decay ends at the run's end
+        assert float(s(12)) == pytest.approx(0.1)
+
+
+def test_wsd_decay_never_reaches_into_the_warmup():
+    s = optim.make_schedule(1.0, "wsd", warmup_steps=8, total_steps=10, decay_fraction=0.5)
+    assert [round(float(s(i)), 6) for i in (4, 8, 9, 10)] == [0.5, 1.0, 0.5, 0.0]
+
+
+@pytest.mark.parametrize("name", [
+    "wsd", *[pytest.param(n, marks=pytest.mark.slow) for n in ("warmup-cosine", "warmup-linear")]])
+def test_a_resumed_schedule_continues_exactly(tmp_path, capsys, monkeypatch, name):
+    """Stopped by a signal after its step-10 checkpoint of 20 and resumed on
+    another device count: the learning rate of every logged step is the
+    schedule's, and the params are the uninterrupted run's (the schedule
+    reads the count in the optimizer state, which the checkpoint holds)."""
+    import json
+    import os
+    import signal
+
+    from dpax.cli import main
+    from dpax.training.hooks import Checkpoint
+
+    save = Checkpoint.save
+
+    def stop_after_10(self, step):
+        saved = save(self, step)
+        if step == 10:
+            os.kill(os.getpid(), signal.SIGUSR1)  # what a scheduler's preemption sends
+        return saved
+
+    flags = ["--model", "mlp", "--optimizer", "adam", "--lr", "0.01", "--batch-size", "61",
+             "--log-every", "1", "--steps", "20", "--schedule", name, "--warmup-steps", "3",
+             "--min-lr-ratio", "0.1"]
+    ref, ck, out = (str(tmp_path / n) for n in ("ref", "ck", "run"))
+    assert main(["train", *flags, "--devices", "2", "--out", ref]) == 0
+    monkeypatch.setattr(Checkpoint, "save", stop_after_10)
+    assert main(["train", *flags, "--devices", "2", "--checkpoint-dir", ck,
+                 "--checkpoint-every", "10", "--out", str(tmp_path / "first")]) == 4
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(["train", *flags, "--devices", "4", "--resume", f"{ck}/10", "--out", out]) == 0
+    schedule = optim.make_schedule(0.01, name, 3, 20, min_lr_ratio=0.1)
+    rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    lrs = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    assert sorted(lrs) == list(range(11, 21))
+    np.testing.assert_allclose([lrs[s] for s in range(11, 21)],
+                               [float(schedule(s - 1)) for s in range(11, 21)], rtol=1e-6)
+    with np.load(f"{ref}/params.npz") as a, np.load(f"{out}/params.npz") as b:
+        diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files)
+    print(f"{name}: resumed on 4 vs uninterrupted on 2, max |diff| {diff:.2e}")
+    assert diff <= 1e-6
+
+
 def test_scale_lr_is_the_linear_rule():
     assert optim.scaled_lr(0.1, 1024, 256) == pytest.approx(0.4)
     cfg = TrainConfig.from_flags(

@@ -25,7 +25,7 @@ from dpax.parallel.backends import DEFAULT_BACKEND, check_backend
 from dpax.parallel.distributed import DistributedConfig
 from dpax.parallel.layout import layout_class
 from dpax.training.checkpoint import CheckpointConfig, Checkpointer, locate
-from dpax.training.optim import OptimizerConfig
+from dpax.training.optim import BY_LENGTH, OptimizerConfig
 from dpax.training.state import host_device
 from dpax.training.trainer import Trainer, TrainerConfig
 
@@ -177,7 +177,7 @@ def check_same_meaning(saved: dict, config: TrainConfig) -> None:
             raise DpaxError(f"cannot resume: `{key}` was {was.get(key)!r} in the checkpoint, "
                             f"now {value!r}; resume with the same `{key}` or start a new run")
     if (old.steps, old.epochs) != (config.steps, config.epochs) and (
-            config.optimizer.schedule == "warmup-cosine"):
+            config.optimizer.schedule in BY_LENGTH):
         warnings.warn(f"the run's length changed: the {config.optimizer.schedule} schedule "
                       "follows the new length from here", DpaxWarning, stacklevel=2)
 

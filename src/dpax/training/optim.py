@@ -16,7 +16,13 @@ from dpax import config as cfg
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 DEFAULT_LR = 3e-3  # unless the model has its own (`dpax.models.registry.ModelConfig.lr`)
-SCHEDULES = ("constant", "warmup-cosine")
+# Each after `warmup_steps` of linear warmup from 0: the peak learning rate
+# held; cosine or linear decay to `min_lr_ratio` of it at the run's end; or
+# warmup-stable-decay (held, then linear decay over the last `decay_fraction`
+# of the run, Hägele et al. 2024).
+SCHEDULES = ("constant", "warmup-cosine", "warmup-linear", "wsd")
+# Schedules that follow the run's length: a resume that changes it changes them.
+BY_LENGTH = ("warmup-cosine", "warmup-linear", "wsd")
 
 
 @dataclasses.dataclass
@@ -26,8 +32,14 @@ class OptimizerConfig:
     name: str = cfg.field("adam", "sgd, momentum, adam or adamw", flag="optimizer")
     lr: float | None = cfg.field(None, f"peak learning rate (default: the model's, "
                                  f"{DEFAULT_LR:g}; deep-mlp 1e-4)")
-    schedule: str = cfg.field("constant", "constant or warmup-cosine")
+    schedule: str = cfg.field(
+        "constant", "after the warmup: constant; warmup-cosine or warmup-linear (decay to "
+        "min_lr_ratio x lr at the last step); wsd (warmup-stable-decay: constant, then "
+        "linear decay over the last decay_fraction of the run)")
     warmup_steps: int = cfg.field(0, "linear warmup steps")
+    min_lr_ratio: float = cfg.field(0.0, "the decaying schedules' final learning rate, as a "
+                                    "fraction of lr")
+    decay_fraction: float = cfg.field(0.2, "wsd: the fraction of the run its decay takes")
     scale_lr: bool = cfg.field(False, "scale lr by batch-size / reference-batch (linear rule)")
     reference_batch: int = cfg.field(128, "batch size the lr was tuned for (with `scale_lr`)")
     momentum: float = cfg.field(0.9, "momentum of the momentum optimizer")
@@ -39,6 +51,8 @@ class OptimizerConfig:
         if self.lr is not None:
             cfg.number(self, "lr", 0, low_open=True)
         cfg.whole(self, "warmup_steps", low=0)
+        cfg.number(self, "min_lr_ratio", 0, 1)
+        cfg.number(self, "decay_fraction", 0, 1, low_open=True)
         cfg.whole(self, "reference_batch")
         cfg.number(self, "momentum", 0, 1)
         cfg.number(self, "weight_decay", 0)
@@ -50,7 +64,8 @@ class OptimizerConfig:
         `lr` is set: the model's learning rate, else `DEFAULT_LR`."""
         lr = self.resolved_lr(model_lr)
         lr = scaled_lr(lr, batch_size, self.reference_batch) if self.scale_lr else lr
-        schedule = _schedule(lr, self.schedule, self.warmup_steps, total_steps)
+        schedule = _schedule(lr, self.schedule, self.warmup_steps, total_steps,
+                             self.min_lr_ratio, self.decay_fraction)
         return _optimizer(self.name, schedule, self.momentum, self.weight_decay), schedule
 
     def resolved_lr(self, model_lr: float | None = None) -> float:
@@ -72,25 +87,33 @@ def scaled_lr(lr: float, global_batch: int, reference_batch: int) -> float:
 
 
 def make_schedule(lr: float, schedule: str = "constant", warmup_steps: int = 0,
-                  total_steps: int = 1) -> optax.Schedule:
-    """A learning-rate schedule: constant (after optional linear warmup) or
-    linear warmup then cosine decay to 0 at `total_steps`.
+                  total_steps: int = 1, min_lr_ratio: float = 0.0,
+                  decay_fraction: float = 0.2) -> optax.Schedule:
+    """A learning-rate schedule: linear warmup from 0 to `lr`, then one of
+    `SCHEDULES`.
 
     Args:
       lr: the peak learning rate (> 0).
-      schedule: "constant" or "warmup-cosine" (`SCHEDULES`).
+      schedule: "constant" (`lr` after the warmup), "warmup-cosine" or
+        "warmup-linear" (cosine or linear decay from `lr` to
+        `min_lr_ratio * lr` at `total_steps`), or "wsd" (warmup-stable-decay:
+        `lr` until the last `decay_fraction` of the run, then linear decay to
+        `min_lr_ratio * lr` at `total_steps`).
       warmup_steps: steps of linear warmup from 0 to `lr` (>= 0).
-      total_steps: the run's length, where the cosine reaches 0 (at least
-        one step past the warmup).
+      total_steps: the run's length, where a decay ends (at least one step
+        past the warmup).
+      min_lr_ratio: the final learning rate of a decay, as a fraction of `lr`.
+      decay_fraction: "wsd": the fraction of `total_steps` its decay takes.
 
     Returns:
       An `optax.Schedule`: the learning rate as a function of the step count.
 
     Raises:
-      DpaxError: `lr`, `schedule` or `warmup_steps` is out of range.
+      DpaxError: an argument out of its range.
     """
-    cfg.validate(OptimizerConfig(lr=lr, schedule=schedule, warmup_steps=warmup_steps))
-    return _schedule(lr, schedule, warmup_steps, total_steps)
+    cfg.validate(OptimizerConfig(lr=lr, schedule=schedule, warmup_steps=warmup_steps,
+                                 min_lr_ratio=min_lr_ratio, decay_fraction=decay_fraction))
+    return _schedule(lr, schedule, warmup_steps, total_steps, min_lr_ratio, decay_fraction)
 
 
 def make_optimizer(name: str, schedule: optax.Schedule, momentum: float = 0.9,
@@ -115,15 +138,28 @@ def make_optimizer(name: str, schedule: optax.Schedule, momentum: float = 0.9,
     return _optimizer(name, schedule, momentum, weight_decay)
 
 
-def _schedule(lr, schedule, warmup_steps, total_steps) -> optax.Schedule:
+def _schedule(lr, schedule, warmup_steps, total_steps, min_lr_ratio=0.0,
+              decay_fraction=0.2) -> optax.Schedule:
+    end = lr * min_lr_ratio
+    total = max(total_steps, warmup_steps + 1)
     if schedule == "warmup-cosine":
-        return optax.warmup_cosine_decay_schedule(
-            0.0, lr, warmup_steps, max(total_steps, warmup_steps + 1))
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warmup_steps, total, end)
+    if schedule == "constant":
+        after, boundaries = [optax.constant_schedule(lr)], []
+    elif schedule == "warmup-linear":
+        after, boundaries = [optax.linear_schedule(lr, end, total - warmup_steps)], []
+    else:  # wsd: the decay's steps are the run's last, never into the warmup
+        decay = min(max(round(decay_fraction * total), 1), total - warmup_steps)
+        stable = total - warmup_steps - decay
+        after = [optax.constant_schedule(lr), optax.linear_schedule(lr, end, decay)]
+        boundaries = [warmup_steps + stable]
     if warmup_steps:
-        return optax.join_schedules(
-            [optax.linear_schedule(0.0, lr, warmup_steps), optax.constant_schedule(lr)],
-            [warmup_steps])
-    return optax.constant_schedule(lr)
+        after = [optax.linear_schedule(0.0, lr, warmup_steps)] + after
+        boundaries = [warmup_steps] + boundaries
+    if len(after) == 1:
+        return after[0]
+    # join_schedules hands each piece the steps since its boundary.
+    return optax.join_schedules(after, boundaries)
 
 
 def _optimizer(name, schedule, momentum, weight_decay) -> optax.GradientTransformation:
