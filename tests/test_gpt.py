@@ -159,6 +159,45 @@ def test_greedy_sampling_follows_the_model(corpus):
     assert len(generate(model, prompt, 5, SEQ, temperature=1.0, seed=3)) == 5
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_key_value_cache_gives_the_whole_windows_logits(seed):
+    """The prompt in one call, then one token per call from the cache: the
+    logits of every position as the whole window computes them."""
+    model = models.gpt.GPT(256, SEQ, layers=2, width=32, heads=4, rngs=nnx.Rngs(seed))
+    ids = jnp.asarray(np.random.default_rng(seed).integers(0, 256, (1, SEQ)))
+    logits, cache = model.cached(ids[:, :5], model.empty_cache(1), 0)
+    parts = [logits]
+    for p in range(5, SEQ):
+        logits, cache = model.cached(ids[:, p:p + 1], cache, p)
+        parts.append(logits)
+    diff = float(jnp.max(jnp.abs(jnp.concatenate(parts, 1) - model(ids))))
+    print(f"seed {seed}: cached vs whole-window logits, max |diff| {diff:.1e}")
+    assert diff <= 1e-5
+
+
+def test_sampling_with_the_cache_draws_what_the_window_draws(corpus):
+    """Greedy and sampled (temperature, top-k, top-p) tokens, within the
+    context and past it (where the window slides and the cache stops)."""
+    model = gpt(corpus)
+    for prompt, n in ((b"def", 30), (b"def x(self):\n    return", 6)):
+        for how in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 5, "top_p": 0.8}):
+            with_cache, without = (generate(model, prompt, n, SEQ, seed=3, cache=c, **how)
+                                   for c in (True, False))
+            assert with_cache.tolist() == without.tolist(), (prompt, how)
+
+
+def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
+    from dpax.models.generate import Picker
+
+    logits = jnp.log(jnp.array([0.05, 0.5, 0.3, 0.15]))
+    keys = jax.random.split(jax.random.key(0), 400)
+    drawn = {k: set(np.asarray(jax.vmap(lambda key, p=p: p(logits, key))(keys)).tolist())
+             for k, p in {"k2": Picker(1.0, top_k=2), "p0.7": Picker(1.0, top_p=0.7),
+                          "p0.5": Picker(1.0, top_p=0.5), "all": Picker(1.0)}.items()}
+    # top-p keeps the likeliest tokens until their sum reaches p, the crossing one included.
+    assert drawn == {"k2": {1, 2}, "p0.7": {1, 2}, "p0.5": {1}, "all": {0, 1, 2, 3}}
+
+
 @pytest.mark.slow
 def test_remat_policies_cut_the_steps_memory_in_xlas_analysis():
     """At a length where activations dominate, XLA's memory analysis of the

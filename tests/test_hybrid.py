@@ -20,7 +20,7 @@ from dpax.cli import main
 from dpax.errors import DpaxError
 from dpax.models import losses
 from dpax.parallel import comms
-from dpax.parallel.layout import FSDP, ZeRO1, split_bytes
+from dpax.parallel.layout import FSDP
 from dpax.training.estimate import BETWEEN, INSIDE, link_bytes
 from test_batchnorm_dropout import BatchNormMLP
 from test_layout import BATCH, compare, trainer
@@ -113,8 +113,9 @@ def test_replica_groups_are_read_in_each_of_xlas_spellings():
     assert comms.replica_groups(iota) == [[0, 2], [1, 3]]
     # The mesh's axis_0 runs along device ids 0, 1 (ids laid [2,2] transposed).
     assert comms.replica_groups(mesh) == [[0, 1], [2, 3]]
-    found = comms.collectives("\n".join([explicit, iota, mesh]), 4, group=2)
-    assert [c.across for c in found] == [True, True, False]
+    everyone = "%d = f32[4]{0} all-reduce(%x), replica_groups={}, to_apply=%add"
+    found = comms.collectives("\n".join([explicit, iota, mesh, everyone]), 4, group=2)
+    assert [c.across for c in found] == [True, True, False, True]
 
 
 def test_the_estimate_counts_each_link_as_a_ring_over_its_devices():
@@ -129,12 +130,58 @@ def test_the_estimate_counts_each_link_as_a_ring_over_its_devices():
     assert link_bytes(flat, 32, 1, 8) == {BETWEEN: 2 * g * 31 / 32}
     assert link_bytes(hybrid, 32, 4, 8) == {INSIDE: 2 * g * 7 / 8,
                                             BETWEEN: 2 * (g // 8) * 3 / 4}
-    # Groups of 16 span two hosts: their own gathers cross too.
-    assert set(link_bytes(FSDP.step_collectives({"w": jax.ShapeDtypeStruct(
-        (g // 4,), np.float32)}, 32, replicas=2), 32, 2, 8)) == {BETWEEN}
-    # Memory per device: a group's share.
-    p = {"w": jax.ShapeDtypeStruct((1000, 3), np.float32)}
-    assert ZeRO1.memory(p, p, 4)["optimizer"] == split_bytes(p, 4) / 4
+    # Groups of 16 span two hosts, and groups of 6 straddle hosts of 8: their
+    # own gathers cross too.
+    for n, r in ((32, 2), (48, 8)):
+        moved = FSDP.step_collectives({"w": jax.ShapeDtypeStruct((g // 4,), np.float32)}, n,
+                                      replicas=r)
+        assert set(link_bytes(moved, n, r, 8)) == {BETWEEN}
+
+
+def test_the_estimate_holds_a_group_share_per_device():
+    """8 devices in 2 groups hold what 4 devices hold without groups; a bad
+    count is refused from Python as from the CLI."""
+    from dpax.training.estimate import Hardware, estimate
+
+    def est(devices, **kw):
+        return estimate(lambda: dpax.models.MLP((64,), 10, hidden=23, rngs=nnx.Rngs(0)),
+                        losses.classification_loss, optax.adam(1e-3),
+                        {"x": jax.ShapeDtypeStruct((64,), np.float32),
+                         "y": jax.ShapeDtypeStruct((), np.int32)},
+                        batch_size=64, devices=devices, layout="optimizer", **kw)
+
+    grouped, four = est(8, replicas=2), est(4)
+    for part in ("params", "optimizer", "gradients", "update"):
+        assert grouped.memory[part] == four.memory[part], part
+    assert grouped.collectives[comms.ACROSS + "all-reduce"] > 0 and grouped.replicas == 2
+    assert est(8, replicas="processes", hardware=Hardware(devices_per_host=4)).replicas == 2
+    for bad in (3, 0, "hosts"):
+        with pytest.raises(DpaxError, match="replicas"):
+            est(8, replicas=bad)
+
+
+def test_a_replicated_state_has_no_groups_and_says_so():
+    with pytest.warns(dpax.DpaxWarning, match="changes nothing with `sharding=replicated`"):
+        t = trainer(4, replicas=2)
+    assert t.backend.replicas == 1 and dict(t.backend.mesh.shape) == {"data": 4}
+
+
+def test_a_loss_that_sums_over_one_group_is_refused_before_training():
+    """The pmap idiom `psum(x, "data")` sums every device without groups and
+    one group's with them: refused there, before the first step."""
+    def loss(model, batch):
+        per_example, metrics = dpax.classification_loss(model, batch)
+        m = batch["mask"].astype(np.float32)
+        mean = jax.lax.psum((per_example * m).sum(), "data") / jax.lax.psum(m.sum(), "data")
+        return per_example * (1 + 0.1 * mean), metrics
+
+    flat = dpax.Trainer(seeded_mlp(0), loss, optax.adam(3e-3), devices=4, sharding="full")
+    fit_digits(flat, BATCH, steps=1)  # one axis: the sum spans every device
+    grouped = dpax.Trainer(seeded_mlp(0), loss, optax.adam(3e-3), devices=4, sharding="full",
+                           replicas=2)
+    with pytest.raises(DpaxError, match="psum over data, which with `replicas` spans one group"):
+        fit_digits(grouped, BATCH, steps=1)
+    assert int(grouped.state.step) == 0
 
 
 @pytest.mark.parametrize("kw,says", [
@@ -146,14 +193,17 @@ def test_a_bad_group_count_is_refused_before_training(kw, says):
         trainer(kw.pop("devices"), **kw)
 
 
-def test_the_cli_refuses_a_bad_group_count_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "dpax", "estimate", "--devices", "8",
-                        "--replicas", "3", "--sharding", "full", "--model", "mlp"],
+@pytest.mark.parametrize("flags,says", [
+    (["--replicas", "3"], "--replicas 3 does not divide the 8 devices into equal groups; "
+                          "use a divisor of the device count"),
+    (["--replicas", "processes"], "--replicas processes makes one group per host: give "
+                                  "--devices-per-host")])
+def test_the_cli_refuses_a_bad_group_count_in_one_line(flags, says):
+    r = subprocess.run([sys.executable, "-m", "dpax", "estimate", "--devices", "8", *flags,
+                        "--sharding", "full", "--model", "mlp"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines() == [
-        "dpax: error: --replicas 3 does not divide the 8 devices into equal groups; "
-        "use a divisor of the device count"]
+    assert r.stderr.strip().splitlines() == [f"dpax: error: {says}"]
 
 
 @pytest.mark.slow

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from dpax.analysis.propagate import leaf_flags, trace
+from dpax.analysis.propagate import COLLECTIVES, PER_DEVICE, axes, leaf_flags, trace
 from dpax.analysis.rows import first_mixed, mixing
-from dpax.analysis.varying import analyze
-from dpax.errors import MixesExamples, PerDeviceRandom, PerDeviceState
+from dpax.analysis.varying import analyze, varying
+from dpax.errors import DpaxError, MixesExamples, PerDeviceRandom, PerDeviceState
 
 # forward(params, model_state, rows): the params and the state are alike on
 # every device, the rows (one device's micro-batch) are its own.
@@ -46,6 +46,8 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
     if math.prod(size if isinstance(size, tuple) else (size,)) == 1:
         return {}
     jaxpr = trace(forward, args, axis, size)
+    if isinstance(axis, tuple):
+        _refuse_partial_sums(jaxpr, args, axis)
     per_device = {}
     if asks.own_random or asks.average_state:
         per_device = _state_per_device(forward, args, jaxpr, axis, size, asks)
@@ -61,6 +63,34 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
             "for a loss over the whole batch (contrastive) take the other examples from "
             "dpax.models.layers.global_rows", mixed.where)
     return per_device
+
+
+# Primitives that name mesh axes: what they compute over a part of the
+# devices is not what one device computes.
+_NAMED = COLLECTIVES | PER_DEVICE | {"pmean"}
+
+
+def _refuse_partial_sums(jaxpr, args: tuple, axis: tuple[str, ...]) -> None:
+    """With hybrid sharding's groups the devices span several mesh axes:
+    refuse a model or loss that combines what the rows give over some of
+    them only (`psum(x, "data")`: one group's devices), or reads a device's
+    index along them. dpax's own gathers of the params (alike on every
+    device) are not refused."""
+    found = []
+
+    def observe(eqn, flags):
+        named = set(axes(eqn.params)) if eqn.primitive.name in _NAMED else set()
+        if named & set(axis) and not set(axis) <= named and (
+                eqn.primitive.name == "axis_index" or any(flags)):
+            found.append(f"{eqn.primitive.name} over {', '.join(sorted(named))}")
+
+    varying(jaxpr, leaf_flags(args, ON_ROWS), axis, observe=observe)
+    if found:
+        raise DpaxError(
+            f"the model or loss computes {found[0]}, which with `replicas` spans one group of "
+            "the devices, not all of them, so they would not train what one device trains: "
+            "combine over the batch context's axis (`dpax.models.layers.current().axis`, "
+            "every device) or leave `replicas` out")
 
 
 def _state_per_device(forward, args, jaxpr, axis, size, asks: Asks) -> dict[int, str]:

@@ -54,15 +54,17 @@ class Varying(Domain):
 
 
 def varying(jaxpr: jcore.Jaxpr, in_flags: Sequence[bool], axis: str,
-            draws: list | None = None) -> list[bool]:
+            draws: list | None = None, observe=None) -> list[bool]:
     """Whether each output of `jaxpr` can differ between devices; appends
     each random draw's (shape, whether its key varies) to `draws`, in
-    program order."""
-    observe = None
+    program order. `observe(eqn, flags)` sees every equation with whether
+    each operand can differ."""
     if draws is not None:
-        def observe(eqn, facts):
+        def observe(eqn, facts, inner=observe):
             if eqn.primitive.name == "random_bits":
                 draws.append((tuple(eqn.params["shape"]), facts[0]))
+            if inner is not None:
+                inner(eqn, facts)
     return propagate(jaxpr, list(in_flags), Varying(axis), observe)
 
 

@@ -67,6 +67,9 @@ class EstimateConfig:
         if self.devices_per_host is not None and self.devices % self.devices_per_host:
             raise DpaxError(f"--devices {self.devices} is not a whole number of hosts of "
                             f"--devices-per-host {self.devices_per_host}")
+        if self.replicas == "processes" and self.devices_per_host is None:
+            raise DpaxError("--replicas processes makes one group per host: give "
+                            "--devices-per-host")
         hosts = self.devices // (self.devices_per_host or self.devices)
         self.replicas = replica_count(int(self.replicas) if str(self.replicas).isdigit()
                                       else self.replicas, self.devices, hosts)

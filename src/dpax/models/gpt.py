@@ -18,6 +18,7 @@ depend on the device count. `remat` trades compute for activation memory with
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,13 +106,19 @@ class Block(nnx.Module):
         self.drop_mlp = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, x):
-        b, t, c = x.shape
-        q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
-        q, k, v = (a.reshape(b, t, self.heads, c // self.heads) for a in (q, k, v))
         # Padding sits at the end of a window, so the causal mask alone keeps
         # real positions from seeing it.
-        y = causal_attention(q, k, v).reshape(b, t, c)
-        x = x + self.drop_attn(self.proj(y))
+        return self.finish(x, causal_attention(*self.qkv_heads(x)))
+
+    def qkv_heads(self, x):
+        """Queries, keys and values of (b, t, width) inputs: (b, t, heads, head size) each."""
+        b, t, c = x.shape
+        q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
+        return tuple(a.reshape(b, t, self.heads, c // self.heads) for a in (q, k, v))
+
+    def finish(self, x, y):
+        """The block's output from its input and the attention's (b, t, heads, head size)."""
+        x = x + self.drop_attn(self.proj(y.reshape(x.shape)))
         return x + self.drop_mlp(self.down(nnx.gelu(self.up(self.ln2(x)))))
 
 
@@ -138,6 +145,48 @@ class GPT(nnx.Module):
             x = _block_call(self.remat)(block, x)
         # Tied output layer: the logits are the embedding's attend (x @ E^T).
         return self.wte.attend(self.ln_f(x))
+
+
+    def cached(self, tokens, cache: KVCache, pos):
+        """Logits of `tokens` (b, t) at positions pos..pos+t-1, attending to
+        the keys and values `cache` holds of the positions before them;
+        returns (logits, the cache with theirs added). pos + t <= seq_len."""
+        t = tokens.shape[1]
+        x = self.wte(tokens.astype(jnp.int32)) + self.wpe(pos + jnp.arange(t))
+        keys, values = [], []
+        for block, k_cache, v_cache in zip(self.blocks, cache.keys, cache.values):
+            q, k, v = block.qkv_heads(x)
+            k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(c, a.astype(c.dtype), pos, 1)
+                                for c, a in ((k_cache, k), (v_cache, v)))
+            x = block.finish(x, cached_attention(q, k_cache, v_cache, pos))
+            keys.append(k_cache)
+            values.append(v_cache)
+        return self.wte.attend(self.ln_f(x)), KVCache(tuple(keys), tuple(values))
+
+    def empty_cache(self, batch: int, dtype=jnp.float32) -> KVCache:
+        """A cache of `seq_len` positions for every layer, empty."""
+        block = self.blocks[0]
+        shape = (batch, self.seq_len, block.heads, block.qkv.in_features // block.heads)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in self.blocks)
+        return KVCache(zeros, zeros)
+
+
+class KVCache(NamedTuple):
+    """Each layer's keys and values, (batch, positions, heads, head size),
+    for sampling one token at a time (`dpax.models.generate`)."""
+
+    keys: tuple
+    values: tuple
+
+
+def cached_attention(q, k_cache, v_cache, pos):
+    """Attention of queries at positions pos..pos+t-1 to a cache's slots
+    0..pos+i (each query to itself and the positions before it), XLA's
+    formulation as in training."""
+    t, slots = q.shape[1], k_cache.shape[1]
+    seen = jnp.arange(slots)[None, :] <= pos + jnp.arange(t)[:, None]
+    return jax.nn.dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype),
+                                        mask=seen[None, None], implementation="xla")
 
 
 def _block_call(remat: str):

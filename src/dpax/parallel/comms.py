@@ -104,6 +104,8 @@ def collectives(hlo_text: str, n: int, group: int | None = None) -> list[Collect
         else:
             size = sum(sizes)
         groups = replica_groups(line) if group else None
+        if groups == []:  # `replica_groups={}`: every device in one group
+            groups = [list(range(n))]
         across = bool(groups) and any(len({d // group for d in g}) > 1 for g in groups)
         members = len(groups[0]) if groups else n  # a reduce-scatter's input: each one's part
         found.append(Collective(kind, size * (members if kind == "reduce-scatter" else 1),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -535,7 +536,7 @@ SHARDINGS = tuple(LAYOUTS)
 
 
 # What a class must define to be taken as a layout (the `Layout` protocol's).
-_LAYOUT_MEMBERS = ("name", "axis", "whole_state", "per_device_update", "grads_in_backward",
+_LAYOUT_MEMBERS = ("name", "whole_state", "per_device_update", "grads_in_backward",
                    "sums_elementwise", "grad_target", "reduce", "full_params", "memory",
                    "least_collectives", "step_collectives")
 
@@ -563,6 +564,13 @@ def make_layout(sharding: str | type[Layout], backend, state, grad_accum: int = 
     """The layout `sharding` (a name or a layout class, checked:
     `check_sharding`) for a logical `state` on the backend's devices, in its
     replica groups."""
+    cls = layout_class(sharding)
     groups = {"replicas": backend.replicas} if backend.replicas > 1 else {}
-    return layout_class(sharding)(state, backend.n, grad_accum,
-                                  backend.platform.pack_collectives, **groups)
+    if groups and "replicas" not in inspect.signature(cls).parameters:
+        raise DpaxError(f"the layout class {cls.__name__} takes no `replicas` (hybrid "
+                        "sharding's groups); leave `replicas` out or give the class that "
+                        "keyword")
+    layout = cls(state, backend.n, grad_accum, backend.platform.pack_collectives, **groups)
+    if not hasattr(layout, "axis"):  # a class written before groups: every device on one axis
+        layout.axis = AXIS
+    return layout

@@ -67,13 +67,15 @@ class CheckResult:
     state_diff: float | None
     cause: str | None = None  # a key of CAUSES
     detail: str = ""
+    layout: str = "replicated"  # the run on N devices: its sharding, and groups if any
 
     @property
     def equivalent(self) -> bool:
         return self.cause is None
 
     def report(self) -> str:
-        head = (f"1 vs {self.devices} devices, global batch {self.batch_size}, "
+        layout = "" if self.layout == "replicated" else f" ({self.layout})"
+        head = (f"1 vs {self.devices} devices{layout}, global batch {self.batch_size}, "
                 f"{self.steps} SGD steps, each from one device's state")
         if self.param_diff is None:
             head += ": not compared"
@@ -176,6 +178,8 @@ def check_equivalence(
               for n, layout in ((1, {}), (devices, {"sharding": sharding,
                                                     "replicas": replicas})))
     before = t1.backend.host(t1.state.model_state)
+    layout = tn.layout.name + (f" in {tn.backend.replicas} replica groups"
+                               if tn.backend.replicas > 1 else "")
     diffs = {"params": 0.0, "loss": 0.0, "state": 0.0}
     for step in range(1, steps + 1):
         tn.load_state_dict(t1.state_dict())  # the state one device starts the step from
@@ -185,13 +189,14 @@ def check_equivalence(
         except (PerDeviceRandom, PerDeviceState, MixesExamples, NotPerExample) as e:
             # Refused before the step on N devices ran.
             cause, detail = _refused(e, tn, t1, loss_fn, data, before, sync_batchnorm)
-            return CheckResult(devices, batch_size, steps, None, None, None, cause, detail)
+            return CheckResult(devices, batch_size, steps, None, None, None, cause, detail,
+                               layout)
         for name, a, b in (("params", t1.params, tn.params), ("loss", row1["loss"], rown["loss"]),
                            ("state", t1.backend.host(t1.state.model_state),
                             tn.backend.host(tn.state.model_state))):
             diffs[name] = max(diffs[name], _max_diff(a, b))
     result = CheckResult(devices, batch_size, steps, diffs["params"], diffs["loss"],
-                         diffs["state"])
+                         diffs["state"], layout=layout)
     if max(diffs.values()) <= TOLERANCE:
         return result
     result.cause, result.detail = _diagnose(tn.model(), t1, loss_fn, data, before,

@@ -40,6 +40,7 @@ from jax._src.ad_checkpoint import saved_residuals  # JAX's list behind print_sa
 from dpax.parallel import comms
 from dpax.parallel.comms import ACROSS
 from dpax.parallel.layout import Layout, layout_class, tree_bytes
+from dpax.parallel.mesh import replica_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,14 +95,16 @@ def link_bytes(moved: dict[str, int], n: int, replicas: int,
     """Bytes each device sends per step over each link, ring algorithms, for
     `moved` (`Layout.step_collectives`) on n devices in `replicas` groups of
     consecutive devices, `devices_per_host` to a host (None: one host)."""
-    per_host = devices_per_host or n
+    per_host, g = devices_per_host or n, n // replicas
     out: dict[str, float] = {}
     for kind, nbytes in moved.items():
         across = kind.startswith(ACROSS)
-        # A group's devices are consecutive; the devices one slice is summed
-        # over are a group apart, one per group, in as many hosts as all n.
-        members, span = (replicas, n) if across else (n // replicas, n // replicas)
-        link = BETWEEN if span > per_host else INSIDE
+        # A group's devices are consecutive: inside one host only when its
+        # hosts hold whole groups. The devices one slice is summed over are a
+        # group apart, one per group, in as many hosts as all n.
+        members = replicas if across else g
+        inside = n <= per_host if across else per_host % g == 0
+        link = INSIDE if inside else BETWEEN
         out[link] = out.get(link, 0.0) + comms.wire_bytes(kind.removeprefix(ACROSS), nbytes,
                                                           members)
     return out
@@ -144,17 +147,19 @@ def estimate(make_model: Callable[[], nnx.Module], loss_fn: Callable, tx, exampl
              grad_accum: int = 1,
              compute_dtype=None, ema: bool = False, tokens_per_example: int = 1,
              hardware: Hardware = Hardware(), without_remat: Callable | None = None,
-             blocks: int = 1, param_dtype=None, replicas: int = 1) -> Estimate:
+             blocks: int = 1, param_dtype=None, replicas: int | str = 1) -> Estimate:
     """The estimate of one step. `example`: one example's abstract arrays
     (`jax.ShapeDtypeStruct` without the batch axis), e.g. {"x": (785,) uint8,
     "y": () int32}; `batch_size`: global. For a model that rematerializes its
     `blocks` blocks, `without_remat` makes it without: the backward pass
     recomputes one block's activations at a time, and those are added.
     `param_dtype`: the dtype the params are stored in (None: the model's).
-    `replicas`: hybrid sharding's groups (a divisor of `devices`; a layout
-    that holds the whole state everywhere has none)."""
+    `replicas`: hybrid sharding's groups (a divisor of `devices`, or
+    "processes": one per host of `hardware.devices_per_host`; a layout that
+    holds the whole state everywhere has none)."""
     n, k = devices, grad_accum
     layout_type = layout_class(layout)  # its memory and bytes models
+    replicas = replica_count(replicas, n, n // (hardware.devices_per_host or n))
     if layout_type.whole_state:
         replicas = 1
     micro = -(-batch_size // (n * k))  # dpax pads the global batch to a multiple of n*k

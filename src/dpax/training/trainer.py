@@ -67,7 +67,7 @@ class TrainerConfig:
     sharding: str | type = cfg.field(
         "replicated", "where the state lives: replicated; optimizer (ZeRO-1: optimizer state "
         "1/N per device); full (FSDP: params, gradients and optimizer state 1/N per device); "
-        "shard_map backend", how=True)
+        "shard_map backend (with replicas R: N is a group's devices)", how=True)
     replicas: str | int = cfg.field(
         1, "hybrid sharding: the devices form this many groups (or 'processes': one per "
         "process, i.e. per host); a sharded state is split inside each group and "
@@ -915,4 +915,10 @@ def _groups(config: TrainerConfig, devices: int) -> int:
     """Hybrid sharding's groups on `devices` devices (over every process);
     one for a layout that holds the whole state on every device."""
     groups = replica_count(config.replicas, devices, jax.process_count())
-    return 1 if layouts.layout_class(config.sharding).whole_state else groups
+    if groups > 1 and layouts.layout_class(config.sharding).whole_state:
+        warnings.warn(f"`replicas={config.replicas}` changes nothing with "
+                      f"`sharding={layouts.layout_class(config.sharding).name}` (every device "
+                      "holds the whole state); groups split a sharded state: pass "
+                      "`sharding=full` or `sharding=optimizer`", DpaxWarning, stacklevel=3)
+        return 1
+    return groups
