@@ -186,6 +186,16 @@ def test_sampling_with_the_cache_draws_what_the_window_draws(corpus):
             assert with_cache.tolist() == without.tolist(), (prompt, how)
 
 
+@pytest.mark.parametrize("kw,says", [({"top_k": 0}, "`top_k` must be >= 1"),
+                                     ({"top_p": 0.0}, r"`top_p` must be in \(0, 1\]"),
+                                     ({"top_p": 1.5}, r"`top_p` must be in \(0, 1\]")])
+def test_a_sampling_limit_no_draw_can_use_is_refused(kw, says):
+    from dpax.models.generate import check
+
+    with pytest.raises(dpax.DpaxError, match=says):
+        check(b"def", 5, 0.8, **kw)
+
+
 def test_top_k_and_top_p_keep_only_the_likeliest_tokens():
     from dpax.models.generate import Picker
 

@@ -17,7 +17,7 @@ import dpax.cli.outputs
 from conftest import forward
 from dpax.cli import main
 from dpax.cli.job import TrainConfig, build, load_checkpoint
-from dpax.models import hf_gpt2
+from dpax.models import hf_files
 from test_gpt import write_corpus
 
 SHAPE = {"n_layer": 2, "n_embd": 32, "n_head": 2}
@@ -133,7 +133,8 @@ def test_export_overwrite_replaces_its_own_files_and_keeps_the_users(tmp_path, c
     assert (out / "README.md").read_text() == "my notes"
     assert sorted(os.listdir(tmp_path)) == ["ck", "fresh", "hf"]  # no partial directory
     exported = load_file(out / "model.safetensors")
-    read = hf_gpt2._tensors(str(out))  # the index names no file: the weights come first
+    # The index names no file: the weights come first.
+    read = hf_files.tensors(str(out), "transformer.")
     assert set(read) == {k.removeprefix("transformer.") for k in exported}
 
 

@@ -1,6 +1,7 @@
-"""`dpax export`: a GPT checkpoint as a Hugging Face GPT-2 directory, which
-`transformers.GPT2LMHeadModel.from_pretrained` loads (`dpax.models.hf_gpt2`),
-with its BPE tokenizer's files when it has one (`AutoTokenizer` loads them)."""
+"""`dpax export`: a language-model checkpoint as a Hugging Face directory,
+which `transformers` loads (`GPT2LMHeadModel` for gpt: `dpax.models.hf_gpt2`;
+`LlamaForCausalLM` for llama: `dpax.models.hf_llama`), with its BPE
+tokenizer's files when it has one (`AutoTokenizer` loads them)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from dpax.cli.flags import add_flags, config_from_args
 from dpax.cli.job import load_checkpoint
 from dpax.data import tokenizer
 from dpax.errors import DpaxError
-from dpax.models import hf_gpt2
+from dpax.models import hf_files, hf_gpt2
+from dpax.models.registry import HF
 
 NAME = "export"
 # What `dpax export --out DIR` writes; a directory holding any of them holds a
@@ -23,14 +25,15 @@ NAME = "export"
 # --overwrite` keeps what is not a run's). A tokenizer left by an earlier
 # export is removed with it: it would tokenize for a model that has none.
 # (A shard index may stay: readers take model.safetensors before it.)
-FILES = (hf_gpt2.WEIGHTS, *tokenizer.HF_FILES, hf_gpt2.CONFIG)
+FILES = (hf_files.WEIGHTS, *tokenizer.HF_FILES, hf_files.CONFIG)
 
 
 @dataclasses.dataclass
 class ExportConfig:
-    """`dpax export`: a GPT checkpoint in Hugging Face's GPT-2 layout."""
+    """`dpax export`: a language-model checkpoint in Hugging Face's layout."""
 
-    checkpoint: str = cfg.field(None, "a checkpoint of dpax train --model gpt (newest step) "
+    checkpoint: str = cfg.field(None, "a checkpoint of dpax train --model gpt or llama "
+                                "(newest step) "
                                 "or one step directory", required=True, metavar="PATH")
     out: str = cfg.field(None, "the directory to write (config.json, model.safetensors)",
                          required=True, metavar="DIR")
@@ -55,10 +58,11 @@ class ExportConfig:
 
 def add_parser(sub) -> None:
     add_flags(sub.add_parser(
-        NAME, help="write a GPT checkpoint as a Hugging Face GPT-2 directory",
-        description="Write a checkpoint of dpax train --model gpt as config.json + "
-                    "model.safetensors, which transformers' GPT2LMHeadModel.from_pretrained "
-                    "loads; dpax train --init-from DIR starts from such a directory."),
+        NAME, help="write a GPT or Llama checkpoint as a Hugging Face directory",
+        description="Write a checkpoint of dpax train --model gpt (or llama) as config.json "
+                    "+ model.safetensors, which transformers' GPT2LMHeadModel (or "
+                    "LlamaForCausalLM).from_pretrained loads; dpax train --init-from DIR "
+                    "starts from such a directory."),
         ExportConfig)
 
 
@@ -66,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     config = cfg.validate(config_from_args(args, ExportConfig))
     devices.start(1)
     export_checkpoint(config.checkpoint, config.out, config.ema)
-    print(f"wrote a Hugging Face GPT-2 to {config.out}")
+    print(f"wrote a Hugging Face model to {config.out}")
     return 0
 
 
@@ -76,19 +80,22 @@ def held_files(out: str) -> list[str]:
 
 
 def export_checkpoint(path: str, out: str, ema: bool | None = None) -> None:
-    """Write the GPT of checkpoint `path` to the directory `out` in Hugging
-    Face's GPT-2 layout. It is written next to `out` first: a new `out`
+    """Write the language model of checkpoint `path` to the directory `out`
+    in Hugging Face's layout (GPT-2's or Llama's). It is written next to `out` first: a new `out`
     appears complete or not at all; into an existing one, the files move one
     by one, replacing an earlier export's (`FILES`) and keeping all others."""
     loaded = load_checkpoint(path, devices=1)
     if loaded.meta["task"] != "lm":
         raise DpaxError(f"{path} holds a {loaded.meta['task']} model; dpax export writes "
-                        "GPT checkpoints (dpax train --model gpt)")
+                        "language-model checkpoints (dpax train --model gpt or llama)")
     model = loaded.trainer.model(ema)
     partial = out.rstrip(os.sep) + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
-    hf_gpt2.save(model, partial, loaded.config.model.dropout)
+    if loaded.config.model.name == "gpt":
+        hf_gpt2.save(model, partial, loaded.config.model.dropout)
+    else:
+        HF[loaded.config.model.name].save(model, partial)
     for name, text in tokenizer.hf_files(loaded.tokenizer).items():  # a BPE's, if any
         with open(os.path.join(partial, name), "w") as f:
             f.write(text)

@@ -18,7 +18,7 @@ from dpax.data.datasets import DataConfig, Dataset
 from dpax.data.pipeline import BatchPlan, check_length, train_input
 from dpax.data.tokenizer import Tokenizer
 from dpax.errors import DpaxError, DpaxWarning
-from dpax.models import hf_gpt2, losses
+from dpax.models import hf_files, losses
 from dpax.models.registry import TEXT_MODELS, ModelConfig
 from dpax.parallel import compile_cache
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend
@@ -78,7 +78,7 @@ class TrainConfig:
                             f"text data needs --model {text}, and {text} needs text data")
         check_backend(self.trainer.backend, self.distributed.processes)
         if self.model.init_from is not None and self.data.is_text:
-            hf_gpt2.check_tokenizer(self.model.init_from, self.data.tokenizer)
+            hf_files.check_tokenizer(self.model.init_from, self.data.tokenizer)
         if self.output.overwrite and self.checkpoint.resume is not None:
             raise DpaxError("give `overwrite` or `resume`, not both: a resumed run "
                             "continues the files in `out`")
@@ -141,7 +141,7 @@ class Job:
 def build(config: TrainConfig) -> Job:
     """Data, model, optimizer and Trainer for a validated config."""
     # A pretrained model's own tokenizer, if its directory has one; else the data's.
-    saved = config.model.init_from and hf_gpt2.tokenizer_json(config.model.init_from)
+    saved = config.model.init_from and hf_files.tokenizer_json(config.model.init_from)
     ds = config.data.load(tokenizer.from_json(config.data.tokenizer, saved) if saved else None)
     plan = BatchPlan(len(ds.x_train), config.batch_size, config.seed)
     total = plan.total_steps(config.steps, config.epochs, DEFAULT_EPOCHS)

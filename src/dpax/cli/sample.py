@@ -20,8 +20,9 @@ NAME = "sample"
 class SampleConfig:
     """`dpax sample`: a language model's continuation of a prompt."""
 
-    checkpoint: str = cfg.field(None, "a checkpoint of dpax train --model gpt (newest step) "
-                                "or one step directory", required=True, metavar="PATH")
+    checkpoint: str = cfg.field(None, "a checkpoint of dpax train --model gpt or llama "
+                                "(newest step) or one step directory", required=True,
+                                metavar="PATH")
     prompt: str = cfg.field("def ", "the text to continue")
     tokens: int = cfg.field(200, "tokens to generate (bytes, with byte tokens)")
     temperature: float = cfg.field(0.8, "sampling temperature (0: always the most likely "

@@ -291,7 +291,8 @@ def _language_model(job: Job, peak_flops: peak.Peak | None) -> hooks.LanguageMod
     shape, over the hardware's peak."""
     if peak_flops is None:
         return None
-    flops = job.config.model.flops_per_token(job.trainer.param_count, job.config.data.seq_len)
+    flops = job.config.model.flops_per_token(job.trainer.param_count, job.config.data.seq_len,
+                                             job.ds.n_out)
     return None if flops is None else hooks.LanguageModel(flops, peak_flops)
 
 

@@ -18,13 +18,13 @@ depend on the device count. `remat` trades compute for activation memory with
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dpax.errors import DpaxError
+from dpax.models.kv_cache import KVCache, empty, through_cache
 
 # GPT-2's LayerNorm epsilon (Flax's default is 1e-6): Hugging Face GPT-2
 # weights import and export exactly (`dpax.models.hf_gpt2`).
@@ -142,7 +142,7 @@ class GPT(nnx.Module):
         tokens = tokens.astype(jnp.int32)
         x = self.drop(self.wte(tokens) + self.wpe(jnp.arange(t)))
         for block in self.blocks:
-            x = _block_call(self.remat)(block, x)
+            x = block_call(self.remat)(block, x)
         # Tied output layer: the logits are the embedding's attend (x @ E^T).
         return self.wte.attend(self.ln_f(x))
 
@@ -153,49 +153,23 @@ class GPT(nnx.Module):
         returns (logits, the cache with theirs added). pos + t <= seq_len."""
         t = tokens.shape[1]
         x = self.wte(tokens.astype(jnp.int32)) + self.wpe(pos + jnp.arange(t))
-        keys, values = [], []
-        for block, k_cache, v_cache in zip(self.blocks, cache.keys, cache.values):
-            q, k, v = block.qkv_heads(x)
-            k_cache, v_cache = (jax.lax.dynamic_update_slice_in_dim(c, a.astype(c.dtype), pos, 1)
-                                for c, a in ((k_cache, k), (v_cache, v)))
-            x = block.finish(x, cached_attention(q, k_cache, v_cache, pos))
-            keys.append(k_cache)
-            values.append(v_cache)
-        return self.wte.attend(self.ln_f(x)), KVCache(tuple(keys), tuple(values))
+        x, cache = through_cache(self.blocks, lambda block, x: block.qkv_heads(x), x, cache, pos)
+        return self.wte.attend(self.ln_f(x)), cache
 
     def empty_cache(self, batch: int, dtype=jnp.float32) -> KVCache:
         """A cache of `seq_len` positions for every layer, empty."""
         block = self.blocks[0]
-        shape = (batch, self.seq_len, block.heads, block.qkv.in_features // block.heads)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in self.blocks)
-        return KVCache(zeros, zeros)
+        return empty(len(self.blocks), (batch, self.seq_len, block.heads,
+                                        block.qkv.in_features // block.heads), dtype)
 
 
-class KVCache(NamedTuple):
-    """Each layer's keys and values, (batch, positions, heads, head size),
-    for sampling one token at a time (`dpax.models.generate`)."""
-
-    keys: tuple
-    values: tuple
-
-
-def cached_attention(q, k_cache, v_cache, pos):
-    """Attention of queries at positions pos..pos+t-1 to a cache's slots
-    0..pos+i (each query to itself and the positions before it), XLA's
-    formulation as in training."""
-    t, slots = q.shape[1], k_cache.shape[1]
-    seen = jnp.arange(slots)[None, :] <= pos + jnp.arange(t)[:, None]
-    return jax.nn.dot_product_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype),
-                                        mask=seen[None, None], implementation="xla")
-
-
-def _block_call(remat: str):
+def block_call(remat: str):
     """A fresh function per block: `jax.checkpoint` reuses the trace of a
     function it has seen with the same shapes, which would give every block
     the first one's dropout streams (`dpax.models.layers.ExampleDropout` numbers its
     calls while tracing)."""
-    def call(block, x):
-        return block(x)
+    def call(block, *inputs):
+        return block(*inputs)
 
     return call if remat == "none" else nnx.remat(call, policy=REMAT_POLICIES[remat])
 

@@ -20,20 +20,15 @@ PyTorch is needed to export or import (the tests load both sides with
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import shutil
 
 import numpy as np
 from flax import nnx
 
 from dpax.errors import DpaxError
+from dpax.models import hf_files
 from dpax.models.gpt import GPT, LAYER_NORM_EPSILON
 
-CONFIG = "config.json"
-TOKENIZER = "tokenizer.json"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 # Activations that are GPT-2's tanh approximation of GELU, dpax's `nnx.gelu`.
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 # Each block's parameters: dpax's path inside the block -> GPT-2's name.
@@ -88,36 +83,17 @@ def hf_config(model: GPT, dropout: float = 0.0) -> dict:
 
 def save(model: GPT, directory: str, dropout: float = 0.0) -> None:
     """Write `model` as a Hugging Face GPT-2 directory (`directory` must exist)."""
-    from safetensors.numpy import save_file
-
     params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    tensors = {f"transformer.{name}": np.ascontiguousarray(params[path][...], np.float32)
-               for path, name in hf_names(len(model.blocks)).items()}
-    config = os.path.join(directory, CONFIG)
-    with open(config, "w") as f:
-        json.dump(hf_config(model, dropout), f, indent=2)
-    # `transformers` reads the format to know the tensors' framework.
-    save_file(tensors, os.path.join(directory, WEIGHTS), metadata={"format": "pt"})
-    # safetensors writes a private temporary file (0600) and renames it into
-    # place; the weights get the mode `open` gave config.json (the umask's).
-    shutil.copymode(config, os.path.join(directory, WEIGHTS))
+    hf_files.write(directory, hf_config(model, dropout),
+                   {f"transformer.{name}": np.asarray(params[path][...], np.float32)
+                    for path, name in hf_names(len(model.blocks)).items()})
 
 
 def read_config(directory: str) -> dict:
     """`config.json` of a GPT-2 directory, checked to describe a model dpax's
     GPT computes exactly."""
-    path = os.path.join(directory, CONFIG)
-    if not os.path.isfile(path):
-        raise DpaxError(f"{directory} is not a Hugging Face model directory (no {CONFIG}); "
-                        "give a directory written by save_pretrained or dpax export")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DpaxError(f"{path} is unreadable ({e})") from None
-    if config.get("model_type") != "gpt2":
-        raise DpaxError(f"{path} describes a {config.get('model_type')!r} model; dpax's GPT "
-                        "imports GPT-2 (model_type gpt2)")
+    config = hf_files.read_config(directory, "gpt2", "dpax's GPT imports GPT-2")
+    path = os.path.join(directory, hf_files.CONFIG)
     width = config.get("n_embd", 768)
     rules = [
         (config.get("activation_function", "gelu_new") in TANH_GELU,
@@ -156,26 +132,6 @@ def check_flags(directory: str, layers: int, width: int, heads: int) -> Shape:
     return s
 
 
-def _tensors(directory: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    # One file before the shards an index lists, as `transformers` prefers it.
-    index = os.path.join(directory, INDEX)
-    if os.path.isfile(os.path.join(directory, WEIGHTS)):
-        files = [WEIGHTS]
-    elif os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        raise DpaxError(f"{directory} holds no {WEIGHTS}; save the model with safetensors "
-                        "(save_pretrained does by default)")
-    tensors = {}
-    for name in files:
-        tensors.update(load_file(os.path.join(directory, name)))
-    # GPT2LMHeadModel's names start with `transformer.`; GPT2Model's do not.
-    return {k.removeprefix("transformer."): v for k, v in tensors.items()}
-
-
 def load_into(model: GPT, directory: str) -> None:
     """Set `model`'s params to a GPT-2 directory's weights. Its shape must
     match the model's (`check_flags`), its vocabulary the data's, and it must
@@ -189,7 +145,8 @@ def load_into(model: GPT, directory: str) -> None:
     if s.positions < model.seq_len:
         raise DpaxError(f"{directory} has {s.positions} positions, fewer than "
                         f"`seq_len={model.seq_len}`; give `seq_len={s.positions}` or less")
-    tensors = _tensors(directory)
+    # GPT2LMHeadModel's names start with `transformer.`; GPT2Model's do not.
+    tensors = hf_files.tensors(directory, "transformer.")
     head = tensors.pop("lm_head.weight", None)
     if head is not None and not np.array_equal(head, tensors.get("wte.weight")):
         raise DpaxError(f"{directory}: lm_head.weight differs from wte.weight; dpax's GPT ties "
@@ -208,30 +165,3 @@ def load_into(model: GPT, directory: str) -> None:
                             f"{shapes[path]}")
         new[path] = value
     nnx.update(model, nnx.from_flat_state(new))
-
-
-def tokenizer_json(directory: str) -> str | None:
-    """The directory's `tokenizer.json` (a BPE's), or None."""
-    path = os.path.join(directory, TOKENIZER)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return f.read()
-
-
-def check_tokenizer(directory: str, spec: str) -> None:
-    """Refuse a `tokenizer` that would not give the token ids the
-    directory's embeddings were trained on."""
-    text = tokenizer_json(directory)
-    if text is None:
-        if spec != "bytes":
-            raise DpaxError(f"{directory} has no {TOKENIZER}: a BPE trained here would give "
-                            "other token ids than its embeddings learned; use "
-                            f"`tokenizer=bytes` or a directory with its {TOKENIZER}")
-        return
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_str(text).get_vocab_size()
-    if spec != f"bpe:{vocab}":
-        raise DpaxError(f"{directory} carries its tokenizer (a BPE of {vocab} tokens); give "
-                        f"`tokenizer=bpe:{vocab}` to train with it")
