@@ -15,6 +15,7 @@ from flax import nnx
 import dpax
 from conftest import forward, max_diff
 from dpax import models
+from dpax.cli import main
 from dpax.data import text, tokenizer
 from dpax.models import losses
 from dpax.models.generate import generate
@@ -288,3 +289,94 @@ def test_cudnn_attention_is_chosen_only_where_it_takes_the_inputs(dtype, head, c
     from dpax.models.gpt import cudnn_takes
 
     assert cudnn_takes(np.dtype(getattr(jnp, dtype)), head, capability) is takes
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_packed_windows_give_each_token_its_unpacked_loss_and_gradient(tmp_path, name):
+    """The same documents in windows of their own and packed together: every
+    real target's loss (as a multiset) and the gradient of their sum agree,
+    though the packed data holds fewer windows and less padding."""
+    root = write_corpus(tmp_path / "corpus", n_docs=30, seed=1)
+    plain, packed = (dpax.data.load("text:" + root, SEQ, packed=p) for p in (False, True))
+    assert len(packed.x_train) < len(plain.x_train)
+    model = models.make_model(name, plain.input_shape, plain.n_out, 0, "lm",
+                              **{**GPT, "heads": 4} if name == "llama" else GPT)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def token_losses(params, ds):
+        m = nnx.merge(graphdef, params, rest)
+        x, y = jnp.asarray(ds.x_train), jnp.asarray(ds.y_train)
+        logits = m(x[:, :-1], y[:, :-1]) if y.ndim == 2 else m(x[:, :-1])
+        per = optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:].astype(jnp.int32))
+        real = ((y[:, 1:] == y[:, :-1]) & (y[:, 1:] > 0) if y.ndim == 2
+                else jnp.arange(SEQ) < y[:, None] - 1)
+        return per, real
+
+    def total(params, ds):
+        per, real = token_losses(params, ds)
+        return jnp.sum(jnp.where(real, per, 0.0))
+
+    sorted_losses = []
+    for ds in (plain, packed):
+        per, real = token_losses(params, ds)
+        sorted_losses.append(np.sort(np.asarray(per)[np.asarray(real)]))
+    assert len(sorted_losses[0]) == len(sorted_losses[1])
+    loss_diff = float(np.max(np.abs(sorted_losses[0] - sorted_losses[1])))
+    grads = [jax.grad(total)(params, ds) for ds in (plain, packed)]
+    # Relative to the gradient's largest element: a sum over every token.
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads[0]))
+    grad_diff = max_diff(grads[0], grads[1]) / scale
+    print(f"{name}: {len(plain.x_train)} windows -> {len(packed.x_train)} packed; per-token "
+          f"loss max |diff| {loss_diff:.1e}, gradient of the sum {grad_diff:.1e} of its "
+          f"largest element")
+    assert loss_diff <= 1e-5 and grad_diff <= 1e-5
+    # The loss dpax trains on: the same mean over tokens.
+    means = [float(jnp.sum(losses.lm_loss(model, {"x": ds.x_train, "y": ds.y_train})[0]
+                           * losses.lm_loss(model, {"x": ds.x_train, "y": ds.y_train})[2])
+                   / len(sorted_losses[0])) for ds in (plain, packed)]
+    assert abs(means[0] - means[1]) <= 1e-5
+
+
+def test_packed_text_trains_on_n_devices_as_on_one(tmp_path):
+    root = write_corpus(tmp_path / "corpus", n_docs=30, seed=2)
+    ds = dpax.data.load("text:" + root, SEQ, packed=True)
+    runs = []
+    for n in (1, 4):
+        # SGD: Adam's first steps divide near-zero gradients by their own size,
+        # which turns any rounding into lr-sized moves, packed or not.
+        t = dpax.Trainer(gpt(ds, dropout=0.1), losses.lm_loss, optax.sgd(0.5), devices=n)
+        t.fit(ds.x_train, ds.y_train, batch_size=BATCH, until_step=4)
+        runs.append(jax.tree.leaves(t.params))
+    diff = max_diff(*runs)
+    print(f"packed text, 4 devices vs 1: max |params diff| {diff:.1e}")
+    assert diff <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_packed_run_resumes_exactly(tmp_path, capsys):
+    root = write_corpus(tmp_path / "corpus", n_docs=40, seed=3)
+    flags = ["--model", "llama", "--layers", "2", "--width", "32", "--heads", "4",
+             "--data", f"text:{root}", "--seq-len", str(SEQ), "--pack", "--batch-size", "6",
+             "--steps", "12", "--devices", "2", "--log-every", "4"]
+    ck = str(tmp_path / "ck")
+    assert main(["train", *flags, "--out", str(tmp_path / "ref")]) == 0
+    assert main(["train", *flags, "--checkpoint-dir", ck, "--checkpoint-every", "4",
+                 "--out", str(tmp_path / "a")]) == 0
+    import shutil
+
+    shutil.rmtree(f"{ck}/12")
+    shutil.rmtree(f"{ck}/8")
+    assert main(["train", *flags, "--resume", f"{ck}/4", "--out", str(tmp_path / "b")]) == 0
+    assert "resumed at step 4" in capsys.readouterr().out
+    with np.load(tmp_path / "ref" / "params.npz") as a, np.load(tmp_path / "b" /
+                                                                  "params.npz") as b:
+        assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files) == 0.0
+
+
+def test_pack_keeps_full_windows_and_fills_shared_ones_in_order():
+    x = np.arange(1, 26).reshape(5, 5)
+    packed, segments = text.pack(x, np.array([5, 2, 2, 3, 1]))
+    assert segments.tolist() == [[1, 1, 1, 1, 1], [1, 1, 2, 2, 0], [1, 1, 1, 2, 0]]
+    assert packed.tolist() == [[1, 2, 3, 4, 5], [6, 7, 11, 12, 0], [16, 17, 18, 21, 0]]
+    with pytest.raises(dpax.DpaxError, match="`pack` packs text documents"):
+        dpax.config.validate(dpax.cli.train.TrainConfig.from_flags(data="digits", pack=True))

@@ -250,15 +250,17 @@ def is_text(name: str) -> bool:
 
 def load(name: str, seq_len: int = DEFAULT_SEQ_LEN, x_column: str = "x",
          y_column: str = "y", tokenizer_spec: str = BYTES,
-         tok: Tokenizer | None = None, task: str | None = None) -> Dataset:
+         tok: Tokenizer | None = None, task: str | None = None,
+         packed: bool = False) -> Dataset:
     """A named dataset, a path ending in `.npz`, text (`dpax.data.text`) cut into
     windows of `seq_len` tokens of `tok` (default: `tokenizer_spec`'s, trained on
-    the text), or examples on disk (`dpax.data.sources`) with inputs and labels
-    in the named columns (`task`: what those labels are for, see `labelled`)."""
+    the text; `packed`: documents packed into windows), or examples on disk
+    (`dpax.data.sources`) with inputs and labels in the named columns (`task`:
+    what those labels are for, see `labelled`)."""
     check_name(name)
     if is_text(name):
         name, x_train, y_train, x_eval, y_eval, tok = text.load(
-            name.partition(":")[2] or None, seq_len, tokenizer_spec, tok)
+            name.partition(":")[2] or None, seq_len, tokenizer_spec, tok, packed)
         return Dataset(name, x_train, y_train, x_eval, y_eval, "lm", tok.vocab, tok)
     if name.endswith(".npz"):
         return from_npz(name, x_column, y_column, task)
@@ -289,6 +291,9 @@ class DataConfig:
     tokenizer: str = cfg.field(
         BYTES, "text: bytes (256 tokens) or bpe:VOCAB, a byte-level BPE of VOCAB "
         "tokens trained on the training text (bits per byte stay comparable)")
+    pack: bool = cfg.field(
+        False, "text: pack documents into full windows (each keeps its own positions and "
+        "attention) instead of padding each one's last window")
     augment: str | None = cfg.field(
         None, "images: crop, flip or crop,flip; each example's draw comes from the seed, the "
         "step and its place in the global batch, so any device count trains the same")
@@ -308,6 +313,9 @@ class DataConfig:
                 raise DpaxError(f"`task` is for the labels of a .npz or of streamed data; "
                                 f"`data={self.name}` has a task of its own")
         augment.parse(self.augment)
+        if self.pack and not self.is_text:
+            raise DpaxError(f"`pack` packs text documents into windows; `data={self.name}` "
+                            "is not text")
         cfg.whole(self, "seq_len")
         check_spec(self.tokenizer)
         cfg.whole(self, "workers", low=0)
@@ -320,7 +328,7 @@ class DataConfig:
         """The dataset, its augmentation checked against its examples; text in
         the tokens of `tok` if given (else of `tokenizer`, trained on it)."""
         ds = load(self.name, self.seq_len, self.x_column, self.y_column, self.tokenizer, tok,
-                  self.task)
+                  self.task, self.pack)
         aug = augment.parse(self.augment)
         if aug is not None:
             aug.check(ds.input_shape)

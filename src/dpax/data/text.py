@@ -8,6 +8,13 @@ length recorded: the loss counts only real targets (`lm_loss` weights each
 window by them), so documents are never glued together silently and padding
 never counts.
 
+With packing (`pack`), a document's windows, cut as above, are packed
+together into windows instead of each padding its own: `y` is then a segment
+id per token (1, 2, ... for the pieces a window holds, 0 for padding), and
+the models restart positions and attention at each piece, so every token is
+predicted from what it would be predicted from unpacked, and fewer tokens
+are padding (`lm_loss` counts a target when it and its input share a piece).
+
 The held-out split is by document: a seeded choice of whole files, so no eval
 text was trained on. The default corpus is the running Python's standard
 library (`*.py` under its `Lib`): real text on every machine, nothing to
@@ -97,6 +104,30 @@ def windows(tokens: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     return x, np.minimum(seq_len + 1, len(tokens) - starts).astype(np.int32)
 
 
+def pack(x: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Windows `x` of real `lengths` (`windows`'s) packed: the full ones as
+    they are, the others (documents' last windows, short documents) in order
+    into shared windows, a new one opened when the next does not fit:
+    (windows, each token's segment id, 0 for padding)."""
+    size = x.shape[1]
+    full = lengths == size
+    out = [x[full]]
+    seg = [np.ones((int(full.sum()), size), np.int32)]
+    rows, ids, used = [], [], size  # the shared windows; `used` of the last
+    for piece, n in zip(x[~full], lengths[~full]):
+        if used + n > size:
+            rows.append(np.zeros(size, x.dtype))
+            ids.append(np.zeros(size, np.int32))
+            used = 0
+        rows[-1][used:used + n] = piece[:n]
+        ids[-1][used:used + n] = ids[-1].max() + 1
+        used += n
+    if rows:
+        out.append(np.stack(rows))
+        seg.append(np.stack(ids))
+    return np.concatenate(out), np.concatenate(seg)
+
+
 def split(docs: list[tuple[str, bytes]]) -> tuple[list[bytes], list[bytes]]:
     """(train documents, held-out documents): a seeded choice of whole documents."""
     n_eval = max(1, round(len(docs) * EVAL_FRACTION)) if len(docs) >= 2 else 0
@@ -107,27 +138,29 @@ def split(docs: list[tuple[str, bytes]]) -> tuple[list[bytes], list[bytes]]:
     return train, held_out
 
 
-def stack(docs: list[bytes], seq_len: int,
-          tok: tokenizer.Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+def stack(docs: list[bytes], seq_len: int, tok: tokenizer.Tokenizer,
+          packed: bool = False) -> tuple[np.ndarray, np.ndarray]:
     parts = [windows(t, seq_len) for t in tok.encode_all(docs)]
     if not parts:
         return np.zeros((0, seq_len + 1), tok.dtype), np.zeros(0, np.int32)
-    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    x, lengths = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    return pack(x, lengths) if packed else (x, lengths)
 
 
 def load(path: str | None, seq_len: int, tokenizer_spec: str = tokenizer.BYTES,
-         tok: tokenizer.Tokenizer | None = None):
+         tok: tokenizer.Tokenizer | None = None, packed: bool = False):
     """Windows of the text under `path` (default: the standard library's
     sources): `(name, x_train, y_train, x_eval, y_eval, tokenizer)`, x (n,
-    seq_len + 1) tokens, y the real length of each window. The tokenizer is
-    `tok` if given, else `tokenizer_spec`'s, trained on the training documents."""
+    seq_len + 1) tokens, y the real length of each window, or with `packed`
+    each token's segment id (`pack`). The tokenizer is `tok` if given, else
+    `tokenizer_spec`'s, trained on the training documents."""
     if seq_len < 1:
         raise DpaxError(f"`seq_len` must be >= 1, got {seq_len}")
     docs = documents(path, seq_len)
     train, held_out = split(docs)
     tok = tok or tokenizer.train(tokenizer_spec, train)
-    x_train, y_train = stack(train, seq_len, tok)
-    x_eval, y_eval = stack(held_out, seq_len, tok)
+    x_train, y_train = stack(train, seq_len, tok, packed)
+    x_eval, y_eval = stack(held_out, seq_len, tok, packed)
     if len(x_eval) == 0:  # held-out documents too short: evaluate on the training set
         x_eval, y_eval = x_train, y_train
     if len(x_train) == 0:

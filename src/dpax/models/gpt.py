@@ -52,13 +52,20 @@ CUDNN_MAX_HEAD = 128
 CUDNN_MIN_CAPABILITY = 8.0
 
 
-def causal_attention(q, k, v):
+def causal_attention(q, k, v, segments=None):
     """Causal self-attention of (batch, tokens, heads, head size) arrays as
     the platform runs it best: cuDNN's fused kernel where the program runs on
     an NVIDIA GPU that takes these inputs, XLA's formulation elsewhere (the
     same numbers as `jax.nn.dot_product_attention` with its defaults). The
     platform is the compiled program's (`jax.lax.platform_dependent`), not
-    the host's: a CPU program on a GPU host takes XLA's."""
+    the host's: a CPU program on a GPU host takes XLA's. With `segments`
+    (batch, tokens) of packed windows (`dpax.data.text.pack`), a token
+    attends only to the tokens of its own segment (XLA's formulation)."""
+    if segments is not None:
+        same = segments[:, None, :, None] == segments[:, None, None, :]
+        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True,
+                                            implementation="xla")
+
     def xla(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
@@ -105,10 +112,10 @@ class Block(nnx.Module):
         self.drop_attn = nnx.Dropout(dropout, rngs=rngs)
         self.drop_mlp = nnx.Dropout(dropout, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, segments=None):
         # Padding sits at the end of a window, so the causal mask alone keeps
         # real positions from seeing it.
-        return self.finish(x, causal_attention(*self.qkv_heads(x)))
+        return self.finish(x, causal_attention(*self.qkv_heads(x), segments))
 
     def qkv_heads(self, x):
         """Queries, keys and values of (b, t, width) inputs: (b, t, heads, head size) each."""
@@ -137,12 +144,14 @@ class GPT(nnx.Module):
         self.blocks = nnx.List([Block(width, heads, dropout, rngs=rngs) for _ in range(layers)])
         self.ln_f = nnx.LayerNorm(width, epsilon=LAYER_NORM_EPSILON, rngs=rngs)
 
-    def __call__(self, tokens):
-        t = tokens.shape[1]
+    def __call__(self, tokens, segments=None):
+        """`segments`: packed windows' segment id per token (None: one text
+        per window); each segment's positions start at 0."""
         tokens = tokens.astype(jnp.int32)
-        x = self.drop(self.wte(tokens) + self.wpe(jnp.arange(t)))
+        x = self.drop(self.wte(tokens) + self.wpe(positions(tokens.shape[1], segments)))
+        extra = () if segments is None else (segments,)
         for block in self.blocks:
-            x = block_call(self.remat)(block, x)
+            x = block_call(self.remat)(block, x, *extra)
         # Tied output layer: the logits are the embedding's attend (x @ E^T).
         return self.wte.attend(self.ln_f(x))
 
@@ -161,6 +170,17 @@ class GPT(nnx.Module):
         block = self.blocks[0]
         return empty(len(self.blocks), (batch, self.seq_len, block.heads,
                                         block.qkv.in_features // block.heads), dtype)
+
+
+def positions(t: int, segments=None):
+    """Each token's position: its index (t,), or with `segments` (b, t) its
+    index from the start of its segment."""
+    index = jnp.arange(t)
+    if segments is None:
+        return index
+    start = jnp.concatenate([jnp.ones_like(segments[:, :1], bool),
+                             segments[:, 1:] != segments[:, :-1]], axis=1)
+    return index - jax.lax.cummax(jnp.where(start, index, 0), axis=1)
 
 
 def block_call(remat: str):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpax.errors import DpaxError
-from dpax.models.gpt import block_call, causal_attention
+from dpax.models.gpt import block_call, causal_attention, positions
 from dpax.models.kv_cache import KVCache, empty, through_cache
 
 NORM_EPSILON = 1e-5  # Llama 2 and 3's, SmolLM's, Mistral's `rms_norm_eps`
@@ -75,8 +75,8 @@ class Block(nnx.Module):
         self.drop_attn = nnx.Dropout(dropout, rngs=rngs)
         self.drop_mlp = nnx.Dropout(dropout, rngs=rngs)
 
-    def __call__(self, x, positions):
-        return self.finish(x, causal_attention(*self.qkv_heads(x, positions)))
+    def __call__(self, x, positions, segments=None):
+        return self.finish(x, causal_attention(*self.qkv_heads(x, positions), segments))
 
     def qkv_heads(self, x, positions):
         """Queries (b, t, heads, head size), keys and values (b, t, kv_heads,
@@ -115,11 +115,13 @@ class Llama(nnx.Module):
         self.head = None if tie_embeddings else nnx.Linear(
             width, vocab, use_bias=False, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, segments=None):
+        """`segments`: as `dpax.models.gpt.GPT`'s (packed windows)."""
         x = self.embed(tokens.astype(jnp.int32))
-        positions = jnp.arange(tokens.shape[1])
+        where = positions(tokens.shape[1], segments)
+        extra = () if segments is None else (segments,)
         for block in self.blocks:
-            x = block_call(self.remat)(block, x, positions)
+            x = block_call(self.remat)(block, x, where, *extra)
         return self.logits(x)
 
     def logits(self, x):

@@ -133,6 +133,11 @@ def check_lm(ex: checks.Examples) -> None:
     checks.ids(ex, "x", ndim=2, below=vocab, what="token ids", reader=reader,
                per_example="a window of seq_len + 1 token ids per example",
                bound=lambda high: f"the model's vocabulary has {vocab} tokens")
+    if ex.arrays["y"].ndim == 2:  # packed windows: a segment id per token
+        checks.ids(ex, "y", ndim=2, below=x.shape[1] + 1, what="segment ids", reader=reader,
+                   per_example="a segment id per token of its window",
+                   bound=lambda high: f"a window holds {x.shape[1]} tokens")
+        return
     checks.ids(ex, "y", ndim=1, below=x.shape[1] + 1, what="window lengths", reader=reader,
                per_example="one length per window",
                bound=lambda high: f"a window holds {x.shape[1]} tokens")
@@ -156,7 +161,9 @@ def lm_loss(model, batch, token_bytes=None):
       model: the language model, called on each window's first seq_len
         tokens: logits over the vocabulary at every position.
       batch: one device's shard of the batch: `x` [windows, seq_len + 1]
-        token ids, `y` each window's number of real tokens.
+        token ids, `y` each window's number of real tokens, or for packed
+        windows each token's segment id (0: padding), which the model is
+        called with too (`model(tokens, segments)`).
       token_bytes: a sequence of each token id's length in bytes, or None.
 
     Returns:
@@ -166,9 +173,14 @@ def lm_loss(model, batch, token_bytes=None):
       weighs the window in dpax's mean.
     """
     tokens, length = batch["x"], batch["y"]
-    logits = model(tokens[:, :-1]).astype(jnp.float32)
     targets = tokens[:, 1:].astype(jnp.int32)
-    real = jnp.arange(targets.shape[1]) < (length[:, None] - 1)
+    if length.ndim == 2:  # packed: a target counts when its input is of its piece
+        segments = length
+        logits = model(tokens[:, :-1], segments[:, :-1]).astype(jnp.float32)
+        real = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
+    else:
+        logits = model(tokens[:, :-1]).astype(jnp.float32)
+        real = jnp.arange(targets.shape[1]) < (length[:, None] - 1)
     n = jnp.sum(real, axis=1)
     per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     correct = (jnp.argmax(logits, -1) == targets)
