@@ -160,18 +160,25 @@ def test_greedy_sampling_follows_the_model(corpus):
     assert len(generate(model, prompt, 5, SEQ, temperature=1.0, seed=3)) == 5
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+def cached_logits(model, ids, prompt: int):
+    """Every position's logits from the cache: the first `prompt` tokens in
+    one call, then one token per (compiled) call."""
+    step = nnx.jit(lambda m, token, cache, p: m.cached(token, cache, p))
+    logits, cache = model.cached(ids[:, :prompt], model.empty_cache(1), 0)
+    parts = [logits]
+    for p in range(prompt, ids.shape[1]):
+        logits, cache = step(model, ids[:, p:p + 1], cache, jnp.int32(p))
+        parts.append(logits)
+    return jnp.concatenate(parts, 1)
+
+
+@pytest.mark.parametrize("seed", [0, *[pytest.param(s, marks=pytest.mark.slow) for s in (1, 2)]])
 def test_the_key_value_cache_gives_the_whole_windows_logits(seed):
     """The prompt in one call, then one token per call from the cache: the
     logits of every position as the whole window computes them."""
     model = models.gpt.GPT(256, SEQ, layers=2, width=32, heads=4, rngs=nnx.Rngs(seed))
     ids = jnp.asarray(np.random.default_rng(seed).integers(0, 256, (1, SEQ)))
-    logits, cache = model.cached(ids[:, :5], model.empty_cache(1), 0)
-    parts = [logits]
-    for p in range(5, SEQ):
-        logits, cache = model.cached(ids[:, p:p + 1], cache, p)
-        parts.append(logits)
-    diff = float(jnp.max(jnp.abs(jnp.concatenate(parts, 1) - model(ids))))
+    diff = float(jnp.max(jnp.abs(cached_logits(model, ids, 5) - model(ids))))
     print(f"seed {seed}: cached vs whole-window logits, max |diff| {diff:.1e}")
     assert diff <= 1e-5
 
@@ -180,11 +187,12 @@ def test_sampling_with_the_cache_draws_what_the_window_draws(corpus):
     """Greedy and sampled (temperature, top-k, top-p) tokens, within the
     context and past it (where the window slides and the cache stops)."""
     model = gpt(corpus)
-    for prompt, n in ((b"def", 30), (b"def x(self):\n    return", 6)):
-        for how in ({"temperature": 0.0}, {"temperature": 0.9, "top_k": 5, "top_p": 0.8}):
-            with_cache, without = (generate(model, prompt, n, SEQ, seed=3, cache=c, **how)
-                                   for c in (True, False))
-            assert with_cache.tolist() == without.tolist(), (prompt, how)
+    sampled = {"temperature": 0.9, "top_k": 5, "top_p": 0.8}
+    for prompt, n, how in ((b"def", 30, {"temperature": 0.0}), (b"def", 30, sampled),
+                           (b"def x(self):\n    return", 6, sampled)):
+        with_cache, without = (generate(model, prompt, n, SEQ, seed=3, cache=c, **how)
+                               for c in (True, False))
+        assert with_cache.tolist() == without.tolist(), (prompt, how)
 
 
 @pytest.mark.parametrize("kw,says", [({"top_k": 0}, "`top_k` must be >= 1"),
@@ -291,7 +299,7 @@ def test_cudnn_attention_is_chosen_only_where_it_takes_the_inputs(dtype, head, c
     assert cudnn_takes(np.dtype(getattr(jnp, dtype)), head, capability) is takes
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama"])
+@pytest.mark.parametrize("name", [pytest.param("gpt", marks=pytest.mark.slow), "llama"])
 def test_packed_windows_give_each_token_its_unpacked_loss_and_gradient(tmp_path, name):
     """The same documents in windows of their own and packed together: every
     real target's loss (as a multiset) and the gradient of their sum agree,
@@ -303,26 +311,28 @@ def test_packed_windows_give_each_token_its_unpacked_loss_and_gradient(tmp_path,
                               **{**GPT, "heads": 4} if name == "llama" else GPT)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def token_losses(params, ds):
+    @jax.jit
+    def token_losses(params, x, y):
         m = nnx.merge(graphdef, params, rest)
-        x, y = jnp.asarray(ds.x_train), jnp.asarray(ds.y_train)
         logits = m(x[:, :-1], y[:, :-1]) if y.ndim == 2 else m(x[:, :-1])
         per = optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:].astype(jnp.int32))
         real = ((y[:, 1:] == y[:, :-1]) & (y[:, 1:] > 0) if y.ndim == 2
                 else jnp.arange(SEQ) < y[:, None] - 1)
         return per, real
 
-    def total(params, ds):
-        per, real = token_losses(params, ds)
+    @jax.jit
+    @jax.grad
+    def grad_of_sum(params, x, y):
+        per, real = token_losses(params, x, y)
         return jnp.sum(jnp.where(real, per, 0.0))
 
     sorted_losses = []
     for ds in (plain, packed):
-        per, real = token_losses(params, ds)
+        per, real = token_losses(params, ds.x_train, ds.y_train)
         sorted_losses.append(np.sort(np.asarray(per)[np.asarray(real)]))
     assert len(sorted_losses[0]) == len(sorted_losses[1])
     loss_diff = float(np.max(np.abs(sorted_losses[0] - sorted_losses[1])))
-    grads = [jax.grad(total)(params, ds) for ds in (plain, packed)]
+    grads = [grad_of_sum(params, ds.x_train, ds.y_train) for ds in (plain, packed)]
     # Relative to the gradient's largest element: a sum over every token.
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads[0]))
     grad_diff = max_diff(grads[0], grads[1]) / scale
@@ -331,9 +341,14 @@ def test_packed_windows_give_each_token_its_unpacked_loss_and_gradient(tmp_path,
           f"largest element")
     assert loss_diff <= 1e-5 and grad_diff <= 1e-5
     # The loss dpax trains on: the same mean over tokens.
-    means = [float(jnp.sum(losses.lm_loss(model, {"x": ds.x_train, "y": ds.y_train})[0]
-                           * losses.lm_loss(model, {"x": ds.x_train, "y": ds.y_train})[2])
-                   / len(sorted_losses[0])) for ds in (plain, packed)]
+
+    @jax.jit
+    def mean(params, x, y):
+        per_window, _, tokens = losses.lm_loss(nnx.merge(graphdef, params, rest),
+                                               {"x": x, "y": y})
+        return jnp.sum(per_window * tokens) / jnp.sum(tokens)
+
+    means = [float(mean(params, ds.x_train, ds.y_train)) for ds in (plain, packed)]
     assert abs(means[0] - means[1]) <= 1e-5
 
 

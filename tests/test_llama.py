@@ -86,6 +86,7 @@ def test_hugging_faces_llama_loads_with_the_same_logits(llama_dir, corpus):
     assert diff <= TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_dpax_llama_exports_to_what_transformers_loads(tmp_path, corpus, tied):
     flags = ["--model", "llama", "--layers", "2", "--width", "32", "--heads", "4",
@@ -142,14 +143,11 @@ def test_n_devices_train_the_llama_one_device_trains(text, n, sharding, seed):
 
 
 def test_the_cache_gives_the_whole_windows_logits_with_grouped_queries(text):
+    from test_gpt import cached_logits
+
     model = small_llama(text, tie_embeddings=True)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, text.n_out, (1, SEQ)))
-    logits, cache = model.cached(ids[:, :4], model.empty_cache(1), 0)
-    parts = [logits]
-    for p in range(4, SEQ):
-        logits, cache = model.cached(ids[:, p:p + 1], cache, p)
-        parts.append(logits)
-    assert float(jnp.max(jnp.abs(jnp.concatenate(parts, 1) - model(ids)))) <= 1e-5
+    assert float(jnp.max(jnp.abs(cached_logits(model, ids, 4) - model(ids)))) <= 1e-5
     out = [dpax.models.generate.generate(model, b"def", 20, SEQ, temperature=0.0, cache=c)
            for c in (True, False)]
     assert out[0].tolist() == out[1].tolist()

@@ -49,8 +49,8 @@ def test_wsd_decay_never_reaches_into_the_warmup():
     assert [round(float(s(i)), 6) for i in (4, 8, 9, 10)] == [0.5, 1.0, 0.5, 0.0]
 
 
-@pytest.mark.parametrize("name", [
-    "wsd", *[pytest.param(n, marks=pytest.mark.slow) for n in ("warmup-cosine", "warmup-linear")]])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["wsd", "warmup-cosine", "warmup-linear"])
 def test_a_resumed_schedule_continues_exactly(tmp_path, capsys, monkeypatch, name):
     """Stopped by a signal after its step-10 checkpoint of 20 and resumed on
     another device count: the learning rate of every logged step is the

@@ -115,7 +115,8 @@ class Block(nnx.Module):
     def __call__(self, x, segments=None):
         # Padding sits at the end of a window, so the causal mask alone keeps
         # real positions from seeing it.
-        return self.finish(x, causal_attention(*self.qkv_heads(x), segments))
+        packed = () if segments is None else (segments,)
+        return self.finish(x, causal_attention(*self.qkv_heads(x), *packed))
 
     def qkv_heads(self, x):
         """Queries, keys and values of (b, t, width) inputs: (b, t, heads, head size) each."""

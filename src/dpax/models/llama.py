@@ -76,7 +76,8 @@ class Block(nnx.Module):
         self.drop_mlp = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, x, positions, segments=None):
-        return self.finish(x, causal_attention(*self.qkv_heads(x, positions), segments))
+        packed = () if segments is None else (segments,)
+        return self.finish(x, causal_attention(*self.qkv_heads(x, positions), *packed))
 
     def qkv_heads(self, x, positions):
         """Queries (b, t, heads, head size), keys and values (b, t, kv_heads,
