@@ -221,3 +221,36 @@ def test_a_checkpoint_of_two_groups_resumes_in_one_and_on_three_devices(tmp_path
             diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in a.files)
         print(f"2 groups -> {name}: max |diff| {diff:.2e}")
         assert diff <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["adamw-mask", "clip-global-norm", "lamb"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_optax_chains_that_look_at_shapes_and_norms_in_groups(name, seed):
+    """User code unlike the bench's: transformations that read a leaf's rank,
+    the global norm or a layer's trust ratio, on 6 devices in 3 groups."""
+    from test_optax_layouts import BATCH as ROWS
+    from test_optax_layouts import STEPS, TRANSFORMS, LayerNormMLP, data, one_device
+
+    x, y = data()
+    t = dpax.Trainer(LayerNormMLP(nnx.Rngs(seed)), dpax.classification_loss,
+                     TRANSFORMS[name](), devices=6, sharding="full", replicas=3)
+    t.fit(x, y, batch_size=ROWS, until_step=STEPS, seed=seed)
+    diff = max_diff(jax.tree.leaves(t.params), one_device(name, seed))
+    print(f"{name} seed {seed}, full on 6 in 3 groups: {diff:.1e}")
+    assert diff <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_linen_model_with_batchnorm_and_dropout_in_groups():
+    from test_bridge import linen_cnn
+
+    runs = []
+    for devices, kw in ((1, {}), (4, {"sharding": "optimizer", "replicas": 2})):
+        t = dpax.Trainer(linen_cnn(1), dpax.classification_loss, optax.sgd(0.05),
+                         devices=devices, **kw)
+        fit_digits(t, BATCH, steps=4)
+        runs.append(leaves(t))
+    diff = max_diff(*runs)
+    print(f"Linen CNN, ZeRO-1 on 4 in 2 groups: {diff:.1e}")
+    assert diff <= 1e-5
