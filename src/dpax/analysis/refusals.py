@@ -73,15 +73,15 @@ _NAMED = COLLECTIVES | PER_DEVICE | {"pmean"}
 def _refuse_partial_sums(jaxpr, args: tuple, axis: tuple[str, ...]) -> None:
     """With hybrid sharding's groups the devices span several mesh axes:
     refuse a model or loss that combines what the rows give over some of
-    them only (`psum(x, "data")`: one group's devices), or reads a device's
-    index along them. dpax's own gathers of the params (alike on every
-    device) are not refused."""
+    them only (`psum(x, "data")`: one group's devices). dpax's own gathers of
+    the params (alike on every device) are not refused, nor a device's index
+    along one axis: JAX computes the index over several axes from those."""
     found = []
 
     def observe(eqn, flags):
         named = set(axes(eqn.params)) if eqn.primitive.name in _NAMED else set()
-        if named & set(axis) and not set(axis) <= named and (
-                eqn.primitive.name == "axis_index" or any(flags)):
+        if (named & set(axis) and not set(axis) <= named and any(flags)
+                and eqn.primitive.name != "axis_index"):
             found.append(f"{eqn.primitive.name} over {', '.join(sorted(named))}")
 
     varying(jaxpr, leaf_flags(args, ON_ROWS), axis, observe=observe)
