@@ -196,10 +196,11 @@ def user_module(tmp_path, monkeypatch):
     sys.modules.pop("usermodels", None)
 
 
-# deep-mlp is mlp, wider (47 s here); gpt trains on text (test_gpt.py checks it);
-# cnn-bn is the README's check command (test_readme runs it).
+# deep-mlp is mlp, wider (47 s here); gpt and llama train on text (test_gpt.py
+# and test_llama.py check them); cnn-bn is the README's check command (test_readme runs it).
 @pytest.mark.slow
-@pytest.mark.parametrize("model", sorted(set(models.MODELS) - {"deep-mlp", "gpt", "cnn-bn"}))
+@pytest.mark.parametrize("model", sorted(set(models.MODELS) - {"deep-mlp", "cnn-bn"}
+                                         - set(models.registry.TEXT_MODELS)))
 def test_check_passes_for_every_built_in_model(model, capsys):
     assert main(["check", "--model", model, "--devices", "8"]) == 0
     assert "\nequivalent (tolerance" in capsys.readouterr().out
