@@ -16,7 +16,7 @@ import zipfile
 import numpy as np
 
 from dpax import config as cfg
-from dpax.data import augment, checks, sources, text
+from dpax.data import augment, checks, sources, text, text_shards
 from dpax.data.tokenizer import BYTES, Tokenizer, check_spec
 from dpax.errors import BadExamples, BadLabels, DpaxError, DpaxWarning
 
@@ -245,7 +245,10 @@ def check_name(name: str) -> None:
 
 
 def is_text(name: str) -> bool:
-    return name == TEXT or name.startswith(TEXT + ":")
+    """Whether `name` is text: `text`, `text:PATH`, or text prepared as shards
+    (`dpax.data.text_shards`)."""
+    return (name == TEXT or name.startswith(TEXT + ":")
+            or text_shards.describe(name) is not None)
 
 
 def load(name: str, seq_len: int = DEFAULT_SEQ_LEN, x_column: str = "x",
@@ -254,10 +257,16 @@ def load(name: str, seq_len: int = DEFAULT_SEQ_LEN, x_column: str = "x",
          packed: bool = False) -> Dataset:
     """A named dataset, a path ending in `.npz`, text (`dpax.data.text`) cut into
     windows of `seq_len` tokens of `tok` (default: `tokenizer_spec`'s, trained on
-    the text; `packed`: documents packed into windows), or examples on disk
-    (`dpax.data.sources`) with inputs and labels in the named columns (`task`:
-    what those labels are for, see `labelled`)."""
+    the text; `packed`: documents packed into windows), text prepared as
+    windows (`dpax.data.text_shards`: as they were cut; `tok`, if given, must
+    be theirs), or examples on disk (`dpax.data.sources`) with inputs and
+    labels in the named columns (`task`: what those labels are for, see
+    `labelled`)."""
     check_name(name)
+    prepared = text_shards.describe(name)
+    if prepared is not None:  # its windows as prepared (a run's config is checked to match)
+        name, x_train, y_train, x_eval, y_eval, tok = text_shards.load(name, prepared, tok)
+        return Dataset(name, x_train, y_train, x_eval, y_eval, "lm", tok.vocab, tok)
     if is_text(name):
         name, x_train, y_train, x_eval, y_eval, tok = text.load(
             name.partition(":")[2] or None, seq_len, tokenizer_spec, tok, packed)
@@ -319,6 +328,10 @@ class DataConfig:
         cfg.whole(self, "seq_len")
         check_spec(self.tokenizer)
         cfg.whole(self, "workers", low=0)
+        prepared = text_shards.describe(self.name)
+        if prepared is not None:
+            text_shards.check_asked(self.name, prepared, self.seq_len, self.tokenizer,
+                                    self.pack)
 
     @property
     def is_text(self) -> bool:

@@ -115,7 +115,7 @@ class ArrayRecordTable:
             raise DpaxError(f"{name}: dpax prepare's records hold the columns x and y, not "
                             f"{key!r}; drop `x_column` or give x")
         self.name, self.key = name, key
-        self.x_shape = tuple(meta["x_shape"]) if key == "x" else ()
+        self.x_shape = tuple(meta["x_shape"] if key == "x" else meta.get("y_shape", ()))
         self.x_dtype = np.dtype(meta[f"{key}_dtype"])
         for path, count in zip(paths, meta["shard_examples"]):
             _check_shard(path, count)

@@ -1,0 +1,102 @@
+"""Text windows written once as ArrayRecord shards, then streamed.
+
+`dpax prepare text:PATH DEST` (`dpax.data.prepare.prepare_text`) cuts the
+text into the windows `dpax.data.text` makes in memory (the same documents
+held out, the same tokenizer, packed or not) and writes one record per
+window, {"x": its tokens, "y": its real length or, packed, its segment ids}:
+the training windows first, then the held-out ones. A run with `data=DEST`
+reads only the windows of each batch, so the text need not fit the memory
+of the machines that train on it (only that of the one that prepares it),
+and trains exactly what `data=text:PATH` trains: the same windows in the
+same order.
+
+Beside the shards, dpax.json's "text" entry says how the windows were cut
+(`seq_len`, `tokenizer`, `pack`: a run must ask for the same) and how many are
+for training; `tokenizer.json` holds a BPE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from dpax.data import sources, tokenizer
+from dpax.errors import DpaxError
+
+TOKENIZER = "tokenizer.json"
+
+
+def describe(name: str) -> dict | None:
+    """The "text" entry of `name`'s dpax.json if `name` is a directory of
+    prepared text, else None. Reads one small file."""
+    path = os.path.join(name, sources.META)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f).get("text")
+    except (OSError, ValueError):
+        return None  # the shards' own checks name what is wrong
+
+
+def check_asked(name: str, info: dict, seq_len: int, tokenizer_spec: str, pack: bool) -> None:
+    """Refuse a run that asks for windows other than those `name` holds: the
+    shards are the windows, they are not cut again."""
+    for arg, asked, held in (("seq_len", seq_len, info["seq_len"]),
+                             ("tokenizer", tokenizer_spec, info["tokenizer"]),
+                             ("pack", pack, info["packed"])):
+        if asked != held:
+            raise DpaxError(f"`data={name}` holds windows prepared with `{arg}={held}`, and "
+                            f"the run asks for `{arg}={asked}`; give `{arg}={held}`, or "
+                            "prepare the text again as you want it")
+
+
+def load(name: str, info: dict, tok: tokenizer.Tokenizer | None = None):
+    """The prepared windows of `name` as `text.load` gives them in memory:
+    `(name, x_train, y_train, x_eval, y_eval, tokenizer)`, each split a
+    `sources.Column` read per batch. `tok`, if given (a pretrained model's),
+    must be the tokenizer the text was prepared with."""
+    saved = None
+    if tokenizer.check_spec(info["tokenizer"]) is not None:
+        try:
+            with open(os.path.join(name, TOKENIZER)) as f:
+                saved = f.read()
+        except OSError as e:
+            raise DpaxError(f"{name}: its {TOKENIZER} is unreadable ({e.strerror}); write "
+                            "the text again with dpax prepare") from None
+    prepared = tokenizer.from_json(info["tokenizer"], saved)
+    if tok is not None and tok.to_json() != prepared.to_json():
+        raise DpaxError(f"`data={name}` was prepared with another tokenizer than the "
+                        "model's; prepare the text again with `tokenizer_from` set to the model's "
+                        "directory")
+    tok = prepared
+    x_table = sources.open_table(name, "x", None)
+    y_table = _Int32(sources.open_table(name, "y", None))
+    n, n_train = len(x_table), int(info["train_examples"])
+    train, held = np.arange(n_train), np.arange(n_train, n)
+    if len(held) == 0:
+        held = train
+
+    def column(table, rows):
+        return sources.Column(table, rows, decoded=False)
+
+    return (name, column(x_table, train), column(y_table, train), column(x_table, held),
+            column(y_table, held), tok)
+
+
+class _Int32:
+    """A table's values read as int32, what `text.load` gives for `y`
+    (`dpax prepare` stores them in fewer bytes)."""
+
+    x_dtype = np.dtype(np.int32)
+
+    def __init__(self, table):
+        self.table, self.name, self.x_shape = table, table.name, table.x_shape
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def read(self, idx: np.ndarray) -> np.ndarray:
+        return self.table.read(idx).astype(np.int32)
