@@ -81,10 +81,20 @@ def reference():
     return trained(1, examples())
 
 
+_ON = {}
+
+
+def trained_on(n):
+    """`trained(n, examples())`, once per module for the tests that read it."""
+    if n not in _ON:
+        _ON[n] = trained(n, examples())
+    return _ON[n]
+
+
 @pytest.mark.parametrize("n", [3, pytest.param(8, marks=pytest.mark.slow)])
 def test_a_model_with_two_inputs_and_a_data_mask_trains_as_on_one_device(n, reference):
     one, rows1 = reference
-    t, rows = trained(n, examples())
+    t, rows = trained_on(n)
     diff = max_diff(jax.tree.leaves(t.params), jax.tree.leaves(one.params))
     print(f"tiny transformer, 1 vs {n} devices: {diff:.1e}")
     assert diff <= 1e-5
@@ -105,7 +115,7 @@ def test_the_loss_sees_every_key_and_the_weights_come_from_the_data(reference):
 def test_predict_returns_one_output_per_example_whatever_its_structure(reference):
     one, _ = reference
     data = examples(n=37, seed=5)
-    t, _ = trained(3, examples())
+    t, _ = trained_on(3)
     got, want = t.predict(data, batch_size=16), one.predict(data, batch_size=11)
     assert set(got) == {"next", "score"} and got["next"].shape == (37, SEQ)
     np.testing.assert_array_equal(got["next"], want["next"])

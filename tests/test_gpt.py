@@ -23,7 +23,10 @@ from dpax.models.generate import generate
 SEQ = 16
 BATCH = 13  # uneven on 2, 4 and 8 devices: every N pads
 STEPS = 8
-GPT = {"layers": 2, "width": 32, "heads": 2}
+# One block: what these tests prove holds block by block, and XLA's compile
+# time (most of theirs) grows with the blocks; the key/value cache's test
+# keeps two, where a layer could read another's cache.
+GPT = {"layers": 1, "width": 32, "heads": 2}
 
 
 def write_corpus(root, n_docs=40, seed=0):
@@ -148,6 +151,9 @@ def test_ema_is_used_for_eval_and_resumes_bit_identically(corpus, adam_full_on_8
     assert abs(raw.evaluate(x, y)["loss"] - a["loss"]) > 1e-4  # eval did use the EMA
 
 
+SAMPLED = {"temperature": 0.9, "top_k": 5, "top_p": 0.8}
+
+
 def test_greedy_sampling_follows_the_model(corpus):
     model = gpt(corpus)
     prompt = b"def x(self):\n    return"  # longer than SEQ: the context window slides
@@ -157,14 +163,16 @@ def test_greedy_sampling_follows_the_model(corpus):
     for _ in range(8):  # the reference: the model on the last SEQ tokens, one at a time
         seq.append(int(np.argmax(np.asarray(last(model, np.array(seq[-SEQ:], np.int32)[None])))))
     assert out.tolist() == seq[len(prompt):]
-    assert len(generate(model, prompt, 5, SEQ, temperature=1.0, seed=3)) == 5
+    # Sampled as in the cache test below: the two share the compiled loop.
+    assert len(generate(model, prompt, 6, SEQ, seed=3, **SAMPLED)) == 6
 
 
 def cached_logits(model, ids, prompt: int):
     """Every position's logits from the cache: the first `prompt` tokens in
     one call, then one token per (compiled) call."""
     step = nnx.jit(lambda m, token, cache, p: m.cached(token, cache, p))
-    logits, cache = model.cached(ids[:, :prompt], model.empty_cache(1), 0)
+    first = nnx.jit(lambda m, ids: m.cached(ids, m.empty_cache(1), 0))  # as `forward` does
+    logits, cache = first(model, ids[:, :prompt])
     parts = [logits]
     for p in range(prompt, ids.shape[1]):
         logits, cache = step(model, ids[:, p:p + 1], cache, jnp.int32(p))
@@ -178,21 +186,23 @@ def test_the_key_value_cache_gives_the_whole_windows_logits(seed):
     logits of every position as the whole window computes them."""
     model = models.gpt.GPT(256, SEQ, layers=2, width=32, heads=4, rngs=nnx.Rngs(seed))
     ids = jnp.asarray(np.random.default_rng(seed).integers(0, 256, (1, SEQ)))
-    diff = float(jnp.max(jnp.abs(cached_logits(model, ids, 5) - model(ids))))
+    diff = float(jnp.max(jnp.abs(cached_logits(model, ids, 5) - forward(model, ids))))
     print(f"seed {seed}: cached vs whole-window logits, max |diff| {diff:.1e}")
     assert diff <= 1e-5
 
 
-def test_sampling_with_the_cache_draws_what_the_window_draws(corpus):
+@pytest.mark.parametrize("prompt,n,how", [
+    # Greedy: test_llama.py's cache test draws greedily through the same loop.
+    pytest.param(b"def", 30, {"temperature": 0.0}, marks=pytest.mark.slow, id="greedy"),
+    pytest.param(b"def", 30, SAMPLED, id="sampled"),
+    pytest.param(b"def x(self):\n    return", 6, SAMPLED, id="sampled-past-the-context")])
+def test_sampling_with_the_cache_draws_what_the_window_draws(corpus, prompt, n, how):
     """Greedy and sampled (temperature, top-k, top-p) tokens, within the
     context and past it (where the window slides and the cache stops)."""
     model = gpt(corpus)
-    sampled = {"temperature": 0.9, "top_k": 5, "top_p": 0.8}
-    for prompt, n, how in ((b"def", 30, {"temperature": 0.0}), (b"def", 30, sampled),
-                           (b"def x(self):\n    return", 6, sampled)):
-        with_cache, without = (generate(model, prompt, n, SEQ, seed=3, cache=c, **how)
-                               for c in (True, False))
-        assert with_cache.tolist() == without.tolist(), (prompt, how)
+    with_cache, without = (generate(model, prompt, n, SEQ, seed=3, cache=c, **how)
+                           for c in (True, False))
+    assert with_cache.tolist() == without.tolist(), (prompt, how)
 
 
 @pytest.mark.parametrize("kw,says", [({"top_k": 0}, "`top_k` must be >= 1"),
@@ -311,45 +321,38 @@ def test_packed_windows_give_each_token_its_unpacked_loss_and_gradient(tmp_path,
                               **{**GPT, "heads": 4} if name == "llama" else GPT)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    @jax.jit
     def token_losses(params, x, y):
         m = nnx.merge(graphdef, params, rest)
         logits = m(x[:, :-1], y[:, :-1]) if y.ndim == 2 else m(x[:, :-1])
         per = optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:].astype(jnp.int32))
         real = ((y[:, 1:] == y[:, :-1]) & (y[:, 1:] > 0) if y.ndim == 2
                 else jnp.arange(SEQ) < y[:, None] - 1)
-        return per, real
+        return jnp.sum(jnp.where(real, per, 0.0)), (per, real)
 
     @jax.jit
-    @jax.grad
-    def grad_of_sum(params, x, y):
-        per, real = token_losses(params, x, y)
-        return jnp.sum(jnp.where(real, per, 0.0))
+    def measure(params, x, y):
+        """One compiled program per data set: each token's loss, the gradient
+        of their sum, and the loss dpax trains on (the mean over tokens)."""
+        (_, (per, real)), grad = jax.value_and_grad(token_losses, has_aux=True)(params, x, y)
+        per_window, _, tokens = losses.lm_loss(nnx.merge(graphdef, params, rest),
+                                               {"x": x, "y": y})
+        return per, real, grad, jnp.sum(per_window * tokens) / jnp.sum(tokens)
 
-    sorted_losses = []
-    for ds in (plain, packed):
-        per, real = token_losses(params, ds.x_train, ds.y_train)
-        sorted_losses.append(np.sort(np.asarray(per)[np.asarray(real)]))
+    (per, real, grad, mean), (pper, preal, pgrad, pmean) = (
+        measure(params, ds.x_train, ds.y_train) for ds in (plain, packed))
+    sorted_losses = [np.sort(np.asarray(p)[np.asarray(r)]) for p, r in ((per, real),
+                                                                        (pper, preal))]
     assert len(sorted_losses[0]) == len(sorted_losses[1])
     loss_diff = float(np.max(np.abs(sorted_losses[0] - sorted_losses[1])))
-    grads = [grad_of_sum(params, ds.x_train, ds.y_train) for ds in (plain, packed)]
     # Relative to the gradient's largest element: a sum over every token.
-    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads[0]))
-    grad_diff = max_diff(grads[0], grads[1]) / scale
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grad))
+    grad_diff = max_diff(grad, pgrad) / scale
     print(f"{name}: {len(plain.x_train)} windows -> {len(packed.x_train)} packed; per-token "
           f"loss max |diff| {loss_diff:.1e}, gradient of the sum {grad_diff:.1e} of its "
           f"largest element")
     assert loss_diff <= 1e-5 and grad_diff <= 1e-5
     # The loss dpax trains on: the same mean over tokens.
-
-    @jax.jit
-    def mean(params, x, y):
-        per_window, _, tokens = losses.lm_loss(nnx.merge(graphdef, params, rest),
-                                               {"x": x, "y": y})
-        return jnp.sum(per_window * tokens) / jnp.sum(tokens)
-
-    means = [float(mean(params, ds.x_train, ds.y_train)) for ds in (plain, packed)]
-    assert abs(means[0] - means[1]) <= 1e-5
+    assert abs(float(mean) - float(pmean)) <= 1e-5
 
 
 def test_packed_text_trains_on_n_devices_as_on_one(tmp_path):

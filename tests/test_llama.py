@@ -16,7 +16,7 @@ from flax import nnx
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dpax
-from conftest import max_diff
+from conftest import forward, max_diff
 from dpax import config as cfg
 from dpax.cli import main
 from dpax.cli.job import build, load_checkpoint
@@ -80,7 +80,7 @@ def test_hugging_faces_llama_loads_with_the_same_logits(llama_dir, corpus):
         2, 80, 500000.0, 1e-6, False)
     assert job.ds.tokenizer.vocab == vocab  # the directory's own BPE
     tokens = np.random.default_rng(0).integers(0, vocab, (4, SEQ))
-    diff = float(np.max(np.abs(np.asarray(job.trainer.model()(jnp.asarray(tokens)))
+    diff = float(np.max(np.abs(np.asarray(forward(job.trainer.model(), jnp.asarray(tokens)))
                                - hf_logits(hf, tokens))))
     print(f"Hugging Face Llama -> dpax: max |logit diff| {diff:.1e}")
     assert diff <= TOLERANCE
@@ -112,9 +112,9 @@ def test_a_dpax_llama_exports_to_what_transformers_loads(tmp_path, corpus, tied)
     assert hf_tok.encode("def x") == ours.tokenizer.encode(b"def x").tolist()
 
 
-def small_llama(ds, seed=0, **kw):
-    return Llama(ds.n_out, SEQ, layers=2, width=32, heads=4, kv_heads=2, rngs=nnx.Rngs(seed),
-                 **kw)
+def small_llama(ds, seed=0, layers=2, **kw):
+    return Llama(ds.n_out, SEQ, layers=layers, width=32, heads=4, kv_heads=2,
+                 rngs=nnx.Rngs(seed), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +130,11 @@ def text():
     pytest.param(8, "full", 2, marks=pytest.mark.slow),
     pytest.param(4, "replicated", 0, marks=pytest.mark.slow)])
 def test_n_devices_train_the_llama_one_device_trains(text, n, sharding, seed):
-    """Adam, an uneven batch of 13 windows, dropout (per-example masks)."""
+    """Adam, an uneven batch of 13 windows, dropout (per-example masks); one
+    block (each block trains alike, and each compiles)."""
     runs = []
     for devices, kw in ((1, {}), (n, {"sharding": sharding})):
-        t = dpax.Trainer(small_llama(text, seed, dropout=0.1), losses.lm_loss,
+        t = dpax.Trainer(small_llama(text, seed, layers=1, dropout=0.1), losses.lm_loss,
                          optax.adam(3e-3), devices=devices, **kw)
         t.fit(text.x_train, text.y_train, batch_size=13, until_step=6)
         runs.append(jax.tree.leaves(t.params))
@@ -147,7 +148,7 @@ def test_the_cache_gives_the_whole_windows_logits_with_grouped_queries(text):
 
     model = small_llama(text, tie_embeddings=True)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, text.n_out, (1, SEQ)))
-    assert float(jnp.max(jnp.abs(cached_logits(model, ids, 4) - model(ids)))) <= 1e-5
+    assert float(jnp.max(jnp.abs(cached_logits(model, ids, 4) - forward(model, ids)))) <= 1e-5
     out = [dpax.models.generate.generate(model, b"def", 20, SEQ, temperature=0.0, cache=c)
            for c in (True, False)]
     assert out[0].tolist() == out[1].tolist()
