@@ -11,7 +11,7 @@ import dpax
 from dpax.cli import main
 from dpax.cli.evaluate import evaluate_checkpoint
 from dpax.cli.train import TrainConfig
-from dpax.data import sources
+from dpax.data import sources, tokenizer
 from dpax.data.prepare import prepare_text
 from test_gpt import write_corpus
 
@@ -40,10 +40,10 @@ def test_the_prepared_windows_are_the_windows_of_the_text(tmp_path, corpus, pack
     shards equal what `text:PATH` makes in memory."""
     dest = str(tmp_path / "prepared")
     meta = prepare_text(corpus, dest, SEQ, spec, packed, progress=False)
-    assert meta["text"] == {"source": "text:" + corpus, "seq_len": SEQ, "tokenizer": spec,
-                            "packed": packed, "train_examples": meta["text"]["train_examples"]}
-    assert (tmp_path / "prepared" / "tokenizer.json").is_file() == (spec != "bytes")
     memory = dpax.data.load("text:" + corpus, SEQ, tokenizer_spec=spec, packed=packed)
+    assert meta["text"] == {"source": "text:" + corpus, "seq_len": SEQ, "tokenizer": spec,
+                            "packed": packed, "train_examples": len(memory.x_train)}
+    assert (tmp_path / "prepared" / "tokenizer.json").is_file() == (spec != "bytes")
     streamed = dpax.data.load(dest, SEQ, tokenizer_spec=spec, packed=packed)
     assert isinstance(streamed.x_train, sources.Column)
     assert (streamed.task, streamed.n_out) == ("lm", memory.n_out)
@@ -94,6 +94,9 @@ def test_a_prepared_text_run_resumes_exactly(tmp_path, corpus):
         final = [json.loads(line) for line in f][-1]
     ev = evaluate_checkpoint(str(ck))
     assert ev["loss"] == pytest.approx(final["eval_loss"], rel=1e-6)
+    # Sampling reads no data: the checkpoint outlives the shards.
+    shutil.rmtree(tmp_path / "prepared")
+    assert main(["sample", "--checkpoint", str(ck), "--prompt", "def", "--tokens", "4"]) == 0
 
 
 def test_a_run_must_ask_for_the_windows_the_shards_hold(tmp_path, corpus, capsys):
@@ -109,7 +112,7 @@ def test_a_run_must_ask_for_the_windows_the_shards_hold(tmp_path, corpus, capsys
     assert main(["train", "--model", "gpt", "--data", dest, "--seq-len", str(SEQ)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "give --pack" in err, err
-    with pytest.raises(dpax.DpaxError, match="text data needs"):
+    with pytest.raises(dpax.DpaxError, match="needs --model gpt or llama"):
         dpax.config.validate(TrainConfig.from_flags(model="mlp", data=dest, seq_len=SEQ,
                                                     pack=True))
     # A model's own tokenizer must be the one the text was tokenized with.
@@ -130,3 +133,43 @@ def test_prepare_refuses_a_used_directory_before_reading_the_text(tmp_path, caps
     assert "--tokenizer-from" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
 
+
+
+def test_a_model_tokenizer_prepares_text_its_run_then_reads(tmp_path, corpus):
+    """`--tokenizer-from` a model's directory: the windows are in its tokens,
+    and a run that starts from that model (its tokenizer) reads them."""
+    bpe = dpax.data.load("text:" + corpus, SEQ, tokenizer_spec="bpe:300").tokenizer
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text(bpe.to_json())
+    dest = str(tmp_path / "prepared")
+    assert main(["prepare", f"text:{corpus}", dest, "--seq-len", str(SEQ), "--tokenizer",
+                 "bpe:300", "--tokenizer-from", str(model_dir), "--quiet"]) == 0
+    model_tok = tokenizer.from_json("bpe:300", (model_dir / "tokenizer.json").read_text())
+    ds = dpax.data.load(dest, SEQ, tokenizer_spec="bpe:300", tok=model_tok)
+    words = b"def x(self):\n    return x"
+    assert ds.tokenizer.encode(words).tolist() == bpe.encode(words).tolist()
+    other = dpax.data.load("text:" + corpus, SEQ, tokenizer_spec="bpe:280").tokenizer
+    with pytest.raises(dpax.DpaxError, match="another tokenizer"):
+        dpax.data.load(dest, SEQ, tok=other)
+
+
+def test_shards_of_prepared_text_are_read_as_text_or_refused(tmp_path, corpus, capsys):
+    dest = tmp_path / "prepared"
+    prepare_text(corpus, str(dest), SEQ, progress=False)
+    # A glob of its shards would read the windows' lengths as labels.
+    with pytest.raises(dpax.DpaxError, match="give their directory"):
+        dpax.data.load(str(dest / "*.array_record"))
+    # Prepared text is not prepared again as examples, and each kind's flags are its own.
+    for args, says in (([str(dest), str(tmp_path / "again")], "already wrote"),
+                       ([f"text:{corpus}", str(tmp_path / "b"), "--x-column", "t"],
+                        "--x-column is not for text"),
+                       ([str(dest / "labels.npy"), str(tmp_path / "c"), "--pack"],
+                        "--pack is not for examples")):
+        assert main(["prepare", *args]) == 2
+        assert says in capsys.readouterr().err
+    # A damaged description is one line that says what to do.
+    meta = dest / sources.META
+    meta.write_text(meta.read_text().replace('"train_examples"', '"train"'))
+    with pytest.raises(dpax.DpaxError, match="damaged; write the text again"):
+        dpax.data.load(str(dest))

@@ -69,8 +69,8 @@ class CheckConfig:
         check_name(self.data)
         if self.factory is None and (self.model in TEXT_MODELS) != is_text(self.data):
             raise DpaxError(f"--model {self.model} does not fit --data {self.data}; "
-                            f"{' and '.join(TEXT_MODELS)} train on --data text or text:PATH, "
-                            "the others on the rest")
+                            f"{' and '.join(TEXT_MODELS)} train on --data text, text:PATH or the "
+                            "text shards of dpax prepare, the others on the rest")
 
 
 def add_parser(sub) -> None:

@@ -14,7 +14,7 @@ import jax
 from dpax import config as cfg
 from dpax.cli.outputs import OutputConfig
 from dpax.data import augment, resident, tokenizer
-from dpax.data.datasets import DataConfig, Dataset
+from dpax.data.datasets import TEXT, DataConfig, Dataset
 from dpax.data.pipeline import BatchPlan, check_length, train_input
 from dpax.data.tokenizer import Tokenizer
 from dpax.errors import DpaxError, DpaxWarning
@@ -75,7 +75,8 @@ class TrainConfig:
         if self.data.is_text != self.model.takes_text:
             text = " or ".join(TEXT_MODELS)
             raise DpaxError(f"--model {self.model.name} does not fit --data {self.data.name}: "
-                            f"text data needs --model {text}, and {text} needs text data")
+                            f"text data (text, text:PATH or the text shards of dpax prepare) "
+                            f"needs --model {text}, and {text} needs text data")
         check_backend(self.trainer.backend, self.distributed.processes)
         if self.model.init_from is not None and self.data.is_text:
             hf_files.check_tokenizer(self.model.init_from, self.data.tokenizer)
@@ -222,7 +223,11 @@ def load_checkpoint(path: str, devices: int | None = None,
         model=dataclasses.replace(saved.model, init_from=None),
         checkpoint=type(saved.checkpoint)(), output=type(saved.output)(),
         distributed=type(saved.distributed)())
-    cfg.validate(config)
+    # Nor need its data: `sample` and `export` read none, and `eval` checks
+    # what it reads. A language model's data is validated as text, whatever
+    # files (shards of prepared text) it named.
+    cfg.validate(config if meta["task"] != "lm" else dataclasses.replace(
+        config, data=dataclasses.replace(config.data, name=TEXT)))
     tok = (tokenizer.from_json(config.data.tokenizer, meta.get("tokenizer"))
            if meta["task"] == "lm" else None)
     trainer = make_trainer(config, meta["task"], tuple(meta["input_shape"]), meta["n_out"],

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from dpax.data import tokenizer
-from dpax.data.datasets import DEFAULT_SEQ_LEN, is_text
+from dpax.data.datasets import DEFAULT_SEQ_LEN, TEXT, is_text
 from dpax.data.prepare import prepare, prepare_text
 from dpax.errors import DpaxError
 from dpax.models import hf_files
@@ -26,12 +26,12 @@ def add_parser(sub) -> None:
     parser.add_argument("src", metavar="SRC", help=".npz, Parquet file or directory, a "
                         "datasets.save_to_disk directory, or text / text:PATH")
     parser.add_argument("dest", metavar="DEST", help="new directory for the shards")
-    parser.add_argument("--x-column", default="x", help="column of inputs (default: x)")
-    parser.add_argument("--y-column", default="y", help="column of labels (default: y)")
+    parser.add_argument("--x-column", help="column of inputs (default: x)")
+    parser.add_argument("--y-column", help="column of labels (default: y)")
     text = parser.add_argument_group("text")
-    text.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
+    text.add_argument("--seq-len", type=int,
                       help=f"tokens per window (default: {DEFAULT_SEQ_LEN})")
-    text.add_argument("--tokenizer", default=tokenizer.BYTES,
+    text.add_argument("--tokenizer",
                       help="bytes (default) or bpe:VOCAB, trained on the training text")
     text.add_argument("--pack", action="store_true",
                       help="pack documents into full windows (dpax train --pack)")
@@ -41,24 +41,39 @@ def add_parser(sub) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+TEXT_FLAGS = ("seq_len", "tokenizer", "pack", "tokenizer_from")
+
+
 def run(args: argparse.Namespace) -> int:
-    if not is_text(args.src):
-        meta = prepare(args.src, args.dest, args.x_column, args.y_column,
+    raw_text = args.src == TEXT or args.src.startswith(TEXT + ":")
+    given = [name for name in ("x_column", "y_column", *TEXT_FLAGS)
+             if getattr(args, name) not in (None, False)]
+    wrong = [n for n in given if (n in TEXT_FLAGS) != raw_text]
+    if wrong:
+        what = "text" if raw_text else "examples"
+        raise DpaxError(f"--{wrong[0].replace('_', '-')} is not for {what}; drop it")
+    if not raw_text:
+        if is_text(args.src):
+            raise DpaxError(f"{args.src} holds text dpax prepare already wrote; train on it "
+                            "with --data")
+        meta = prepare(args.src, args.dest, args.x_column or "x", args.y_column or "y",
                        progress=not args.quiet)
         print(f"wrote {meta['examples']} examples in {len(meta['shards'])} shard(s) to "
               f"{args.dest}")
         return 0
-    if args.seq_len < 1:
-        raise DpaxError(f"`seq_len` must be >= 1, got {args.seq_len}")
+    seq_len = DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
+    spec = args.tokenizer or tokenizer.BYTES
+    if seq_len < 1:
+        raise DpaxError(f"--seq-len must be >= 1, got {seq_len}")
     tok = None
     if args.tokenizer_from is not None:
         if not os.path.isdir(args.tokenizer_from):
-            raise DpaxError(f"`tokenizer_from={args.tokenizer_from}` is not a directory; give "
+            raise DpaxError(f"--tokenizer-from {args.tokenizer_from} is not a directory; give "
                             "a Hugging Face model's directory")
-        hf_files.check_tokenizer(args.tokenizer_from, args.tokenizer)
-        tok = tokenizer.from_json(args.tokenizer, hf_files.tokenizer_json(args.tokenizer_from))
-    meta = prepare_text(args.src.partition(":")[2] or None, args.dest, args.seq_len,
-                             args.tokenizer, args.pack, tok, progress=not args.quiet)
+        hf_files.check_tokenizer(args.tokenizer_from, spec)
+        tok = tokenizer.from_json(spec, hf_files.tokenizer_json(args.tokenizer_from))
+    meta = prepare_text(args.src.partition(":")[2] or None, args.dest, seq_len, spec,
+                        args.pack, tok, progress=not args.quiet)
     info = meta["text"]
     print(f"wrote {meta['examples']} windows of {info['seq_len']} tokens "
           f"({info['train_examples']} to train on, the rest held out) in "

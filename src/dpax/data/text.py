@@ -160,7 +160,8 @@ def load(path: str | None, seq_len: int, tokenizer_spec: str = tokenizer.BYTES,
     train, held_out = split(docs)
     tok = tok or tokenizer.train(tokenizer_spec, train)
     x_train, y_train = stack(train, seq_len, tok, packed)
-    x_eval, y_eval = stack(held_out, seq_len, tok, packed)
+    x_eval, y_eval = ((x_train, y_train) if held_out is train
+                      else stack(held_out, seq_len, tok, packed))
     if len(x_eval) == 0:  # held-out documents too short: evaluate on the training set
         x_eval, y_eval = x_train, y_train
     if len(x_train) == 0:

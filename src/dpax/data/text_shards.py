@@ -17,6 +17,7 @@ for training; `tokenizer.json` holds a BPE.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -28,17 +29,34 @@ from dpax.errors import DpaxError
 TOKENIZER = "tokenizer.json"
 
 
+KEYS = ("source", "seq_len", "tokenizer", "packed", "train_examples")
+
+
 def describe(name: str) -> dict | None:
     """The "text" entry of `name`'s dpax.json if `name` is a directory of
-    prepared text, else None. Reads one small file."""
+    prepared text, else None. Reads one small file. Shards of prepared text
+    named without their directory (a glob) are refused: read as examples,
+    their labels would be the windows' lengths."""
+    if not os.path.isdir(name):
+        if sources.is_streamed(name):
+            shards = sorted(glob.glob(name))
+            if shards and describe(os.path.dirname(shards[0]) or ".") is not None:
+                raise DpaxError(f"`data={name}` names shards of prepared text; give their "
+                                f"directory, {os.path.dirname(shards[0]) or '.'}")
+        return None
     path = os.path.join(name, sources.META)
     if not os.path.isfile(path):
         return None
     try:
         with open(path) as f:
-            return json.load(f).get("text")
+            meta = json.load(f)
     except (OSError, ValueError):
         return None  # the shards' own checks name what is wrong
+    info = meta.get("text") if isinstance(meta, dict) else None
+    if info is not None and not (isinstance(info, dict) and all(k in info for k in KEYS)):
+        raise DpaxError(f"{path}: its \"text\" entry is damaged; write the text again with "
+                        "dpax prepare")
+    return info
 
 
 def check_asked(name: str, info: dict, seq_len: int, tokenizer_spec: str, pack: bool) -> None:
@@ -69,8 +87,7 @@ def load(name: str, info: dict, tok: tokenizer.Tokenizer | None = None):
     prepared = tokenizer.from_json(info["tokenizer"], saved)
     if tok is not None and tok.to_json() != prepared.to_json():
         raise DpaxError(f"`data={name}` was prepared with another tokenizer than the "
-                        "model's; prepare the text again with `tokenizer_from` set to the model's "
-                        "directory")
+                        "model's; prepare the text again with the model's tokenizer")
     tok = prepared
     x_table = sources.open_table(name, "x", None)
     y_table = _Int32(sources.open_table(name, "y", None))
