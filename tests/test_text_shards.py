@@ -151,7 +151,7 @@ def test_a_model_tokenizer_prepares_text_its_run_then_reads(tmp_path, corpus):
     assert ds.tokenizer.encode(words).tolist() == bpe.encode(words).tolist()
     other = dpax.data.load("text:" + corpus, SEQ, tokenizer_spec="bpe:280").tokenizer
     with pytest.raises(dpax.DpaxError, match="another tokenizer"):
-        dpax.data.load(dest, SEQ, tok=other)
+        dpax.data.load(dest, SEQ, tokenizer_spec="bpe:300", tok=other)
 
 
 def test_shards_of_prepared_text_are_read_as_text_or_refused(tmp_path, corpus, capsys):
@@ -168,8 +168,17 @@ def test_shards_of_prepared_text_are_read_as_text_or_refused(tmp_path, corpus, c
                         "--pack is not for examples")):
         assert main(["prepare", *args]) == 2
         assert says in capsys.readouterr().err
-    # A damaged description is one line that says what to do.
-    meta = dest / sources.META
-    meta.write_text(meta.read_text().replace('"train_examples"', '"train"'))
-    with pytest.raises(dpax.DpaxError, match="damaged; write the text again"):
+    # The Python API asks for the windows too.
+    with pytest.raises(dpax.DpaxError, match="`seq_len=16`"):
         dpax.data.load(str(dest))
+    # A damaged or edited description is one line that says what to do.
+    meta = dest / sources.META
+    good = meta.read_text()
+    for edit, says in ((('"train_examples"', '"train"'), "damaged; write the text again"),
+                       (('"seq_len": 16', '"seq_len": "16"'), "damaged; write the text again"),
+                       (('"seq_len": 16', '"seq_len": 8'), "does not describe its shards"),
+                       (('"packed": false', '"packed": true'), "does not describe its shards")):
+        meta.write_text(good.replace(*edit))
+        asked = {"seq_len": 8} if "8" in edit[1] else {"packed": "true" in edit[1]}
+        with pytest.raises(dpax.DpaxError, match=says):
+            dpax.data.load(str(dest), **{"seq_len": SEQ, **asked})

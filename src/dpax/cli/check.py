@@ -16,6 +16,7 @@ from dpax import config as cfg
 from dpax.cli import devices
 from dpax.cli.exits import as_flags
 from dpax.cli.flags import add_flags, config_from_args
+from dpax.data import text_shards
 from dpax.data.datasets import check_name, is_text, load
 from dpax.errors import DpaxError
 from dpax.models import losses
@@ -86,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
     factory = _load(config.factory, "--factory") if config.factory else MODELS[config.model]
     user_loss = _load(config.loss, "--loss") if config.loss else None
     devices.start(config.devices)
-    ds = load(config.data)
+    prepared = text_shards.describe(config.data)  # its windows as they were cut
+    ds = load(config.data) if prepared is None else load(
+        config.data, prepared["seq_len"], tokenizer_spec=prepared["tokenizer"],
+        packed=prepared["packed"])
     loss_fn = user_loss or losses.for_task(ds.task)[0]
     try:
         inspect.signature(factory).bind(ds.input_shape, ds.n_out, rngs=None)

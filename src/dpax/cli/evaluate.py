@@ -59,8 +59,8 @@ def evaluate_checkpoint(path: str, data: str | None = None, devices: int | None 
     loaded = load_checkpoint(path, devices, backend)
     d = loaded.config.data
     # Text in the checkpoint's own tokens.
-    ds = load(data or d.name, d.seq_len, d.x_column, d.y_column, tok=loaded.tokenizer,
-              packed=d.pack)
+    ds = load(data or d.name, d.seq_len, d.x_column, d.y_column, d.tokenizer,
+              loaded.tokenizer, packed=d.pack)
     _check_fits(ds, loaded.meta)
     return loaded.trainer.evaluate(ds.x_eval, ds.y_eval, batch_size)
 

@@ -75,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
     meta = prepare_text(args.src.partition(":")[2] or None, args.dest, seq_len, spec,
                         args.pack, tok, progress=not args.quiet)
     info = meta["text"]
-    print(f"wrote {meta['examples']} windows of {info['seq_len']} tokens "
-          f"({info['train_examples']} to train on, the rest held out) in "
+    held = meta["examples"] - info["train_examples"]
+    split = (f"{info['train_examples']} to train on, {held} held out" if held else
+             "all to train on: too few documents to hold any out, so they are evaluated on")
+    print(f"wrote {meta['examples']} windows of {info['seq_len']} tokens ({split}) in "
           f"{len(meta['shards'])} shard(s) to {args.dest}")
     return 0

@@ -239,9 +239,11 @@ def check_name(name: str) -> None:
     """Refuse a data name `load` cannot read, before anything runs."""
     if not (name.endswith(".npz") or name in DATASETS or is_text(name)
             or sources.is_streamed(name)):
-        raise DpaxError(f"unknown data {name!r}; choose one of {', '.join(DATASETS)}, "
-                        "text, text:PATH, a path to a .npz, or a directory (or glob) of "
-                        "ArrayRecord shards, Parquet files or a saved Hugging Face dataset")
+        raise DpaxError(f"unknown data {name!r}: no dataset, file or directory of that name "
+                        "here; choose one of "
+                        f"{', '.join(DATASETS)}, text, text:PATH, a path to a .npz, or a "
+                        "directory (or glob) of ArrayRecord shards, Parquet files or a saved "
+                        "Hugging Face dataset")
 
 
 def is_text(name: str) -> bool:
@@ -258,13 +260,14 @@ def load(name: str, seq_len: int = DEFAULT_SEQ_LEN, x_column: str = "x",
     """A named dataset, a path ending in `.npz`, text (`dpax.data.text`) cut into
     windows of `seq_len` tokens of `tok` (default: `tokenizer_spec`'s, trained on
     the text; `packed`: documents packed into windows), text prepared as
-    windows (`dpax.data.text_shards`: as they were cut; `tok`, if given, must
-    be theirs), or examples on disk (`dpax.data.sources`) with inputs and
-    labels in the named columns (`task`: what those labels are for, see
-    `labelled`)."""
+    windows (`dpax.data.text_shards`: `seq_len`, `tokenizer_spec` and
+    `packed` must be theirs, and so must `tok` if given), or examples on
+    disk (`dpax.data.sources`) with inputs and labels in the named columns
+    (`task`: what those labels are for, see `labelled`)."""
     check_name(name)
     prepared = text_shards.describe(name)
-    if prepared is not None:  # its windows as prepared (a run's config is checked to match)
+    if prepared is not None:
+        text_shards.check_asked(name, prepared, seq_len, tokenizer_spec, packed)
         name, x_train, y_train, x_eval, y_eval, tok = text_shards.load(name, prepared, tok)
         return Dataset(name, x_train, y_train, x_eval, y_eval, "lm", tok.vocab, tok)
     if is_text(name):

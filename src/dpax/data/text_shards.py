@@ -29,7 +29,7 @@ from dpax.errors import DpaxError
 TOKENIZER = "tokenizer.json"
 
 
-KEYS = ("source", "seq_len", "tokenizer", "packed", "train_examples")
+KEYS = {"source": str, "seq_len": int, "tokenizer": str, "packed": bool, "train_examples": int}
 
 
 def describe(name: str) -> dict | None:
@@ -53,7 +53,8 @@ def describe(name: str) -> dict | None:
     except (OSError, ValueError):
         return None  # the shards' own checks name what is wrong
     info = meta.get("text") if isinstance(meta, dict) else None
-    if info is not None and not (isinstance(info, dict) and all(k in info for k in KEYS)):
+    if info is not None and not (isinstance(info, dict) and all(
+            type(info.get(k)) is t for k, t in KEYS.items())):
         raise DpaxError(f"{path}: its \"text\" entry is damaged; write the text again with "
                         "dpax prepare")
     return info
@@ -91,7 +92,13 @@ def load(name: str, info: dict, tok: tokenizer.Tokenizer | None = None):
     tok = prepared
     x_table = sources.open_table(name, "x", None)
     y_table = _Int32(sources.open_table(name, "y", None))
-    n, n_train = len(x_table), int(info["train_examples"])
+    n, n_train = len(x_table), info["train_examples"]
+    seq = info["seq_len"] + 1
+    if (x_table.x_shape != (seq,) or y_table.x_shape != ((seq,) if info["packed"] else ())
+            or not 0 < n_train <= n):
+        raise DpaxError(f"{name}: its dpax.json does not describe its shards (windows of "
+                        f"{x_table.x_shape} tokens, {n} of them); write the text again with "
+                        "dpax prepare")
     train, held = np.arange(n_train), np.arange(n_train, n)
     if len(held) == 0:
         held = train
