@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 # Stamps: dpax and the stack it trains with; and what tests, lint and docs need.
 CORE := $(VENV)/.installed
 DEV := $(VENV)/.installed-dev
+INTEROP := $(VENV)/.installed-interop
 
 # Test files run in JOBS processes (pytest-xdist; one file's tests stay in one
 # process, so they share its compiled steps).
@@ -12,6 +13,7 @@ JOBS ?= 2
 PARALLEL := -n $(JOBS) --dist loadfile
 
 .PHONY: setup setup-dev train test test-all test-slow test-processes test-fast test-tuned \
+	test-interop \
 	lint docs docs-site bench clean
 
 setup: $(CORE)
@@ -19,8 +21,9 @@ setup-dev: $(DEV)
 
 # Re-install only when the pins change; a no-op when already set up. No pip
 # cache: it would keep a second copy of the wheels on the disk. `make train`
-# needs the core set only; the dev set (torch, transformers, the trackers,
-# mkdocs, ...) comes with the first `make test`.
+# needs the core set only; the dev set (pytest, the trackers, mkdocs, ...)
+# comes with the first `make test`; torch and transformers (the interop extra,
+# 0.75 GB) only with `make test-interop`.
 $(CORE): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --no-cache-dir -e .
@@ -28,6 +31,10 @@ $(CORE): pyproject.toml
 
 $(DEV): $(CORE)
 	$(BIN)/pip install -q --disable-pip-version-check --no-cache-dir -e '.[dev]'
+	touch $@
+
+$(INTEROP): $(DEV)
+	$(BIN)/pip install -q --disable-pip-version-check --no-cache-dir -e '.[dev,interop]'
 	touch $@
 
 train: $(CORE)
@@ -49,30 +56,35 @@ docs-site: $(DEV)
 # and the long runs (the README's commands, exports, resumes past flipped
 # bytes and from an older step); `make test-processes` the tests that start
 # dpax processes (the installed entry point, multi-process launches, kill -9
-# and resume, cluster restarts, trackers); `make test-tuned` the opt-in XLA:CPU
-# tuning's own tests and the equivalence tests again with it on
+# and resume, cluster restarts, trackers); `make test-interop` the comparisons
+# with Hugging Face's own models (torch, transformers); `make test-tuned` the
+# opt-in XLA:CPU tuning's own tests and the equivalence tests again with it on
 # (dpax.parallel.platform). `make test-all` shares one session directory
 # (tests/conftest.py) among them, so its persistent XLA cache too.
-MAIN := not slow and not processes and not tuned
+MAIN := not slow and not processes and not tuned and not interop
 
 test: lint
 	site=$$(mktemp -d) && $(MAKE) docs-site SITE=$$site && rm -rf $$site
 	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m "$(MAIN)" --durations=15
 
 test-slow: $(DEV)
-	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m "slow and not processes and not tuned" \
+	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m "slow and not processes and not tuned and not interop" \
 	  --durations=10
 
 test-processes: $(DEV)
 	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m processes --durations=5
 
+test-interop: $(INTEROP)
+	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m interop --durations=5
+
 test-tuned: $(DEV)
-	DPAX_XLA_CPU_TUNING=1 $(BIN)/pytest $(PARALLEL) -m "tuned or equivalence"
+	DPAX_XLA_CPU_TUNING=1 $(BIN)/pytest $(PARALLEL) -m "(tuned or equivalence) and not interop"
 
 test-all:
 	session=$$(mktemp -d) && trap 'rm -rf "$$session"' EXIT && \
 	  export DPAX_TEST_SESSION_DIR=$$session && \
-	  $(MAKE) test && $(MAKE) test-slow && $(MAKE) test-processes && $(MAKE) test-tuned
+	  $(MAKE) test && $(MAKE) test-slow && $(MAKE) test-processes && $(MAKE) test-interop && \
+	  $(MAKE) test-tuned
 
 # The main tier without the tests marked `equivalence` (test_equivalence.py
 # and the N-vs-1 runs test-tuned repeats): a quicker first look.

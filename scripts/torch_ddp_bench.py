@@ -16,7 +16,7 @@ is shared) like `dpax bench`'s:
   torch DDP P procs     P processes, global batch / P each, T threads each
   torch 1 proc          one process, the whole batch
 
-Needs PyTorch (and transformers for the GPT), dpax's dev extras.
+Needs PyTorch (and transformers for the GPT): dpax's interop extra.
 
     python scripts/torch_ddp_bench.py --devices 2,4 --repeats 7
     python scripts/torch_ddp_bench.py --workload gpt --devices 2,4 --procs 2

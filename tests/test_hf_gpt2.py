@@ -1,7 +1,10 @@
 """Hugging Face GPT-2 weights in and out of dpax's GPT, checked against
 `transformers`' own GPT2LMHeadModel (PyTorch, float32; a small GPT-2 made
 from a GPT2Config: nothing is downloaded): the same logits both ways, and a
-fine-tune from imported weights on 4 devices equal to 1."""
+fine-tune from imported weights on 4 devices equal to 1. The comparisons
+with `transformers` are marked `interop` (torch and transformers come with
+`pip install -e '.[interop]'`, `make test-interop`); the refusals read
+directories dpax writes itself."""
 
 import errno
 import json
@@ -9,15 +12,15 @@ import os
 
 import numpy as np
 import pytest
-import torch
+from flax import nnx
 from safetensors.numpy import load_file
-from transformers import GPT2Config, GPT2LMHeadModel
 
 import dpax.cli.outputs
 from conftest import forward
 from dpax.cli import main
 from dpax.cli.job import TrainConfig, build, load_checkpoint
-from dpax.models import hf_files
+from dpax.models import hf_files, hf_gpt2
+from dpax.models.gpt import GPT
 from test_gpt import write_corpus
 
 SHAPE = {"n_layer": 2, "n_embd": 32, "n_head": 2}
@@ -25,7 +28,9 @@ FLAGS = ["--model", "gpt", "--layers", "2", "--width", "32", "--heads", "2", "--
 TOLERANCE = 1e-4  # float32 logits, two frameworks' kernels
 
 
-def hf_logits(model: GPT2LMHeadModel, tokens: np.ndarray) -> np.ndarray:
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
     with torch.no_grad():
         return model(torch.tensor(tokens)).logits.numpy()
 
@@ -35,6 +40,9 @@ def gpt2_dir(tmp_path_factory):
     """A GPT-2 as `save_pretrained` writes it, every weight random (LayerNorms
     and biases too, so that a swapped or transposed one shows), with more
     positions (32) than dpax's runs use (16)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=256, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
                         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **SHAPE)
@@ -52,6 +60,16 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+@pytest.fixture(scope="module")
+def saved_dir(tmp_path_factory):
+    """The same shape as `gpt2_dir`, written by dpax (`hf_gpt2.save`): what
+    the refusals read, without torch."""
+    path = tmp_path_factory.mktemp("saved")
+    hf_gpt2.save(GPT(256, 32, layers=2, width=32, heads=2, rngs=nnx.Rngs(0)), str(path))
+    return str(path)
+
+
+@pytest.mark.interop
 def test_hugging_faces_gpt2_loads_with_the_same_logits(gpt2_dir, corpus):
     path, hf = gpt2_dir
     job = build(TrainConfig.from_flags(data=f"text:{corpus}", init_from=path, **_flags()))
@@ -63,6 +81,7 @@ def test_hugging_faces_gpt2_loads_with_the_same_logits(gpt2_dir, corpus):
 
 
 @pytest.mark.slow
+@pytest.mark.interop
 def test_a_dpax_checkpoint_exports_to_what_transformers_loads(tmp_path, corpus, capsys,
                                                               monkeypatch):
     ck, out = str(tmp_path / "ck"), str(tmp_path / "hf")
@@ -70,6 +89,8 @@ def test_a_dpax_checkpoint_exports_to_what_transformers_loads(tmp_path, corpus, 
                  "0.1", "--checkpoint-dir", ck, "--out", str(tmp_path / "run")]) == 0
     assert main(["export", "--checkpoint", ck, "--out", out]) == 0
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    from transformers import GPT2LMHeadModel
+
     hf = GPT2LMHeadModel.from_pretrained(out).eval()
     model = load_checkpoint(ck, devices=1).trainer.model()
     model.eval()  # dropout off, as in Hugging Face's eval()
@@ -139,6 +160,7 @@ def test_export_overwrite_replaces_its_own_files_and_keeps_the_users(tmp_path, c
 
 
 @pytest.mark.slow
+@pytest.mark.interop
 def test_a_fine_tune_from_imported_weights_on_4_devices_equals_1(gpt2_dir, corpus, tmp_path):
     path, _ = gpt2_dir
     runs = {}
@@ -162,8 +184,8 @@ def _flags(**over):
     return {**base, **over}
 
 
-def test_bad_imports_are_one_line_errors(gpt2_dir, corpus, tmp_path, capsys):
-    path, _ = gpt2_dir
+def test_bad_imports_are_one_line_errors(saved_dir, corpus, tmp_path, capsys):
+    path = saved_dir
     other = tmp_path / "bert"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "bert"}))

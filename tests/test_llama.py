@@ -2,7 +2,9 @@
 `transformers`' `LlamaForCausalLM` both ways (sharded safetensors and the
 directory's own BPE included), N devices train what one device trains, its
 key/value cache gives the whole window's logits, and bad imports are one
-line."""
+line. The comparisons with `transformers` are marked `interop` (torch and
+transformers come with `pip install -e '.[interop]'`, `make test-interop`);
+the refusals read a directory dpax writes itself."""
 
 import json
 
@@ -11,9 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
 from flax import nnx
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import dpax
 from conftest import forward, max_diff
@@ -22,7 +22,7 @@ from dpax.cli import main
 from dpax.cli.job import build, load_checkpoint
 from dpax.cli.train import TrainConfig
 from dpax.data import tokenizer
-from dpax.models import losses
+from dpax.models import hf_llama, losses
 from dpax.models.llama import Llama
 from test_gpt import write_corpus
 
@@ -32,6 +32,8 @@ FLAGS = {"model": "llama", "layers": 2, "width": 32, "heads": 4, "seq_len": SEQ}
 
 
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    import torch
+
     with torch.no_grad():
         return model(torch.tensor(tokens)).logits.numpy()
 
@@ -48,10 +50,10 @@ def llama_dir(tmp_path_factory, corpus):
     shows), with grouped-query attention, RoPE base and norm epsilon other
     than dpax's defaults, more positions than the runs use, and a BPE of its
     own trained on the corpus."""
-    import pathlib
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    docs = [p.read_bytes() for p in sorted(pathlib.Path(corpus).glob("*.py"))]
-    tok = tokenizer.train("bpe:300", docs)
+    tok = _bpe(corpus)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=tok.vocab, hidden_size=32, intermediate_size=80,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -68,6 +70,27 @@ def llama_dir(tmp_path_factory, corpus):
     return str(path), model, tok.vocab
 
 
+def _bpe(corpus):
+    import pathlib
+
+    return tokenizer.train("bpe:300", [p.read_bytes()
+                                       for p in sorted(pathlib.Path(corpus).glob("*.py"))])
+
+
+@pytest.fixture(scope="module")
+def saved_dir(tmp_path_factory, corpus):
+    """`llama_dir`'s shape and tokenizer, written by dpax (`hf_llama.save`):
+    what the refusals read, without torch."""
+    tok = _bpe(corpus)
+    path = tmp_path_factory.mktemp("saved")
+    hf_llama.save(Llama(tok.vocab, 32, layers=2, width=32, heads=4, kv_heads=2, mlp_width=80,
+                        rope_theta=500000.0, norm_eps=1e-6, rngs=nnx.Rngs(0)), str(path))
+    for name, text in tokenizer.hf_files(tok).items():
+        (path / name).write_text(text)
+    return str(path), tok.vocab
+
+
+@pytest.mark.interop
 def test_hugging_faces_llama_loads_with_the_same_logits(llama_dir, corpus):
     path, hf, vocab = llama_dir
     assert json.loads(open(f"{path}/model.safetensors.index.json").read())["weight_map"]
@@ -87,6 +110,7 @@ def test_hugging_faces_llama_loads_with_the_same_logits(llama_dir, corpus):
 
 
 @pytest.mark.slow
+@pytest.mark.interop
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_dpax_llama_exports_to_what_transformers_loads(tmp_path, corpus, tied):
     flags = ["--model", "llama", "--layers", "2", "--width", "32", "--heads", "4",
@@ -97,6 +121,8 @@ def test_a_dpax_llama_exports_to_what_transformers_loads(tmp_path, corpus, tied)
     assert main(["train", *flags]) == 0
     assert main(["export", "--checkpoint", str(tmp_path / "ck"), "--out",
                  str(tmp_path / "hf")]) == 0
+    from transformers import LlamaForCausalLM
+
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.tie_word_embeddings == tied and hf.config.num_key_value_heads == 2
     ours = load_checkpoint(str(tmp_path / "ck"), devices=1)
@@ -171,15 +197,15 @@ def _rewrite(src, dst, **changes):
      "rope_scaling .* dpax's llama cannot compute it exactly"),
     ({"model_type": "mistral"}, {}, "describes a 'mistral' model; dpax's llama imports Llama"),
     ({"hidden_act": "gelu"}, {}, "activation 'gelu'")])
-def test_bad_imports_are_one_line_errors(llama_dir, corpus, tmp_path, capsys, change, flags,
+def test_bad_imports_are_one_line_errors(saved_dir, corpus, tmp_path, capsys, change, flags,
                                          says):
     import re
 
-    path = _rewrite(llama_dir[0], tmp_path / "dir", **change)
+    path = _rewrite(saved_dir[0], tmp_path / "dir", **change)
     args = {**FLAGS, **flags}
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in args.items()]
     assert main(["train", *argv, "--data", f"text:{corpus}", "--init-from", path,
-                 "--tokenizer", f"bpe:{llama_dir[2]}", "--steps", "1"]) == 2
+                 "--tokenizer", f"bpe:{saved_dir[1]}", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.search(says, err[0]), err
 

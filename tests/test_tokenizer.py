@@ -69,6 +69,7 @@ def test_a_bpe_run_on_4_devices_equals_1(corpus, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.interop
 def test_the_tokenizer_travels_with_checkpoints_exports_and_imports(corpus, tmp_path, capsys):
     from transformers import AutoTokenizer
 
