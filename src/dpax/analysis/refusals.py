@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jcore
 
 from dpax.analysis.propagate import COLLECTIVES, PER_DEVICE, axes, leaf_flags, trace
 from dpax.analysis.rows import first_mixed, mixing
@@ -38,14 +39,18 @@ class Asks:
 
 
 def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
-           size: int | tuple[int, ...], asks: Asks) -> dict[int, str]:
+           size: int | tuple[int, ...], asks: Asks,
+           jaxpr: jcore.Jaxpr | None = None) -> dict[int, str]:
     """{leaf index: path} of the numeric model state (`args[1]`) that a step
     leaves different on each of `size` devices of `axis` (several axes:
     `size[i]` along each), which is averaged; raises what no average mends.
-    The new state's leaves are the last of `forward`'s outputs."""
+    The new state's leaves are the last of `forward`'s outputs. `jaxpr`:
+    `forward`'s on `args`, where the caller traced it already (its inputs
+    the leaves of `args`; the random draws' check traces `forward` again)."""
     if math.prod(size if isinstance(size, tuple) else (size,)) == 1:
         return {}
-    jaxpr = trace(forward, args, axis, size)
+    if jaxpr is None:
+        jaxpr = trace(forward, args, axis, size)
     if isinstance(axis, tuple):
         _refuse_partial_sums(jaxpr, args, axis)
     per_device = {}

@@ -9,10 +9,10 @@ generic path a transformer's weight gradients, and a narrow head's, are
 all-reduced before their last transpose, as jit's partitioner does
 (`dpax.training.untransposed`).
 
-Before its computation the step runs a preflight (`preflight`): one trace of
-its forward on one device's shapes refuses what N devices would train
-differently from one (`dpax.analysis.refusals`) and names the model state to
-average.
+As it is traced the step runs a preflight (`preflight`): the forward's part
+of the gradient's trace, on one device's shapes, refuses what N devices would
+train differently from one (`dpax.analysis.refusals`) and names the model
+state to average.
 
 Where the update runs is the layout's (`dpax.parallel.layout`): per device for a
 replicated state, or on the logical state under jit for a sharded one (then
@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
 from dpax.analysis.refusals import Asks, numeric, refuse
@@ -114,10 +115,12 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
         wrt, use = layout.grad_target(state.params, dtypes)
         batch = _with_index(batch, layout.axis)
         forward = _forward(graphdef, loss_fn, use, _step_key(state), layout.axis, options)
-        per_device = preflight(forward, wrt, state.model_state, batch, layout.axis, options)
-        sums_and_grads = _sums_and_grads(forward, wrt, reorder, options)
+        traced: list[ClosedJaxpr] = []  # the first micro-batch's, for the preflight
+        sums_and_grads = _sums_and_grads(forward, wrt, reorder, options, traced)
         acc, model_state = _accumulate(sums_and_grads, state.model_state, batch,
                                        options.grad_accum)
+        per_device = preflight(forward, wrt, state.model_state, batch, layout.axis, options,
+                               *traced[:1])
         if options.average_state:
             model_state = _average_state(model_state, per_device, layout.axis, options.pack)
         return _reduce(layout, reorder, options, acc, model_state)
@@ -139,16 +142,19 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
 
 
 def preflight(forward: Callable, params, model_state, batch: dict, axis,
-              options: StepOptions) -> dict[int, str]:
+              options: StepOptions, traced: ClosedJaxpr | None = None) -> dict[int, str]:
     """The refusals (`dpax.analysis.refusals`), from one trace of `forward`
     on one device's first micro-batch: raises what N devices would train
     differently from one device, and returns {leaf index: path} of the model
-    state to average (`_average_state`).
+    state to average (`_average_state`). `traced`: the gradient's trace of
+    that micro-batch (`_sums_and_grads`), whose forward part is read instead
+    of tracing `forward` again (a model's own random streams are judged on
+    traces of `forward` at two batch sizes).
 
-    Called as the step is traced, before its computation: one device's
-    shapes and the number of devices exist only once a backend (`pmap`,
-    `shard_map`) traces the per-device function. It reads shapes only and
-    adds nothing to the step's program."""
+    Called as the step is traced: one device's shapes and the number of
+    devices exist only once a backend (`pmap`, `shard_map`) traces the
+    per-device function. It reads shapes only and adds nothing to the
+    step's program."""
     n_micro = options.grad_accum
     micro = jax.tree.map(
         lambda v: jax.ShapeDtypeStruct((v.shape[0] // n_micro,) + v.shape[1:], v.dtype), batch)
@@ -156,7 +162,24 @@ def preflight(forward: Callable, params, model_state, batch: dict, axis,
                 sync_batchnorm=options.sync_batchnorm)
     names = axis if isinstance(axis, tuple) else (axis,)
     sizes = tuple(jax.lax.axis_size(a) for a in names)
-    return refuse(forward, (params, model_state, micro), names, sizes, asks)
+    jaxpr = None
+    if traced is not None and not options.own_random:
+        jaxpr = _value_part(traced.jaxpr, len(jax.tree.leaves(params)))
+    return refuse(forward, (params, model_state, micro), names, sizes, asks, jaxpr=jaxpr)
+
+
+def _value_part(jaxpr: Jaxpr, n_grads: int) -> Jaxpr:
+    """A traced `value_and_grad` of `forward` without its gradients: the
+    forward's outputs and the equations they need. Its inputs are
+    `forward`'s, in order; the backward pass's equations are left out."""
+    outvars = jaxpr.outvars[:len(jaxpr.outvars) - n_grads]
+    needed = {v for v in outvars if not isinstance(v, Literal)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            kept.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+    return jaxpr.replace(eqns=kept[::-1], outvars=outvars)
 
 
 def _step_key(state: TrainState):
@@ -186,20 +209,26 @@ def _forward(graphdef: nnx.GraphDef, loss_fn: LossFn, use: Callable, key, axis,
 
 
 def _sums_and_grads(forward: Callable, wrt, reorder: ReduceBeforeTranspose | None,
-                    options: StepOptions) -> Callable:
+                    options: StepOptions, traced: list) -> Callable:
     """`(model_state, micro) -> ((loss_sum, count, sums, grads), model_state)`:
-    one micro-batch's sums and this device's gradient sums by `wrt`."""
+    one micro-batch's sums and this device's gradient sums by `wrt`. The
+    first call's trace of the gradient is appended to `traced`."""
 
     def sums_and_grads(model_state, micro):
-        def local_loss_sum(params):
-            return forward(params, model_state, micro)
-
-        grad_fn = jax.value_and_grad(local_loss_sum, has_aux=True)
-        if options.backward is not None:
-            grad_fn = options.backward(grad_fn)
-        elif reorder is not None:
-            grad_fn = reorder.wrap(grad_fn)
-        (loss_sum, (count, sums, model_state)), grads = grad_fn(wrt)
+        grad_fn = jax.value_and_grad(forward, has_aux=True)
+        if options.backward is not None:  # the XLA:CPU tuning's forms, from its own trace
+            out = options.backward(lambda p: grad_fn(p, model_state, micro))(wrt)
+        else:
+            # Traced once: what the preflight reads, and the program the step runs.
+            closed, shape = jax.make_jaxpr(grad_fn, return_shape=True)(wrt, model_state, micro)
+            if not traced:
+                traced.append(closed)
+            if reorder is not None:
+                out = reorder.call(closed, shape, wrt, model_state, micro)
+            else:
+                out = jax.tree.unflatten(jax.tree.structure(shape), jaxpr_as_fun(closed)(
+                    *jax.tree.leaves((wrt, model_state, micro))))
+        (loss_sum, (count, sums, model_state)), grads = out
         return (loss_sum, count, sums, grads), model_state
 
     return sums_and_grads

@@ -63,22 +63,25 @@ class ReduceBeforeTranspose:
 
     def wrap(self, grad_fn: Callable) -> Callable:
         def wrapped(wrt):
-            closed, out_shape = jax.make_jaxpr(grad_fn, return_shape=True)(wrt)
-            outvars, moved, heads = _untransposed(closed.jaxpr, len(jax.tree.leaves(wrt)))
-            # Micro-batches trace the same function: they must agree.
-            if self.moved is not None and moved != self.moved:
-                raise AssertionError("micro-batch gradients traced differently")
-            self.moved, self.heads = moved, heads
-            if not any(moved):
-                return grad_fn(wrt)
-            outs = jaxpr_as_fun(ClosedJaxpr(closed.jaxpr.replace(outvars=outvars),
-                                            closed.consts))(*jax.tree.leaves(wrt))
-            first = len(outs) - len(moved)
-            outs[first:] = [out if m is None or m[1] is None else out.astype(m[1])
-                            for out, m in zip(outs[first:], moved)]
-            return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+            return self.call(*jax.make_jaxpr(grad_fn, return_shape=True)(wrt), wrt)
 
         return wrapped
+
+    def call(self, closed: ClosedJaxpr, out_shape, wrt, *rest):
+        """The traced `value_and_grad` `closed` (with `out_shape`, from
+        `jax.make_jaxpr(..., return_shape=True)`) called on `(wrt, *rest)`,
+        its gradients by `wrt` with the transposed-dot ones left untransposed."""
+        outvars, moved, heads = _untransposed(closed.jaxpr, len(jax.tree.leaves(wrt)))
+        # Micro-batches trace the same function: they must agree.
+        if self.moved is not None and moved != self.moved:
+            raise AssertionError("micro-batch gradients traced differently")
+        self.moved, self.heads = moved, heads
+        outs = jaxpr_as_fun(ClosedJaxpr(closed.jaxpr.replace(outvars=outvars),
+                                        closed.consts))(*jax.tree.leaves((wrt, *rest)))
+        first = len(outs) - len(moved)
+        outs[first:] = [out if m is None or m[1] is None else out.astype(m[1])
+                        for out, m in zip(outs[first:], moved)]
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     def transposes(self, grads):
         """The params' gradients from summed ones as `wrap`'s function gave them."""
