@@ -56,42 +56,49 @@ def test_a_trainer_is_freed_when_dropped(kw):
     assert all(ref() is None for ref in freed)
 
 
-def device_bytes() -> int:
-    """Bytes of the device buffers alive, each counted once: an array made as a
-    view of another's shard (`np.asarray` of a replicated array) shares its buffer."""
+def device_bytes(devices=None) -> int:
+    """Bytes of the device buffers alive (on `devices`, or on any), each counted
+    once: an array made as a view of another's shard (`np.asarray` of a
+    replicated array) shares its buffer."""
     import jax
 
     buffers = {}
     for x in jax.live_arrays():
         for shard in x.addressable_shards:
-            buffers[(shard.device, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
+            if devices is None or shard.device in devices:
+                buffers[(shard.device, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
     return sum(buffers.values())
 
 
 @pytest.mark.parametrize("kw", [{}, {"backend": "pmap"}, {"sharding": "full"}], ids=str)
 def test_placing_the_state_holds_no_second_device_copy_of_it(kw, monkeypatch):
-    """The optimizer state `tx.init` makes on the model's device (Adam's: twice
-    the params) and the EMA's copy are gone before the placed state arrives:
-    on one H100 the Trainer's start, not the step, was a run's peak
-    (benchmarks/README.md). Live device arrays, counted as placing starts."""
+    """The optimizer state (Adam's: twice the params) and the EMA's copy are
+    not made on the devices the state is placed on: on one H100 the Trainer's
+    start, not the step, was a run's peak (benchmarks/README.md). As there,
+    the model lives on the first of the Trainer's devices, not on the host's
+    CPU device (here cpu:0); their live arrays are counted as placing starts."""
     import jax
+    from flax import nnx
 
     from dpax.parallel import backends
 
+    devices = jax.devices()[1:3]
     seen = []
     for cls in (backends.ShardMapBackend, backends.PmapBackend):
         put = cls.put_state
 
         def counting(self, *args, _put=put, **kwargs):
-            seen.append(device_bytes())
+            seen.append(device_bytes(devices))
             return _put(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, "put_state", counting)
-    model = dpax.models.MLP((64,), 10, hidden=(256,), rngs=__import__("flax").nnx.Rngs(0))
-    params = sum(x.nbytes for x in jax.tree.leaves(model))
-    before = device_bytes()
-    dpax.Trainer(model, dpax.models.losses.classification_loss, optax.adam(1e-3), devices=2,
-                 ema_decay=0.9, **kw)
+    with jax.default_device(devices[0]):  # an accelerator's process: its first device
+        model = dpax.models.MLP((64,), 10, hidden=(256,), rngs=nnx.Rngs(0))
+        params = sum(x.nbytes for x in jax.tree.leaves(model))
+        before = device_bytes(devices)
+        assert before >= params  # the model's arrays are there
+        dpax.Trainer(model, dpax.models.losses.classification_loss, optax.adam(1e-3),
+                     devices=devices, ema_decay=0.9, **kw)
     # Adam's two moments and the EMA would be 3x the params (on each device
     # the model's are on); the step counters and the RNG key are what is left.
     assert seen[0] - before < 0.05 * params

@@ -290,10 +290,7 @@ class Trainer:
         if PRECISIONS[config.opt_state_dtype] is not None:
             optimizer = optim.state_stored_in(optimizer, PRECISIONS[config.opt_state_dtype])
         self._graphdef, state = init_state(model, optimizer, seed, ema=ema)
-        # Copied to numpy before it is placed, so that no device array made for
-        # it outlives the placing: on one H100, Adam's moments made on the
-        # model's device and kept until here were the run's peak.
-        state = _on_host(state)
+        state = _unshared(state)
         check_optimizer(optimizer, state)
         # The model's shapes alone: the checks read its number of outputs from them.
         self._model_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
@@ -883,10 +880,34 @@ def _found_elsewhere(first: checks.Examples, process: int) -> BadExamplesElsewhe
         "checks its own); its error names them and the fix", first.argument_of(None), process)
 
 
-def _on_host(tree):
-    """Host copies of a tree's arrays (typed PRNG keys stay keys): copies, not
-    `np.asarray`'s views of CPU buffers, so that the device arrays can go."""
-    return jax.tree.map(lambda x: x if is_key(x) else np.array(x), tree)
+def _unshared(state: TrainState) -> TrainState:
+    """`state` with host copies of the arrays whose buffers are not its own:
+    the params and model state (the user's model's arrays) and any other leaf
+    that shares a buffer with them or with another leaf (an optax state that
+    keeps the params). The step donates the state: a shared buffer would be
+    donated twice, or taken from the user's model. The rest, made fresh on
+    the host (`init_state`), is placed as it is: copying Adam's moments
+    costs the time and host memory of twice the params."""
+    def buffer(x):
+        single = isinstance(x, jax.Array) and not is_key(x) and len(x.addressable_shards) == 1
+        return x.unsafe_buffer_pointer() if single else None
+
+    def copy(x):
+        return x if is_key(x) else np.array(x)
+
+    user = (state.params, state.model_state)
+    seen = {buffer(x) for x in jax.tree.leaves(user)} - {None}
+
+    def own(x):
+        b = buffer(x)
+        if b is None or b in seen:
+            return copy(x)
+        seen.add(b)
+        return x
+
+    rest = jax.tree.map(own, state.replace(params=None, model_state=None))
+    params, model_state = jax.tree.map(copy, user)
+    return rest.replace(params=params, model_state=model_state)
 
 
 def _store_params_in(model: nnx.Module, dtype) -> None:
