@@ -1,6 +1,8 @@
 """`Trainer` (`dpax.training.trainer`): batches of any size through `fit_stream`; a
 dropped Trainer frees its executables."""
 
+import gc
+
 import numpy as np
 import optax
 import pytest
@@ -92,6 +94,7 @@ def test_placing_the_state_holds_no_second_device_copy_of_it(kw, monkeypatch):
             return _put(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, "put_state", counting)
+    gc.collect()  # garbage freed during the Trainer's start would hide what it adds
     with jax.default_device(devices[0]):  # an accelerator's process: its first device
         model = dpax.models.MLP((64,), 10, hidden=(256,), rngs=nnx.Rngs(0))
         params = sum(x.nbytes for x in jax.tree.leaves(model))
@@ -102,6 +105,39 @@ def test_placing_the_state_holds_no_second_device_copy_of_it(kw, monkeypatch):
     # Adam's two moments and the EMA would be 3x the params (on each device
     # the model's are on); the step counters and the RNG key are what is left.
     assert seen[0] - before < 0.05 * params
+
+
+def test_arrays_the_state_shares_with_their_owners_survive_training():
+    """The step donates the state: the arrays it starts from that belong to
+    someone else (a learning rate given as an array, which optax's init keeps
+    in the optimizer state; the model's params and its RNG keys) are copies, so
+    the owners keep them, and one optimizer trains a second Trainer alike."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Dropped(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(64, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(self.drop(nnx.relu(self.a(x.reshape(x.shape[0], -1)))))
+
+    lr = jnp.float32(0.05)
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=lr)
+    ds = digits()
+    params = []
+    for _ in range(2):
+        model = Dropped(nnx.Rngs(0))
+        keys = [x for x in jax.tree.leaves(nnx.state(model)) if dpax.parallel.arrays.is_key(x)]
+        assert keys  # the dropout's stream
+        t = dpax.Trainer(model, dpax.classification_loss, tx, devices=2)
+        t.fit(ds.x_train, ds.y_train, batch_size=32, until_step=2)
+        assert not lr.is_deleted() and float(lr) == np.float32(0.05)
+        assert not any(k.is_deleted() for k in keys)
+        params.append(t.params)
+    assert max_diff(*params) == 0.0
 
 
 def test_loading_a_state_frees_the_current_one_before_placing_it(monkeypatch):

@@ -289,8 +289,9 @@ class Trainer:
         ema = config.ema_decay is not None
         if PRECISIONS[config.opt_state_dtype] is not None:
             optimizer = optim.state_stored_in(optimizer, PRECISIONS[config.opt_state_dtype])
+        owned = _buffers(jax.live_arrays())
         self._graphdef, state = init_state(model, optimizer, seed, ema=ema)
-        state = _unshared(state)
+        state = _unshared(state, owned)
         check_optimizer(optimizer, state)
         # The model's shapes alone: the checks read its number of outputs from them.
         self._model_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
@@ -880,34 +881,36 @@ def _found_elsewhere(first: checks.Examples, process: int) -> BadExamplesElsewhe
         "checks its own); its error names them and the fix", first.argument_of(None), process)
 
 
-def _unshared(state: TrainState) -> TrainState:
-    """`state` with host copies of the arrays whose buffers are not its own:
-    the params and model state (the user's model's arrays) and any other leaf
-    that shares a buffer with them or with another leaf (an optax state that
-    keeps the params). The step donates the state: a shared buffer would be
-    donated twice, or taken from the user's model. The rest, made fresh on
-    the host (`init_state`), is placed as it is: copying Adam's moments
-    costs the time and host memory of twice the params."""
-    def buffer(x):
-        single = isinstance(x, jax.Array) and not is_key(x) and len(x.addressable_shards) == 1
-        return x.unsafe_buffer_pointer() if single else None
+def _buffers(arrays) -> set:
+    """The device buffers `arrays` hold (typed PRNG keys left out)."""
+    return {shard.data.unsafe_buffer_pointer() for x in arrays if not is_key(x)
+            for shard in x.addressable_shards}
 
-    def copy(x):
-        return x if is_key(x) else np.array(x)
 
-    user = (state.params, state.model_state)
-    seen = {buffer(x) for x in jax.tree.leaves(user)} - {None}
+def _unshared(state: TrainState, owned: set) -> TrainState:
+    """`state` with host copies of the leaves whose buffers are not its own:
+    one in `owned` (the buffers alive before the state was made: the user's
+    model's params and state, an array optax's init keeps, such as a learning
+    rate given as an array), one another leaf holds too, and typed PRNG keys
+    (an nnx.Rngs' state). The step donates the state: a shared buffer would
+    be donated twice, or taken from its owner. The rest, made fresh on the
+    host by `init_state` (Adam's moments), is placed as it is: copying it
+    would cost the time and host memory of twice the params."""
+    seen = set(owned)
 
     def own(x):
-        b = buffer(x)
-        if b is None or b in seen:
-            return copy(x)
-        seen.add(b)
+        if is_key(x):
+            return jax.random.wrap_key_data(np.array(jax.random.key_data(x)),
+                                            impl=jax.random.key_impl(x))
+        if not isinstance(x, jax.Array) or len(x.addressable_shards) != 1:
+            return np.array(x)
+        buffer = x.unsafe_buffer_pointer()
+        if buffer in seen:
+            return np.array(x)
+        seen.add(buffer)
         return x
 
-    rest = jax.tree.map(own, state.replace(params=None, model_state=None))
-    params, model_state = jax.tree.map(copy, user)
-    return rest.replace(params=params, model_state=model_state)
+    return jax.tree.map(own, state)
 
 
 def _store_params_in(model: nnx.Module, dtype) -> None:
