@@ -55,6 +55,51 @@ def test_row_local_math_keeps_its_rows(name, fn, expected):
     assert kinds(fn, (R, 4), (4, 3))[0] == expected, name
 
 
+def _centred(x):
+    return x - x.mean(0)
+
+
+_custom_centred = jax.custom_vjp(_centred)
+_custom_centred.defvjp(lambda x: (_centred(x), None), lambda _, g: (g,))
+
+
+@pytest.mark.parametrize("name,fn,mixes", [
+    ("x - mean over the batch", _centred, True),
+    ("x @ x.T (pairs of examples)", lambda x: (x @ x.T).sum(1), True),
+    ("cumsum over the rows", lambda x: jnp.cumsum(x, 0), True),
+    ("sort over the rows", lambda x: jnp.sort(x, 0), True),
+    ("scaled by the batch's loss", lambda x: x.sum(1) * x.sum(), True),
+    ("centred under remat", jax.checkpoint(_centred), True),
+    ("centred in a custom_vjp", _custom_centred, True),
+    ("centred in a jit", jax.jit(_centred), True),
+    ("per-example tanh", lambda x: jnp.tanh(x).sum(1), False),
+    ("per-example softmax", lambda x: jax.nn.log_softmax(x).sum(1), False),
+    ("per-example scan", lambda x: jax.lax.scan(lambda c, r: (c + r, c * r), 0.0 * x[:, 0],
+                                                x.T)[1].T, False),
+    ("synchronized centring", lambda x: x - jax.lax.psum(x.sum(0), "d") / 12, False),
+])
+def test_the_step_reads_the_gradients_trace_as_the_forwards(name, fn, mixes):
+    """The step's preflight reads the forward's part of the gradient's trace
+    (`dpax.training.step._value_part`), where JAX writes a custom_jvp as its
+    rule, a custom_vjp as its forward, and jit, remat and scan with the
+    residuals they keep for the backward pass: each verdict is the one the
+    forward's own trace gives."""
+    from dpax.training.step import _value_part
+
+    def forward(w, x):
+        out = fn(x * w)
+        return jnp.sum(out), out
+
+    w, x = jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((R, 4), jnp.float32)
+    grad = jax.make_jaxpr(jax.value_and_grad(forward, has_aux=True), axis_env=[("d", 2)])(w, x)
+    read = mixing(_value_part(grad.jaxpr, 1), [False, True])
+    own = mixing(jax.make_jaxpr(forward, axis_env=[("d", 2)])(w, x).jaxpr, [False, True])
+    assert isinstance(own[1], Mixed) == mixes, (name, own)
+    assert [type(k) for k in read] == [type(k) for k in own], name
+    assert [k for k in read if not isinstance(k, Mixed)] == [
+        k for k in own if not isinstance(k, Mixed)], name
+
+
 def test_lookups_convolutions_and_scans_keep_rows():
     table = jnp.ones((10, 4))
 

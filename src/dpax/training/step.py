@@ -117,8 +117,13 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
         forward = _forward(graphdef, loss_fn, use, _step_key(state), layout.axis, options)
         traced: list[ClosedJaxpr] = []  # the first micro-batch's, for the preflight
         sums_and_grads = _sums_and_grads(forward, wrt, reorder, options, traced)
-        acc, model_state = _accumulate(sums_and_grads, state.model_state, batch,
-                                       options.grad_accum)
+        try:
+            acc, model_state = _accumulate(sums_and_grads, state.model_state, batch,
+                                           options.grad_accum)
+        except Exception:
+            # A refusal comes first: it says what to change for N devices.
+            preflight(forward, wrt, state.model_state, batch, layout.axis, options)
+            raise
         per_device = preflight(forward, wrt, state.model_state, batch, layout.axis, options,
                                *traced[:1])
         if options.average_state:
@@ -163,7 +168,9 @@ def preflight(forward: Callable, params, model_state, batch: dict, axis,
     names = axis if isinstance(axis, tuple) else (axis,)
     sizes = tuple(jax.lax.axis_size(a) for a in names)
     jaxpr = None
-    if traced is not None and not options.own_random:
+    # Effects (a callback, a write to a ref) are not outputs: only the
+    # forward's own trace is sure to hold them.
+    if traced is not None and not options.own_random and not traced.jaxpr.effects:
         jaxpr = _value_part(traced.jaxpr, len(jax.tree.leaves(params)))
     return refuse(forward, (params, model_state, micro), names, sizes, asks, jaxpr=jaxpr)
 
