@@ -72,7 +72,7 @@ test-slow: $(DEV)
 	  --durations=10
 
 test-processes: $(DEV)
-	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m processes --durations=5
+	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m "processes and not interop" --durations=5
 
 test-interop: $(INTEROP)
 	DPAX_XLA_CPU_TUNING=0 $(BIN)/pytest $(PARALLEL) -m interop --durations=5

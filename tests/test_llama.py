@@ -83,11 +83,43 @@ def saved_dir(tmp_path_factory, corpus):
     what the refusals read, without torch."""
     tok = _bpe(corpus)
     path = tmp_path_factory.mktemp("saved")
-    hf_llama.save(Llama(tok.vocab, 32, layers=2, width=32, heads=4, kv_heads=2, mlp_width=80,
-                        rope_theta=500000.0, norm_eps=1e-6, rngs=nnx.Rngs(0)), str(path))
+    model = Llama(tok.vocab, 32, layers=2, width=32, heads=4, kv_heads=2, mlp_width=80,
+                  rope_theta=500000.0, norm_eps=1e-6, rngs=nnx.Rngs(0))
+    hf_llama.save(model, str(path))
     for name, text in tokenizer.hf_files(tok).items():
         (path / name).write_text(text)
-    return str(path), tok.vocab
+    return str(path), tok.vocab, model
+
+
+def test_a_sharded_directory_dpax_writes_loads_with_the_same_logits(saved_dir, corpus,
+                                                                    tmp_path):
+    """The import's own round trip, without torch, from two safetensors
+    shards and their index as `save_pretrained` splits a model: the
+    directory's own BPE, and the options not given read from it."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    path, vocab, source = saved_dir
+    sharded = tmp_path / "sharded"
+    shutil.copytree(path, sharded)
+    weights = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, sharded / file)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: file for file, keys in shards.items() for k in keys}}))
+    config = cfg.validate(TrainConfig.from_flags(data=f"text:{corpus}", init_from=str(sharded),
+                                                 tokenizer=f"bpe:{vocab}", **FLAGS))
+    job = build(config)
+    assert (config.model.kv_heads, config.model.mlp_width) == (2, 80)
+    assert job.ds.tokenizer.vocab == vocab
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, vocab, (4, SEQ)))
+    assert float(jnp.max(jnp.abs(forward(job.trainer.model(), tokens)
+                                 - forward(source, tokens)))) == 0.0
 
 
 @pytest.mark.interop
