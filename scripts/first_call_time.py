@@ -1,0 +1,90 @@
+"""Seconds to the first step through the Python API, dpax's `Trainer` against
+a hand-written `jit` loop (the batch sharded by `NamedSharding`, the state
+replicated), in a fresh process with an empty compilation cache, on a bench
+workload (`dpax.bench.workloads`). The model is made before the clock; then
+dpax builds its `Trainer` and `fit`s one step, or the hand loop splits the
+model, runs `tx.init`, places the state and calls its step; both end with
+the loss on the host. JAX's monitoring events split the time into tracing,
+lowering and XLA's compile.
+
+    python scripts/first_call_time.py 2 dpax gpt
+    python scripts/first_call_time.py 2 hand gpt
+
+Run each side in its own process, alternating, several times: the first
+call in a process pays its warm-ups. benchmarks/README.md ("First steps")
+keeps the measured rows.
+"""
+
+import collections
+import functools
+import os
+import sys
+import tempfile
+import time
+
+N, WHO, WORKLOAD = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["DPAX_CACHE_DIR"] = tempfile.mkdtemp()  # an empty compilation cache
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax import monitoring  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from dpax.bench.workloads import WORKLOADS, synthetic  # noqa: E402
+from dpax.training.trainer import Trainer  # noqa: E402
+
+events: dict = collections.defaultdict(float)
+timing = [False]
+
+
+def listen(name, seconds, **kwargs):
+    if timing[0]:
+        events[name.rsplit("/", 1)[-1]] += seconds
+
+
+def hand_loop(w, model, x, y):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = w.tx()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("data",))
+    state = jax.device_put((params, tx.init(params)), NamedSharding(mesh, P()))
+    rows = NamedSharding(mesh, P("data"))
+
+    def loss(p, xb, yb):
+        return w.mean_loss(nnx.merge(graphdef, p, rest), xb, yb)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, xb, yb):
+        (value, accuracy), grads = jax.value_and_grad(loss, has_aux=True)(params, xb, yb)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, accuracy
+
+    xb, yb = jax.device_put((x[:w.batch_size], y[:w.batch_size]), rows)
+    params, _, value, _ = train_step(*state, xb, yb)
+    float(value)
+    jax.block_until_ready(params)
+
+
+def main() -> None:
+    monitoring.register_event_duration_secs_listener(listen)
+    w = WORKLOADS[WORKLOAD]
+    x, y = synthetic(w, w.batch_size)
+    model = w.make()
+    timing[0] = True
+    start = time.perf_counter()
+    if WHO == "dpax":
+        t = Trainer(model, w.loss(), w.tx(), devices=N, xla_cpu_tuning=False)
+        t.fit(x, y, batch_size=w.batch_size, until_step=1, log_every=10**9)
+        jax.block_until_ready(t.state.params)
+    else:
+        hand_loop(w, model, x, y)
+    seconds = time.perf_counter() - start
+    parts = {k: round(v, 2) for k, v in sorted(events.items()) if v > 0.05}
+    print(f"{WHO} {WORKLOAD} N={N}: first step {seconds:.2f} s {parts}")
+
+
+if __name__ == "__main__":
+    main()
