@@ -23,7 +23,7 @@ setup-dev: $(DEV)
 # cache: it would keep a second copy of the wheels on the disk. `make train`
 # needs the core set only; the dev set (pytest, the trackers, mkdocs, ...)
 # comes with the first `make test`; torch and transformers (the interop extra,
-# 0.75 GB) only with `make test-interop`.
+# about 1 GB) only with `make test-interop`.
 $(CORE): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --no-cache-dir -e .
