@@ -170,6 +170,21 @@ def test_a_loss_over_the_batch_is_refused_on_several_devices():
     jax.tree.map(np.testing.assert_array_equal, before, t.params)
 
 
+def test_the_refusal_comes_before_an_error_of_the_gradient():
+    """A loss that mixes the rows and that JAX cannot differentiate in reverse
+    (a while loop): the refusal, which names what to change for N devices,
+    is the error the user sees."""
+    def looped(model, batch):
+        scaled = jax.lax.while_loop(lambda c: c[1] < 2, lambda c: (c[0] * 1.5, c[1] + 1),
+                                    (in_batch(model, batch), 0))[0]
+        return scaled
+
+    x, y = data(0)
+    t = dpax.Trainer(Towers(nnx.Rngs(0)), looped, optax.adam(1e-2), devices=2)
+    with pytest.raises(MixesExamples, match="depends on the other examples"):
+        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_loss_over_the_global_batch_equals_one_device(seed):
     """15 rows: 16 on 4 devices, one padded row each step that `global_rows`

@@ -120,10 +120,15 @@ def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
         try:
             acc, model_state = _accumulate(sums_and_grads, state.model_state, batch,
                                            options.grad_accum)
-        except Exception:
+        except Exception as error:
             # A refusal comes first: it says what to change for N devices.
-            preflight(forward, wrt, state.model_state, batch, layout.axis, options)
-            raise
+            try:
+                preflight(forward, wrt, state.model_state, batch, layout.axis, options)
+            except DpaxError as refusal:
+                raise refusal from None
+            except Exception:  # the forward fails there too: the gradient's error says it
+                pass
+            raise error
         per_device = preflight(forward, wrt, state.model_state, batch, layout.axis, options,
                                *traced[:1])
         if options.average_state:
