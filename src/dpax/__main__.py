@@ -7,6 +7,7 @@ once with glibc's huge pages for the tuned step's temporaries
 are imported: glibc reads the setting only when a process starts.
 """
 
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -60,7 +61,13 @@ def main() -> int:
         restart_for_tuning()
     from dpax.cli.command import main as cli_main
 
-    return cli_main()
+    code = cli_main()
+    # The process ends here. A library's records while it shuts down go
+    # nowhere: the command has reported (asyncio logs a background write that
+    # failed, and that the command named, once more when its task is
+    # collected: late or not at all, as the collector runs).
+    logging.getLogger().handlers = [logging.NullHandler()]
+    return code
 
 
 if __name__ == "__main__":
