@@ -186,6 +186,49 @@ def test_a_finished_run_can_be_extended_with_more_steps(tmp_path, capsys):
                  "--resume", "--out", str(tmp_path / "a")]) == 0
 
 
+def test_a_details_file_too_large_to_write_keeps_the_failures_own_traceback(tmp_path,
+                                                                            monkeypatch):
+    """Where the whole details file cannot be written (a file size limit, a
+    disk nearly full), the failure's own traceback still is, without the
+    log records; where nothing can be, no path is given."""
+    import errno
+
+    from dpax.cli import failures
+
+    log = failures.FailureLog(["train"])
+    log.records.extend(["a library's record " * 50] * 40)
+    log.run_dir = str(tmp_path)
+    real_open = open
+
+    def capped(limit):
+        class Capped(io.StringIO):
+            def __init__(self, path):
+                super().__init__()
+                self.path = path
+
+            def __exit__(self, *exc):
+                if exc[0] is None:
+                    if len(self.getvalue()) > limit:
+                        raise OSError(errno.EFBIG, "File too large")
+                    with real_open(self.path, "w") as f:
+                        f.write(self.getvalue())
+                return False
+
+        return lambda path, mode="r": Capped(path)
+
+    try:
+        raise RuntimeError("the failure")
+    except RuntimeError as e:
+        error = e
+    monkeypatch.setattr(failures, "open", capped(5000), raising=False)
+    path = log.write(error)
+    text = open(path).read()
+    assert "RuntimeError: the failure" in text and "Traceback" in text
+    assert "(the log records did not fit)" in text and "a library's record" not in text
+    monkeypatch.setattr(failures, "open", capped(10), raising=False)
+    assert log.write(error) is None
+
+
 def test_metrics_jsonl_is_strict_json(tmp_path):
     path = tmp_path / "m.jsonl"
     w = JsonlWriter(str(path))

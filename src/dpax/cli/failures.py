@@ -125,22 +125,25 @@ class FailureLog:
     def write(self, error: BaseException | None) -> str | None:
         """Write the failure's traceback (if any) and the kept records;
         returns the file's path (None if it could not be written: a full
-        disk, say)."""
+        disk, say). Where the whole file does not fit (a disk nearly full, a
+        file size limit), the failure's own traceback alone may."""
         path = self.path()
         lines = [f"dpax {__version__}, Python {sys.version.split()[0]}, "
                  f"{datetime.datetime.now().isoformat(timespec='seconds')}",
                  "command: dpax " + " ".join(self.argv), "",
                  "the command succeeded" if error is None else
                  "".join(traceback.format_exception(error)).rstrip()]
-        if self.records:
-            lines += ["", f"log records and background threads' exceptions "
-                          f"({len(self.records)}, oldest first):", *self.records]
-        try:
-            with open(path, "w") as f:
-                f.write("\n".join(lines) + "\n")
-        except OSError:
-            return None
-        return path
+        records = [] if not self.records else [
+            "", f"log records and background threads' exceptions "
+                f"({len(self.records)}, oldest first):", *self.records]
+        for text in (lines + records, lines + ["", "(the log records did not fit)"]):
+            try:
+                with open(path, "w") as f:
+                    f.write("\n".join(text) + "\n")
+                return path
+            except OSError:
+                continue
+        return None
 
 
 def report_errors(log: FailureLog) -> None:
