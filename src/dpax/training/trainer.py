@@ -895,14 +895,17 @@ def _unshared(state: TrainState, owned: set) -> TrainState:
     (an nnx.Rngs' state). The step donates the state: a shared buffer would
     be donated twice, or taken from its owner. The rest, made fresh on the
     host by `init_state` (Adam's moments), is placed as it is: copying it
-    would cost the time and host memory of twice the params."""
+    would cost the time and host memory of twice the params. (A process
+    without a CPU device makes it on an accelerator: copied to the host, so
+    that it does not stay there whole while a layout splits it.)"""
     seen = set(owned)
 
     def own(x):
         if is_key(x):
             return jax.random.wrap_key_data(np.array(jax.random.key_data(x)),
                                             impl=jax.random.key_impl(x))
-        if not isinstance(x, jax.Array) or len(x.addressable_shards) != 1:
+        if (not isinstance(x, jax.Array) or len(x.addressable_shards) != 1
+                or x.addressable_shards[0].device.platform != "cpu"):
             return np.array(x)
         buffer = x.unsafe_buffer_pointer()
         if buffer in seen:
