@@ -136,7 +136,9 @@ class FailureLog:
         records = [] if not self.records else [
             "", f"log records and background threads' exceptions "
                 f"({len(self.records)}, oldest first):", *self.records]
-        for text in (lines + records, lines + ["", "(the log records did not fit)"]):
+        tries = [lines + records] + ([lines + ["", "(the log records did not fit)"]]
+                                     if records else [])
+        for text in tries:
             try:
                 with open(path, "w") as f:
                     f.write("\n".join(text) + "\n")
