@@ -110,3 +110,11 @@ def test_the_command_reports_memory_flops_bytes_and_time(capsys):
         assert estimate_config(config, **change).memory["total"] <= budget * 1e9
     assert main(["estimate", "--sharding", "zero9"]) == 2
     assert "sharding" in capsys.readouterr().err
+
+
+def test_a_predicted_step_without_a_link_rate_counts_compute_alone(capsys):
+    """One device, as `scripts/gpu_check.sh` asks: `--device-tflops` with no
+    `--link-gbps` (the report once failed formatting the missing rate)."""
+    assert main(["estimate", "--model", "mlp", "--devices", "1", "--device-tflops", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step:" in out and "(no --link-gbps: no comms)" in out

@@ -186,11 +186,12 @@ def report(config: EstimateConfig, e: Estimate) -> str:
                         if config.devices_per_host) or _size(e.wire_bytes)
     lines.append(f"collectives per step: {moved}; {sent} sent per device (ring)")
     if e.step_s is not None:
-        rates = f"{config.link_gbps:g} Gbit/s" + (
-            f" inside a host, {config.host_link_gbps:g} between hosts"
-            if config.host_link_gbps and config.devices_per_host else "")
-        comm = (f" + {1e3 * e.comm_s:.1f} ms collectives at {rates}, "
-                "not overlapped" if e.comm_s is not None else " (no --link-gbps: no comms)")
+        comm = " (no --link-gbps: no comms)"
+        if e.comm_s is not None:
+            rates = f"{config.link_gbps:g} Gbit/s" + (
+                f" inside a host, {config.host_link_gbps:g} between hosts"
+                if config.host_link_gbps and config.devices_per_host else "")
+            comm = f" + {1e3 * e.comm_s:.1f} ms collectives at {rates}, not overlapped"
         unit = "tokens" if e.tokens_per_example > 1 else "examples"
         lines.append(f"predicted step: {1e3 * e.step_s:.1f} ms = {1e3 * e.compute_s:.1f} ms "
                      f"compute at {config.mfu:g} of {config.device_tflops:g} TFLOP/s{comm}; "
