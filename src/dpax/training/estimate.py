@@ -41,6 +41,7 @@ from dpax.parallel import comms
 from dpax.parallel.comms import ACROSS
 from dpax.parallel.layout import Layout, layout_class, tree_bytes
 from dpax.parallel.mesh import replica_count
+from dpax.training.compute import model_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,12 +129,10 @@ def activation_bytes(graphdef, params, rest, loss_fn: Callable, batch: dict,
     arrays), params cast to the compute dtype as the step casts them."""
 
     def total_loss(params, rest, batch):
-        if compute_dtype is not None:
-            params = jax.tree.map(lambda p: p.astype(compute_dtype)
-                                  if jnp.issubdtype(p.dtype, jnp.floating) else p, params)
         # Fresh Variables at this trace level (as the step makes them): NNX
         # refuses to update Variables of an outer trace (a remat's RNG counts).
-        out = loss_fn(nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest)), batch)
+        out = loss_fn(model_in(graphdef, params, jax.tree.map(lambda a: a, rest),
+                               compute_dtype), batch)
         return jnp.sum(out[0] if isinstance(out, tuple) else out)
 
     kept = saved_residuals(total_loss, params, rest, batch)

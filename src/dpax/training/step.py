@@ -39,6 +39,7 @@ from dpax.errors import DpaxError
 from dpax.models.layers import BatchContext, batch_context
 from dpax.parallel import layout as layouts
 from dpax.parallel.layout import Layout
+from dpax.training.compute import cast_floats, model_in
 from dpax.training.state import TrainState, eval_params
 from dpax.training.sums import LossFn, example_metrics, shard_sums
 from dpax.training.untransposed import ReduceBeforeTranspose
@@ -84,17 +85,10 @@ def _context(batch: dict, key, axis, options: StepOptions) -> BatchContext:
                         sync_batchnorm=options.sync_batchnorm, pack=options.pack)
 
 
-def _cast_floats(tree, dtype):
-    if dtype is None:
-        return tree
-    return jax.tree.map(
-        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
-
-
 def _cast_inputs(batch: dict, dtype) -> dict:
     """The batch the model sees in the compute dtype: every floating-point
     entry but the targets `y` (a bf16 target would round the loss)."""
-    return {k: v if k == "y" else _cast_floats(v, dtype) for k, v in batch.items()}
+    return {k: v if k == "y" else cast_floats(v, dtype) for k, v in batch.items()}
 
 
 def make_grad_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
@@ -207,7 +201,7 @@ def _forward(graphdef: nnx.GraphDef, loss_fn: LossFn, use: Callable, key, axis,
         # Fresh Variable objects at this trace level: NNX refuses to update
         # (e.g. BatchNorm's running averages) Variables from an outer trace.
         fresh = jax.tree.map(lambda a: a, model_state)
-        model = nnx.merge(graphdef, _cast_floats(use(params), options.compute_dtype), fresh)
+        model = model_in(graphdef, use(params), fresh, options.compute_dtype)
         model.train()  # batch statistics and dropout on
         micro_in = _cast_inputs(micro, options.compute_dtype)
         with batch_context(_context(micro_in, key, axis, options)):
@@ -298,7 +292,7 @@ def _reduce(layout: Layout, reorder: ReduceBeforeTranspose | None, options: Step
     the all-reduce dtype), and untransposed where the sums were not."""
     loss_sum, count, sums, grad_sums = acc
     if not layout.grads_in_backward:
-        grad_sums = _cast_floats(grad_sums, options.allreduce_dtype)
+        grad_sums = cast_floats(grad_sums, options.allreduce_dtype)
     loss_sum, count, sums, grads = layout.reduce(loss_sum, count, sums, grad_sums)
     for_norm = None
     if reorder is not None:

@@ -44,6 +44,7 @@ from dpax.parallel.layout import check_sharding, make_layout
 from dpax.parallel.mesh import MAX_SIMULATED_DEVICES, replica_count, select_devices
 from dpax.training import loop, metrics, optim
 from dpax.training.compiled import CompiledSteps
+from dpax.training.compute import cast_floats
 from dpax.training.handback import ModelHandback
 from dpax.training.state import TrainState, field_spans, init_state
 from dpax.training.step import StepOptions
@@ -918,9 +919,7 @@ def _unshared(state: TrainState, owned: set) -> TrainState:
 
 def _store_params_in(model: nnx.Module, dtype) -> None:
     """Cast `model`'s floating-point params to `dtype`, in place."""
-    params = nnx.state(model, nnx.Param)
-    nnx.update(model, jax.tree.map(
-        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params))
+    nnx.update(model, cast_floats(nnx.state(model, nnx.Param), dtype))
 
 
 def _check_devices(devices: Any, listed: bool) -> None:
