@@ -113,8 +113,13 @@ def test_the_command_reports_memory_flops_bytes_and_time(capsys):
 
 
 def test_a_predicted_step_without_a_link_rate_counts_compute_alone(capsys):
-    """One device, as `scripts/gpu_check.sh` asks: `--device-tflops` with no
-    `--link-gbps` (the report once failed formatting the missing rate)."""
-    assert main(["estimate", "--model", "mlp", "--devices", "1", "--device-tflops", "100"]) == 0
+    """`--device-tflops` with no `--link-gbps`, as `scripts/gpu_check.sh` asks
+    on one device (the report once failed formatting the missing rate); on
+    several, it says that the collectives it lists are not timed."""
+    flags = ["estimate", "--model", "mlp", "--device-tflops", "100", "--devices"]
+    assert main([*flags, "1"]) == 0
     out = capsys.readouterr().out
-    assert "predicted step:" in out and "(no --link-gbps: no comms)" in out
+    assert "predicted step:" in out and "collectives" not in out.split("predicted step:")[1]
+    assert main([*flags, "4"]) == 0
+    out = capsys.readouterr().out
+    assert "all-reduce" in out and "(no --link-gbps: its collectives not timed)" in out

@@ -166,7 +166,7 @@ def report(config: EstimateConfig, e: Estimate) -> str:
     m = e.memory
     parts = ", ".join(f"{k} {_size(v)}" for k, v in m.items() if k != "total")
     lines = [f"dpax estimate: {config.model.name} ({e.params / 1e6:.1f}M params) on "
-             f"{e.devices} devices, --sharding {e.layout}"
+             f"{e.devices} device{'s' * (e.devices != 1)}, --sharding {e.layout}"
              + (f" in {e.replicas} replica groups of {e.devices // e.replicas}"
                 if e.replicas > 1 else "")
              + f", global batch {e.batch_size} = "
@@ -186,7 +186,7 @@ def report(config: EstimateConfig, e: Estimate) -> str:
                         if config.devices_per_host) or _size(e.wire_bytes)
     lines.append(f"collectives per step: {moved}; {sent} sent per device (ring)")
     if e.step_s is not None:
-        comm = " (no --link-gbps: no comms)"
+        comm = " (no --link-gbps: its collectives not timed)" if e.collectives else ""
         if e.comm_s is not None:
             rates = f"{config.link_gbps:g} Gbit/s" + (
                 f" inside a host, {config.host_link_gbps:g} between hosts"
