@@ -8,8 +8,9 @@
 #   bash scripts/gpu_check.sh                  # every check, in the order below
 #   bash scripts/gpu_check.sh mfu train        # some of them
 #
-# In order of what a lease must see first; each check has its own time limit
-# so that the whole fits one call (a lease has 15 minutes, its start included).
+# In order of what a lease must see first, each under its own time limit. All
+# of them take longer than one call (at most 10 minutes; a lease has 15, its
+# starts included): name the ones a call has time for.
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false DPAX_CACHE_DIR=/tmp/dpax-cache

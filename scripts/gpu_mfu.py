@@ -103,7 +103,11 @@ def hand_run(w: Workload, batch: int, precision: str):
     dtype = jnp.bfloat16 if precision == "bf16" else None
 
     def loss(params, xb):  # the model as dpax's step computes it in `dtype`
-        return w.mean_loss(compute.model_in(graphdef, params, rest, dtype), xb, None)
+        model = compute.model_in(graphdef, params, rest, dtype)
+        logits = model(xb[:, :-1]).astype(jnp.float32)  # the loss in f32, as lm_loss
+        labels = xb[:, 1:].astype(jnp.int32)
+        return (optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(),
+                jnp.mean(jnp.argmax(logits, -1) == labels))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, xb):

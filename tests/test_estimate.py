@@ -66,7 +66,10 @@ def test_estimate_is_an_upper_bound_close_to_xla_and_moves_what_the_hlo_moves(ca
           f"XLA + model {xla / 2**20:.1f} MiB ({predicted / xla:.2f}x)")
     # Never below what the device needs (the fit answer is safe), at most 1.6x
     # above it (XLA's fusion recomputes elementwise results JAX's residuals list).
-    assert xla * 0.95 <= predicted <= xla * 1.6
+    # XLA:CPU runs bf16 arithmetic in float32 and keeps its temporaries so: its
+    # figure holds the bf16 activations the estimate counts up to twice.
+    cpu_f32 = est.memory["activations"] if precision == "bf16" else 0
+    assert xla * 0.95 - cpu_f32 <= predicted <= xla * 1.6
     # The collectives: what the compiled step moves is what the estimate says.
     found = step_comms(t, compiled)["found"]
     for kind, nbytes in est.collectives.items():

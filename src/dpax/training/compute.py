@@ -6,10 +6,14 @@ Flax's layers compute in the dtype of their inputs and params unless given a
 exception: `nnx.Embed` fixes its `dtype` to its params' (float32) when it is
 built without one, and an embedding in float32 promotes every layer after it
 back to float32 (the GPT's matmuls and attention then ran in float32 under
-"bf16"). An `nnx.Embed` whose `dtype` is its `param_dtype`, as built with
-none, computes in the compute dtype here; one built with another `dtype`
-keeps it. A model that keeps a layer in float32 on purpose does it by that
-layer's own `dtype` (e.g. a LayerNorm's), or by casting in its code.
+"bf16"). An `nnx.Embed` (the class itself, not a subclass) whose `dtype` is
+its `param_dtype`, as built with none, here looks its rows up in that dtype
+and returns them in the compute dtype; its `attend` computes in the compute
+dtype. The lookup stays in float32 because its gradient is a scatter-add
+into the table: in bf16 each row's sum over the batch's tokens would be
+rounded at every addition (a frequent token's row lost 13% of its update,
+and 1 and 4 devices, each summing fewer tokens, differed by that much); in
+float32 it is rounded once. One built with another `dtype` keeps it.
 """
 
 from __future__ import annotations
@@ -29,12 +33,28 @@ def cast_floats(tree, dtype):
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
+class _LookupInParamDtype(nnx.Embed):
+    """An `nnx.Embed` whose `dtype` is the compute dtype: rows looked up in
+    its `param_dtype`, returned in `dtype`."""
+
+    def __call__(self, inputs, out_sharding=None):
+        compute, self.dtype = self.dtype, self.param_dtype
+        try:
+            rows = super().__call__(inputs, out_sharding)
+        finally:
+            self.dtype = compute
+        return rows.astype(compute)
+
+
 def model_in(graphdef: nnx.GraphDef, params, rest, dtype: Any) -> nnx.Module:
     """The model of `graphdef` with `params` cast to `dtype` and `rest` as
-    it is, its embeddings computing in `dtype` (None: the model as stored)."""
+    it is, its embeddings computing in `dtype` (None: the model as stored).
+    The model is this trace's own (`nnx.merge`), so its embeddings' class
+    and dtype can change: the user's model and `graphdef` keep theirs."""
     model = nnx.merge(graphdef, cast_floats(params, dtype), rest)
     if dtype is not None:
         for _, module in nnx.iter_modules(model):
-            if isinstance(module, nnx.Embed) and module.dtype == module.param_dtype:
+            if type(module) is nnx.Embed and module.dtype == module.param_dtype:
+                module.__class__ = _LookupInParamDtype
                 module.dtype = dtype
     return model
