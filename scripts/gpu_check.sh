@@ -34,10 +34,10 @@ for check in $CHECKS; do
   mfu)  # MFU per precision policy, attention and batch size, and where the time goes
     timeout 240 python3 scripts/gpu_mfu.py 2>&1 | tee "$OUT/mfu.log" ;;
   turns)  # dpax against the hand loop, timed in turns (paired ratios)
-    timeout 150 python3 scripts/gpu_mfu.py --turns --repeats 7 \
+    timeout 130 python3 scripts/gpu_mfu.py --turns --repeats 7 \
       --only hand-bf16-b32,dpax-bf16-b32,hand-bf16-b8,dpax-bf16-b8 2>&1 | tee "$OUT/turns.log" ;;
   train)  # the same shape as a user runs it: bf16, the platform's attention, grad-accum
-    timeout 100 python3 -m dpax train $GPT2_SMALL --data text --batch-size 64 --grad-accum 2 \
+    timeout 90 python3 -m dpax train $GPT2_SMALL --data text --batch-size 64 --grad-accum 2 \
       --steps 40 --log-every 10 --precision bf16 --devices 1 --out /tmp/gpt --overwrite \
       --verbose 2>&1 | grep -vE "^  |^[a-z_]+:$" | tee "$OUT/gpt.log"
     cp /tmp/gpt/metrics.jsonl /tmp/gpt/run.json "$OUT/" 2>/dev/null
