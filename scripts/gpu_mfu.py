@@ -172,6 +172,22 @@ def profile(run, steps: int = 3, top: int = 14) -> None:
         f"{k} {v / steps / 1e6:.2f}" for k, v in kinds.most_common()), flush=True)
     for name, ns in times.most_common(top):
         print(f"    {ns / steps / 1e6:7.3f} ms  {name[:110]}")
+    if device:
+        gaps(max((line for p in planes for line in p.lines), key=lambda ln: len(list(ln.events))),
+             steps)
+
+
+def gaps(line, steps: int, top: int = 10) -> None:
+    """Where the device idles on its busiest stream: the time between one
+    kernel's end and the next one's start, in all and the longest ones."""
+    events = sorted(line.events, key=lambda e: e.start_ns)
+    idle = [(b.start_ns - a.end_ns, a.name, b.name) for a, b in zip(events, events[1:])]
+    total = sum(g for g, _, _ in idle if g > 0)
+    long = [g for g, _, _ in idle if g > 50e3]
+    print(f"  idle between kernels {total / steps / 1e6:.2f} ms/step over {len(events)} kernels;"
+          f" {len(long)} gaps > 50 us hold {sum(long) / steps / 1e6:.2f} ms/step", flush=True)
+    for g, before, after in sorted(idle, reverse=True)[:top]:
+        print(f"    {g / 1e6:7.3f} ms  after {before[:50]}  before {after[:50]}")
 
 
 def _kind(name: str) -> str:
