@@ -166,5 +166,39 @@ def test_a_bf16_embedding_update_is_fp32s_to_bf16_rounding_on_1_and_4_devices():
     reference = updates[1, "fp32"]
     scale = np.max(np.abs(reference))
     for other in ((1, "bf16"), (4, "bf16")):
-        assert np.max(np.abs(updates[other] - reference)) / scale < 0.01, other
-    assert np.max(np.abs(updates[1, "bf16"] - updates[4, "bf16"])) / scale < 0.01
+        assert np.max(np.abs(updates[other] - reference)) / scale < 0.008, other
+    assert np.max(np.abs(updates[1, "bf16"] - updates[4, "bf16"])) / scale < 0.008
+
+
+@pytest.mark.parametrize("transform", ["vmap", "checkpoint"])
+def test_an_embedding_called_inside_a_jax_transform_trains_in_bf16(transform):
+    """The bf16 embedding sets nothing on the module when called: NNX refuses
+    a module's mutation from inside a plain JAX transform of the step's trace
+    (its first version did, and such a model failed to trace)."""
+    from flax import nnx
+
+    from dpax.training.trainer import Trainer
+
+    wrap = {"vmap": jax.vmap, "checkpoint": jax.checkpoint}[transform]
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.emb = nnx.Embed(20, 8, rngs=rngs)
+            self.head = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, ids):
+            rows = wrap(lambda i: self.emb(i))(ids)
+            return self.head(rows.mean(axis=1))
+
+    def loss(model, batch):
+        logits = model(batch["ids"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+    rng = np.random.default_rng(0)
+    data = {"ids": rng.integers(0, 20, (8, 5)).astype(np.int32),
+            "y": rng.integers(0, 3, 8).astype(np.int32)}
+    rows = {}
+    for precision in ("fp32", "bf16"):
+        t = Trainer(Net(nnx.Rngs(0)), loss, optax.sgd(0.1), devices=1, precision=precision)
+        rows[precision] = t.fit(data, batch_size=8, until_step=2, log_every=1)
+    assert abs(rows["bf16"][-1]["loss"] - rows["fp32"][-1]["loss"]) < 0.05

@@ -7,8 +7,8 @@ exception: `nnx.Embed` fixes its `dtype` to its params' (float32) when it is
 built without one, and an embedding in float32 promotes every layer after it
 back to float32 (the GPT's matmuls and attention then ran in float32 under
 "bf16"). An `nnx.Embed` (the class itself, not a subclass) whose `dtype` is
-its `param_dtype`, as built with none, here looks its rows up in that dtype
-and returns them in the compute dtype; its `attend` computes in the compute
+its `param_dtype`, as built with none, here looks its rows up in float32 and
+returns them in the compute dtype; its `attend` computes in the compute
 dtype. The lookup stays in float32 because its gradient is a scatter-add
 into the table: in bf16 each row's sum over the batch's tokens would be
 rounded at every addition (a frequent token's row lost 13% of its update,
@@ -33,17 +33,26 @@ def cast_floats(tree, dtype):
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
-class _LookupInParamDtype(nnx.Embed):
-    """An `nnx.Embed` whose `dtype` is the compute dtype: rows looked up in
-    its `param_dtype`, returned in `dtype`."""
+class _LookupInFloat32(nnx.Embed):
+    """An `nnx.Embed` whose `dtype` is the compute dtype: rows looked up from
+    its table in float32 (its params' dtype if wider), returned in `dtype`.
+    `nnx.Embed.__call__`, but for the lookup's dtype; it sets nothing on the
+    module, which a call inside a JAX transform (vmap, checkpoint) may not."""
 
     def __call__(self, inputs, out_sharding=None):
-        compute, self.dtype = self.dtype, self.param_dtype
-        try:
-            rows = super().__call__(inputs, out_sharding)
-        finally:
-            self.dtype = compute
-        return rows.astype(compute)
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError("Input type must be an integer or unsigned integer.")
+        lookup = jnp.promote_types(self.param_dtype, jnp.float32)
+        (table,) = self.promote_dtype((self.embedding[...],), dtype=lookup, inexact=False)
+        if self.num_embeddings == 1:
+            rows = jnp.broadcast_to(table, inputs.shape + (self.features,))
+        elif out_sharding is not None:
+            take = jax.sharding.auto_axes(lambda t, i: jnp.take(t, i, axis=0),
+                                          out_sharding=out_sharding)
+            rows = take(table, inputs)
+        else:
+            rows = jnp.take(table, inputs, axis=0)
+        return rows.astype(self.dtype)
 
 
 def model_in(graphdef: nnx.GraphDef, params, rest, dtype: Any) -> nnx.Module:
@@ -55,6 +64,6 @@ def model_in(graphdef: nnx.GraphDef, params, rest, dtype: Any) -> nnx.Module:
     if dtype is not None:
         for _, module in nnx.iter_modules(model):
             if type(module) is nnx.Embed and module.dtype == module.param_dtype:
-                module.__class__ = _LookupInParamDtype
+                module.__class__ = _LookupInFloat32
                 module.dtype = dtype
     return model
