@@ -5,15 +5,14 @@ Flax's layers compute in the dtype of their inputs and params unless given a
 `dtype`, so casting the params is enough for most of them, with one
 exception: `nnx.Embed` fixes its `dtype` to its params' (float32) when it is
 built without one, and an embedding in float32 promotes every layer after it
-back to float32 (the GPT's matmuls and attention then ran in float32 under
-"bf16"). An `nnx.Embed` (the class itself, not a subclass) whose `dtype` is
-its `param_dtype`, as built with none, here looks its rows up in float32 and
-returns them in the compute dtype; its `attend` computes in the compute
-dtype. The lookup stays in float32 because its gradient is a scatter-add
-into the table: in bf16 each row's sum over the batch's tokens would be
-rounded at every addition (a frequent token's row lost 13% of its update,
-and 1 and 4 devices, each summing fewer tokens, differed by that much); in
-float32 it is rounded once. One built with another `dtype` keeps it.
+back to float32. An `nnx.Embed` (the class itself, not a subclass) whose
+`dtype` is its `param_dtype`, as built with none, here looks its rows up in
+float32 and returns them in the compute dtype; its `attend` computes in the
+compute dtype. The lookup stays in float32 because its gradient is a
+scatter-add into the table: in bf16 each row's sum over the batch's tokens
+would be rounded at every addition, losing much of a frequent token's
+update, and by an amount that depends on how many tokens each device sums;
+in float32 it is rounded once. One built with another `dtype` keeps it.
 """
 
 from __future__ import annotations
