@@ -249,3 +249,23 @@ def test_the_optimizer_state_and_ema_start_on_the_host_not_the_models_device(mon
     made = jax.tree.leaves((state.opt_state, state.ema, state.step, state.rng))
     assert {d for x in made for d in x.devices()} == {jax.devices()[7]}
     assert {d for x in jax.tree.leaves(state.params) for d in x.devices()} == {jax.devices()[0]}
+
+
+def test_train_step_takes_a_padded_masked_batch_and_names_the_fix_otherwise():
+    """`train_step` and `lower_train_step` take a batch padded to
+    `padded(size)` with a `mask` (what `pad_batch` makes): one such step is
+    the step `fit` takes on that batch; an unpadded or unmasked one is refused
+    with the fix, before JAX's own error from inside the step."""
+    from dpax.data.batches import pad_batch
+
+    ds = digits()
+    x, y = ds.x_train[:13], ds.y_train[:13]
+    ref = mlp_trainer(1, optax.sgd(0.1))
+    ref.fit(x, y, batch_size=13, until_step=1)
+    t = mlp_trainer(4, optax.sgd(0.1))
+    for bad in ({"x": x, "y": y}, {"x": x, "y": y, "mask": np.ones(13, bool)}):
+        for call in (t.train_step, t.lower_train_step):
+            with pytest.raises(dpax.DpaxError, match=r"pad_batch\(batch, trainer.padded\(13\)\)"):
+                call(bad)
+    t.train_step(pad_batch({"x": x, "y": y}, t.padded(13)))
+    assert max_diff(leaves(ref), leaves(t)) < 1e-6

@@ -344,8 +344,26 @@ class Trainer:
         Returns:
           The step's metrics row (a device-to-host sync).
         """
+        self._check_step_batch(host_batch, size)
         sums = self._run(1, self._input(host_batch, size), self._zero_sums(size, host_batch))
         return self._read([sums])
+
+    def _check_step_batch(self, host_batch: dict, size: int | None) -> None:
+        """A batch given to `train_step` or `lower_train_step` is masked and
+        splits evenly over the devices and micro-batches (else JAX's own error
+        came from inside the step)."""
+        rows = batch_rows(host_batch)
+        total = size if size is not None else rows * jax.process_count()
+        if MASK not in host_batch or total % (self.n_devices * self.grad_accum):
+            raise DpaxError(
+                f"`host_batch` must carry a `mask` and be padded to a multiple of "
+                f"{self.n_devices} device(s) x {self.grad_accum} micro-batch(es), got {total} "
+                f"rows: dpax.data.batches.pad_batch(batch, trainer.padded({total})) makes "
+                f"{self.padded(total)} such rows")
+        lo, hi = self.backend.local_rows(total)
+        if rows != hi - lo:
+            raise DpaxError(f"`host_batch` has {rows} rows; this process holds {hi - lo} of "
+                            f"a global batch of {total} (`size`)")
 
     def lower_train_step(self, host_batch: dict, size: int | None = None) -> jax.stages.Lowered:
         """The training step lowered for this batch layout, without running it.
@@ -359,6 +377,7 @@ class Trainer:
           A `jax.stages.Lowered`: its `.as_text()` is the StableHLO dpax
           emits, `.compile()` gives XLA's HLO and memory use.
         """
+        self._check_step_batch(host_batch, size)
         placed = self._input(host_batch, size)
         return self._steps.train.lower(self._leaves, self._zero_sums(size, host_batch), placed)
 
