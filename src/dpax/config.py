@@ -219,7 +219,7 @@ def one_of(config: Any, name: str, choices) -> None:
     """`config.name` is one of `choices` (names, or a dict's keys)."""
     value = getattr(config, name)
     if value not in choices:
-        raise DpaxError(f"unknown {_flag(config, name)} {value!r}; choose one of "
+        raise DpaxError(f"unknown `{_flag(config, name)}` {value!r}; choose one of "
                         f"{', '.join(choices)}")
 
 
