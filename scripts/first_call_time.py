@@ -9,6 +9,7 @@ lowering and XLA's compile.
 
     python scripts/first_call_time.py 2 dpax gpt
     python scripts/first_call_time.py 2 hand gpt
+    python scripts/first_call_time.py 2 pmap gpt   # the seeds' pmap loop
 
 Run each side in its own process, alternating, several times: the first
 call in a process pays its warm-ups. benchmarks/README.md ("First steps")
@@ -68,6 +69,31 @@ def hand_loop(w, model, x, y):
     jax.block_until_ready(params)
 
 
+def pmap_loop(w, model, x, y):
+    """The seeds' loop: replicas stacked on the host, the batch reshaped to
+    (N, rows / N, ...), a pmapped step that pmeans the gradients and metrics."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = w.tx()
+    state = jax.tree.map(lambda a: np.stack([np.asarray(a)] * N), (params, tx.init(params)))
+
+    def loss(p, xb, yb):
+        return w.mean_loss(nnx.merge(graphdef, p, rest), xb, yb)
+
+    @functools.partial(jax.pmap, axis_name="devices", devices=jax.devices()[:N],
+                       donate_argnums=(0, 1))
+    def train_step(params, opt_state, xb, yb):
+        (value, accuracy), grads = jax.value_and_grad(loss, has_aux=True)(params, xb, yb)
+        grads, value, accuracy = jax.lax.pmean((grads, value, accuracy), "devices")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, accuracy
+
+    b = w.batch_size
+    xb, yb = x[:b].reshape((N, b // N) + x.shape[1:]), y[:b].reshape((N, b // N) + y.shape[1:])
+    params, _, value, _ = train_step(*state, xb, yb)
+    float(value[0])
+    jax.block_until_ready(params)
+
+
 def main() -> None:
     monitoring.register_event_duration_secs_listener(listen)
     w = WORKLOADS[WORKLOAD]
@@ -79,6 +105,8 @@ def main() -> None:
         t = Trainer(model, w.loss(), w.tx(), devices=N, xla_cpu_tuning=False)
         t.fit(x, y, batch_size=w.batch_size, until_step=1, log_every=10**9)
         jax.block_until_ready(t.state.params)
+    elif WHO == "pmap":
+        pmap_loop(w, model, x, y)
     else:
         hand_loop(w, model, x, y)
     seconds = time.perf_counter() - start
