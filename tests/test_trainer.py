@@ -251,47 +251,6 @@ def test_the_optimizer_state_and_ema_start_on_the_host_not_the_models_device(mon
     assert {d for x in jax.tree.leaves(state.params) for d in x.devices()} == {jax.devices()[0]}
 
 
-def test_the_initial_state_is_one_program_and_an_init_jit_cannot_trace_still_runs():
-    """`init_state` makes the optimizer state, counters, key and EMA in one
-    program: run op by op, each zeros of a new shape and dtype is a program
-    of its own to compile before the first step. An init that reads its
-    params' values in Python (which jit cannot trace) runs op by op, to the
-    same state as an init that does not."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from dpax.training import state as states
-
-    # Shapes no other test makes: each op run outside jit would compile anew.
-    model = dpax.models.MLP((19,), 7, hidden=(23, 29), rngs=nnx.Rngs(0))
-    lowered = []
-
-    def listen(name, seconds, **kwargs):
-        if name.endswith("jaxpr_to_mlir_module_duration"):
-            lowered.append(kwargs.get("fun_name"))
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        _, state = states.init_state(model, optax.adam(1e-3), ema=True)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-    assert lowered == ["jit(fresh)"]
-
-    def init(params):  # a Python float of the params' values: not traceable
-        scale = float(jnp.max(jnp.abs(jax.tree.leaves(params)[0])))
-        return jax.tree.map(lambda p: jnp.full_like(p, scale), params)
-
-    in_python = optax.GradientTransformation(init, lambda g, s, p=None: (g, s))
-    _, eager = states.init_state(model, in_python, ema=True)
-    want = float(jnp.max(jnp.abs(jax.tree.leaves(state.params)[0])))
-    assert all(np.all(np.asarray(v) == np.float32(want))
-               for v in jax.tree.leaves(eager.opt_state))
-    for a, b in zip(jax.tree.leaves((state.step, state.rng, state.ema)),
-                    jax.tree.leaves((eager.step, eager.rng, eager.ema))):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
-
-
 def test_train_step_takes_a_padded_masked_batch_and_names_the_fix_otherwise():
     """`train_step` and `lower_train_step` take a batch padded to
     `padded(size)` with a `mask` (what `pad_batch` makes): one such step is

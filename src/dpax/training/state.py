@@ -51,29 +51,17 @@ def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 
     # moments: twice the params) and the EMA would be whole there, before a
     # layout splits them over the devices.
     host = host_device()
-
-    def fresh(params):
-        opt_state = tx.init(params)
+    with jax.default_device(host):
+        on_host = jax.device_put(params, host)
+        opt_state = tx.init(on_host)
+        # Separate buffers: one buffer in two donated fields would be donated twice.
         step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
         rng = jax.random.key_data(jax.random.key(seed))
         # In fp32 whatever the params' dtype: a bf16 average stops moving once
         # (1 - decay) times a step's change falls below half a bf16 unit.
         average = jax.tree.map(lambda a: jnp.array(
             a, jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype, copy=True),
-            params) if ema else None
-        return opt_state, step, bad, rng, average
-
-    with jax.default_device(host):
-        on_host = jax.device_put(params, host)
-        # One program, not one per shape and dtype of the optimizer's zeros
-        # (each op run outside jit compiles a program of its own). An init
-        # jit cannot trace (one that reads its params' values in Python)
-        # runs as it is. Outputs may share buffers (an input passed
-        # through): the Trainer copies those (`trainer._unshared`).
-        try:
-            opt_state, step, bad, rng, average = jax.jit(fresh)(on_host)
-        except TypeError:  # JAX's tracer errors are TypeErrors
-            opt_state, step, bad, rng, average = fresh(on_host)
+            on_host) if ema else None
     return graphdef, TrainState(step, params, model_state, opt_state, bad, rng, average)
 
 
