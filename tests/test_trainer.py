@@ -251,6 +251,66 @@ def test_the_optimizer_state_and_ema_start_on_the_host_not_the_models_device(mon
     assert {d for x in jax.tree.leaves(state.params) for d in x.devices()} == {jax.devices()[0]}
 
 
+def test_the_initial_state_is_one_program_where_that_is_exact_and_op_by_op_otherwise():
+    """`init_state` makes the optimizer state, counters, key and EMA in one
+    program (op by op, each zeros of a new shape is a program to compile
+    before the first step), and its state is the op-by-op one bit for bit,
+    dtypes and weak types included, for any optimizer: one whose init
+    computes on the params (DoG's norm), keeps a Python number or reads a
+    value in Python runs op by op."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dpax.parallel.arrays import is_key
+    from dpax.training import state as states
+
+    # Shapes no other test makes: run op by op, each would compile anew. At
+    # this init DoG's norm of the params rounds otherwise under jit, here.
+    model = dpax.models.MLP((19,), 7, hidden=(23, 29), rngs=nnx.Rngs(2))
+    lowered = []
+
+    def listen(name, seconds, **kwargs):
+        if name.endswith("jaxpr_to_mlir_module_duration"):
+            lowered.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        states.init_state(model, optax.adam(1e-3), ema=True)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert lowered == ["jit(fresh)"]
+
+    def plain(init):
+        return optax.GradientTransformation(init, lambda g, s, p=None: (g, s))
+
+    def reads_a_value(params):  # jit cannot trace float() of a param
+        scale = float(jnp.max(jnp.abs(jax.tree.leaves(params)[0])))
+        return jax.tree.map(lambda p: jnp.full_like(p, scale), params)
+
+    optimizers = {
+        "adam": optax.adam(1e-3),
+        "lr array": optax.inject_hyperparams(optax.adam)(learning_rate=jnp.float32(0.1)),
+        "dog": optax.contrib.dog(),
+        "python numbers": plain(lambda params: {"lr": 0.1, "count": 3}),
+        "reads a value": plain(reads_a_value),
+    }
+
+    def bits(a):
+        a = jax.random.key_data(a) if is_key(a) else a
+        return np.asarray(a), np.asarray(a).dtype, getattr(a, "weak_type", None)
+
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    for name, tx in optimizers.items():
+        _, state = states.init_state(model, tx, seed=3, ema=True)
+        want = (tx.init(params), params, jax.random.key_data(jax.random.key(3)))
+        got = (state.opt_state, state.ema, state.rng)
+        assert jax.tree.structure(got) == jax.tree.structure(want), name
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            (x, x_dtype, x_weak), (y, y_dtype, y_weak) = bits(a), bits(b)
+            assert np.array_equal(x, y) and x_dtype == y_dtype and x_weak == y_weak, name
+
+
 def test_train_step_takes_a_padded_masked_batch_and_names_the_fix_otherwise():
     """`train_step` and `lower_train_step` take a batch padded to
     `padded(size)` with a `mask` (what `pad_batch` makes): one such step is
