@@ -251,22 +251,24 @@ def test_the_optimizer_state_and_ema_start_on_the_host_not_the_models_device(mon
     assert {d for x in jax.tree.leaves(state.params) for d in x.devices()} == {jax.devices()[0]}
 
 
-def test_the_initial_state_is_one_program_where_that_is_exact_and_op_by_op_otherwise():
+def test_the_initial_state_is_one_program_where_that_is_exact_and_op_by_op_otherwise(
+        monkeypatch):
     """`init_state` makes the optimizer state, counters, key and EMA in one
     program (op by op, each zeros of a new shape is a program to compile
-    before the first step), and its state is the op-by-op one bit for bit,
-    dtypes and weak types included, for any optimizer: one whose init
-    computes on the params (DoG's norm), keeps a Python number or reads a
-    value in Python runs op by op."""
+    before the first step), compiled once per process, and its state is the
+    op-by-op one bit for bit, dtypes and weak types included, for any
+    optimizer: one whose init rounds (DoG's norm of the params), compares
+    floats, branches, keeps a Python number or reads a value in Python runs
+    op by op."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from dpax.parallel.arrays import is_key
+    from dpax.training import one_program
     from dpax.training import state as states
 
-    # Shapes no other test makes: run op by op, each would compile anew. At
-    # this init DoG's norm of the params rounds otherwise under jit, here.
+    # Shapes no other test makes: run op by op, each would compile anew.
     model = dpax.models.MLP((19,), 7, hidden=(23, 29), rngs=nnx.Rngs(2))
     lowered = []
 
@@ -280,6 +282,21 @@ def test_the_initial_state_is_one_program_where_that_is_exact_and_op_by_op_other
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert lowered == ["jit(fresh)"]
+    programs = len(one_program._compiled)
+    states.init_state(model, optax.adam(1e-3), ema=True)  # a second Trainer's
+    assert len(one_program._compiled) == programs
+    # A program that reads no param (plain SGD's) is the same text for any
+    # shapes; its executable checks them, so it is kept per shape.
+    for net in (model, dpax.models.MLP((19,), 7, hidden=(11,), rngs=nnx.Rngs(0)), model):
+        states.init_state(net, optax.sgd(0.1))
+
+    compiled = []
+
+    def spy(traced, args):  # the one-program path was taken
+        compiled.append(traced)
+        return traced.lower().compile()
+
+    monkeypatch.setattr(one_program, "_compile", spy)
 
     def plain(init):
         return optax.GradientTransformation(init, lambda g, s, p=None: (g, s))
@@ -288,27 +305,40 @@ def test_the_initial_state_is_one_program_where_that_is_exact_and_op_by_op_other
         scale = float(jnp.max(jnp.abs(jax.tree.leaves(params)[0])))
         return jax.tree.map(lambda p: jnp.full_like(p, scale), params)
 
-    optimizers = {
-        "adam": optax.adam(1e-3),
-        "lr array": optax.inject_hyperparams(optax.adam)(learning_rate=jnp.float32(0.1)),
-        "dog": optax.contrib.dog(),
-        "python numbers": plain(lambda params: {"lr": 0.1, "count": 3}),
-        "reads a value": plain(reads_a_value),
-    }
+    half = dpax.models.MLP((19,), 7, hidden=(23, 29), rngs=nnx.Rngs(2))
+    nnx.update(half, jax.tree.map(lambda p: p.astype(jnp.bfloat16), nnx.state(half, nnx.Param)))
+    one, op_by_op = True, False
+    cases = [
+        ("adam", model, optax.adam(1e-3), one),
+        ("lr array", model, optax.inject_hyperparams(optax.adam)(
+            learning_rate=jnp.float32(0.1)), one),
+        ("bf16 params", half, optax.adam(1e-3), one),
+        ("dog", model, optax.contrib.dog(), op_by_op),
+        ("float compare", half, plain(lambda p: jax.tree.map(lambda a: a == 0, p)), op_by_op),
+        ("branch", model, plain(lambda p: {"n": jax.lax.cond(
+            True, lambda: jnp.int32(1), lambda: jnp.int32(2))}), op_by_op),
+        ("python numbers", model, plain(lambda params: {"lr": 0.1, "count": 3}), op_by_op),
+        ("reads a value", model, plain(reads_a_value), op_by_op),
+    ]
 
     def bits(a):
         a = jax.random.key_data(a) if is_key(a) else a
         return np.asarray(a), np.asarray(a).dtype, getattr(a, "weak_type", None)
 
-    _, params, _ = nnx.split(model, nnx.Param, ...)
-    for name, tx in optimizers.items():
-        _, state = states.init_state(model, tx, seed=3, ema=True)
-        want = (tx.init(params), params, jax.random.key_data(jax.random.key(3)))
-        got = (state.opt_state, state.ema, state.rng)
+    for name, net, tx, whole in cases:
+        compiled.clear()
+        _, params, _ = nnx.split(net, nnx.Param, ...)
+        _, state = states.init_state(net, tx, seed=3, ema=True)
+        assert bool(compiled) == whole, name
+        want = (tx.init(params), jax.random.key_data(jax.random.key(3)))
+        got = (state.opt_state, state.rng)
         assert jax.tree.structure(got) == jax.tree.structure(want), name
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             (x, x_dtype, x_weak), (y, y_dtype, y_weak) = bits(a), bits(b)
             assert np.array_equal(x, y) and x_dtype == y_dtype and x_weak == y_weak, name
+        for a, p in zip(jax.tree.leaves(state.ema), jax.tree.leaves(params)):
+            assert a.dtype == jnp.float32
+            assert np.array_equal(np.asarray(a), np.asarray(p, np.float32))
 
 
 def test_train_step_takes_a_padded_masked_batch_and_names_the_fix_otherwise():

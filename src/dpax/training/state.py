@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from dpax.training.one_program import made_at_once
 
 
 @struct.dataclass
@@ -70,70 +70,6 @@ def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 
         on_host = jax.device_put(params, host)
         opt_state, step, bad, rng, average = made_at_once(fresh, on_host)
     return graphdef, TrainState(step, params, model_state, opt_state, bad, rng, average)
-
-
-# Ops whose outputs hold their inputs' values, or that round nothing (a
-# conversion rounds each element alone, to nearest): the same bits in one
-# program as op by op.
-_MOVES = frozenset({"copy", "copy_p", "convert_element_type", "reshape", "broadcast_in_dim"})
-
-
-def made_at_once(fn: Callable, *args) -> Any:
-    """`fn(*args)` as one compiled program where that gives exactly what
-    running it op by op gives, else op by op.
-
-    Op by op, each op of a new shape and dtype (an optimizer's zeros per
-    param shape) compiles a program of its own before the first step. One
-    program gives the same bits when no output is rounded by floating-point
-    arithmetic (zeros, a key from the seed, params copied or converted):
-    arithmetic may round otherwise in a fused program (say a norm of the
-    params). An `fn` with such arithmetic, a Python number among its
-    outputs (jit would make it a weakly typed array), effects, or one jit
-    cannot trace (it reads a value in Python) runs op by op, as written,
-    after being traced once."""
-    try:
-        traced = jax.jit(fn).trace(*args)
-    except Exception:  # noqa: BLE001 - run as written, which raises its own error if any
-        traced = None
-    if traced is None or not _exact_in_one_program(traced.jaxpr):
-        return fn(*args)
-    return traced.lower().compile()(*args)
-
-
-def _exact_in_one_program(closed: ClosedJaxpr) -> bool:
-    """Whether `closed` has no effects, no weakly typed output, and no output
-    rounded by floating-point arithmetic (see `made_at_once`)."""
-    jaxpr = closed.jaxpr
-    return (not jaxpr.effects and not any(v.aval.weak_type for v in jaxpr.outvars)
-            and not any(_rounded(jaxpr, [False] * len(jaxpr.invars))))
-
-
-def _rounded(jaxpr: Jaxpr, rounded_in: list[bool]) -> list[bool]:
-    """Per output of `jaxpr`: whether floating-point arithmetic made it, given
-    which inputs it made (`rounded_in`); an op with one inner program (a
-    nested jit) is looked into."""
-    rounded = dict(zip(jaxpr.invars, rounded_in))
-
-    def of(v):
-        return False if isinstance(v, Literal) else rounded.get(v, False)
-
-    for eqn in jaxpr.eqns:
-        ins = [of(v) for v in eqn.invars]
-        inner = [_jaxpr(p) for p in eqn.params.values() if isinstance(p, (ClosedJaxpr, Jaxpr))]
-        floats = any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.outvars
-                     if hasattr(v.aval, "dtype"))
-        if len(inner) == 1 and len(inner[0].invars) == len(ins):
-            outs = _rounded(inner[0], ins)
-        elif eqn.primitive.name in _MOVES or not floats:  # integers and keys round nothing
-            outs = [any(ins)] * len(eqn.outvars)
-        else:
-            outs = [True] * len(eqn.outvars)
-        rounded.update(zip(eqn.outvars, outs))
-    return [of(v) for v in jaxpr.outvars]
-
-
-def _jaxpr(j) -> Jaxpr:
-    return j.jaxpr if isinstance(j, ClosedJaxpr) else j
 
 
 def host_device() -> jax.Device:
