@@ -58,17 +58,18 @@ def init_state(model: nnx.Module, tx: optax.GradientTransformation, seed: int = 
         opt_state = tx.init(params)
         # Separate buffers: one buffer in two donated fields would be donated twice.
         step, bad = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
-        rng = jax.random.key_data(jax.random.key(seed))
         # In fp32 whatever the params' dtype: a bf16 average stops moving once
         # (1 - decay) times a step's change falls below half a bf16 unit.
         average = jax.tree.map(lambda a: jnp.array(
             a, jnp.float32 if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype, copy=True),
             params) if ema else None
-        return opt_state, step, bad, rng, average
+        return opt_state, step, bad, average
 
     with jax.default_device(host):
         on_host = jax.device_put(params, host)
-        opt_state, step, bad, rng, average = made_at_once(fresh, on_host)
+        # Not in the program: one program serves every seed.
+        rng = jax.random.key_data(jax.random.key(seed))
+        opt_state, step, bad, average = made_at_once(fresh, on_host)
     return graphdef, TrainState(step, params, model_state, opt_state, bad, rng, average)
 
 
