@@ -3,14 +3,13 @@ running it op by op gives: the training state's start (`dpax.training.state`).
 
 Op by op, each op of a new shape and dtype compiles a program of its own
 (an optimizer's zeros, one per param shape, before the first step). In one
-program XLA may round otherwise: it fuses arithmetic, folds constants with
-exact math and one rounding, and keeps the denormals its op-by-op kernels
-flush to zero (`x == 0` then differs too). So a function goes through as
-one program only when its trace shows none of that: every output made by
-moves (copy, reshape, broadcast, a conversion from a float of at most 32
-bits), by ops on integers and keys alone, or by calls of programs made so;
-no effects; no weakly typed output (a Python number, which jit would make
-an array). Any other function runs as written.
+program XLA may give other bits wherever it computes: it fuses arithmetic,
+folds constants with exact math and one rounding, keeps the denormals and
+NaN payloads its op-by-op kernels flush. So a function goes through as one
+program only when it computes nothing: every output is zeros or one of its
+inputs moved (copied, reshaped, converted), no effects, no weakly typed
+output. Adam's moments and counters and an EMA's copy of the params are
+such; any other function runs as written.
 """
 
 from __future__ import annotations
@@ -20,16 +19,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-# Ops whose outputs hold their inputs' values.
-_MOVES = frozenset({"copy", "reshape", "broadcast_in_dim"})
-# Calls of one inner program, looked into; any other op that holds programs
-# (a branch, a loop) counts as rounding.
+# Ops whose outputs hold their inputs' values. A conversion of an input runs
+# the same kernel in one program as op by op; of a constant, it is folded.
+_MOVES = frozenset({"copy", "reshape", "broadcast_in_dim", "convert_element_type"})
+# Calls of one inner program, looked into.
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint",
                     "custom_jvp_call", "custom_vjp_call"})
+ZERO, INPUT, OTHER = "zero", "input", "other"
 
 # Compiled programs by their text, types, trees and devices: a second Trainer
 # of the same shapes in a process compiles nothing, as op by op it would not.
@@ -47,7 +46,7 @@ def made_at_once(fn: Callable, *args) -> Any:
         return fn(*args)
     jaxpr = traced.jaxpr.jaxpr
     if (jaxpr.effects or any(v.aval.weak_type for v in jaxpr.outvars)
-            or any(_rounded(jaxpr, [False] * len(jaxpr.invars)))):
+            or OTHER in _kinds(jaxpr, [INPUT] * len(jaxpr.invars))):
         return fn(*args)
     return _compile(traced, args)(*args)
 
@@ -60,14 +59,20 @@ def _compile(traced, args) -> Callable:
                             for d in a.devices()}, key=lambda d: (d.platform, d.id)))
     # The text leaves out inputs the program does not read: their types are
     # part of the key too, as the executable checks them.
+    # The trees as objects (two classes of one name differ) and as text
+    # (metadata 1 and 1.0 compare equal), the output types (a key's impl).
     key = (lowered.as_text(debug_info=False), tuple(map(str, jax.tree.leaves(traced.in_avals))),
-           traced.in_tree, traced.out_tree, devices)
-    if key not in _compiled:
-        _compiled[key] = _build(lowered)
-        if len(_compiled) > _KEPT:
-            _compiled.popitem(last=False)
-    _compiled.move_to_end(key)
-    return _compiled[key]
+           tuple(str(v.aval) for v in traced.jaxpr.jaxpr.outvars), str(traced.in_tree),
+           str(traced.out_tree), traced.in_tree, traced.out_tree, devices)
+    try:
+        if key not in _compiled:
+            _compiled[key] = _build(lowered)
+            if len(_compiled) > _KEPT:
+                _compiled.popitem(last=False)
+        _compiled.move_to_end(key)
+        return _compiled[key]
+    except (TypeError, ValueError):  # metadata that cannot be compared (an array)
+        return _build(lowered)
 
 
 def _build(lowered) -> Callable:
@@ -85,35 +90,32 @@ def _holds_arrays(jaxpr: Jaxpr) -> bool:
     return any(isinstance(v, Literal) and np.ndim(v.val) > 0 for v in jaxpr.outvars)
 
 
-def _rounded(jaxpr: Jaxpr, rounded_in: list[bool]) -> list[bool]:
-    """Per output of `jaxpr`: whether an op that may round otherwise in one
-    program made it, given which inputs such ops made (`rounded_in`)."""
-    rounded = dict(zip(jaxpr.invars, rounded_in))
+def _kinds(jaxpr: Jaxpr, kinds_in: list[str]) -> list[str]:
+    """Per output of `jaxpr`: ZERO (zeros), INPUT (an input moved) or OTHER
+    (computed, or a constant other than zero), given its inputs' kinds."""
+    kinds = dict(zip(jaxpr.invars, kinds_in))
 
     def of(v):
-        return False if isinstance(v, Literal) else rounded.get(v, False)
+        if isinstance(v, Literal):
+            return ZERO if _is_zero(v.val) else OTHER
+        return kinds.get(v, OTHER)  # a constvar: a constant
 
     for eqn in jaxpr.eqns:
         ins, inner = [of(v) for v in eqn.invars], _programs(eqn)
         if eqn.primitive.name in _CALLS and len(inner) == 1 and len(inner[0].invars) == len(ins):
-            outs = _rounded(inner[0], ins)
-        elif not inner and (_moves(eqn) or not any(map(_inexact, [*eqn.invars, *eqn.outvars]))):
-            outs = [any(ins)] * len(eqn.outvars)
-        else:  # arithmetic or a comparison on floats, a branch, a loop
-            outs = [True] * len(eqn.outvars)
-        rounded.update(zip(eqn.outvars, outs))
+            outs = _kinds(inner[0], ins)
+        elif eqn.primitive.name in _MOVES and not inner and len(ins) == 1:
+            outs = ins * len(eqn.outvars)
+        else:
+            outs = [OTHER] * len(eqn.outvars)
+        kinds.update(zip(eqn.outvars, outs))
     return [of(v) for v in jaxpr.outvars]
 
 
-def _moves(eqn) -> bool:
-    """Whether `eqn` only moves values. A conversion rounds once in any program
-    from a float of at most 32 bits; from an integer or a wider float, op by op
-    goes through float32 first (rounding twice) where a folded constant does not."""
-    if eqn.primitive.name != "convert_element_type":
-        return eqn.primitive.name in _MOVES
-    source, target = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
-    return not jnp.issubdtype(target, jnp.inexact) or (
-        jnp.issubdtype(source, jnp.floating) and np.dtype(source).itemsize <= 4)
+def _is_zero(value) -> bool:
+    """A scalar zero (not -0.0): the same bits however it is made."""
+    a = np.asarray(value)
+    return a.ndim == 0 and bool(a == 0) and not bool(np.signbit(a))
 
 
 def _programs(eqn) -> list[Jaxpr]:
@@ -124,7 +126,3 @@ def _programs(eqn) -> list[Jaxpr]:
             if isinstance(p, (ClosedJaxpr, Jaxpr)):
                 found.append(p.jaxpr if isinstance(p, ClosedJaxpr) else p)
     return found
-
-
-def _inexact(v) -> bool:
-    return hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.inexact)
