@@ -311,6 +311,9 @@ def test_the_initial_state_is_one_program_where_that_is_exact_and_as_written_oth
         ("momentum", model, optax.sgd(0.1, momentum=0.9), one),
         ("bf16 params", half, optax.adam(1e-3), one),
         ("nested zeros", model, plain(lambda p: jax.tree.map(jax.jit(jnp.zeros_like), p)), one),
+        ("complex zeros", model, plain(lambda p: {"c": jnp.zeros((3,), jnp.complex64)}), one),
+        ("a type with no zero", model, plain(lambda p: {"c": jnp.zeros((3,)).astype(
+            jnp.float8_e8m0fnu)}), written),
         ("a State", model, named(), one),
         ("another State", model, named(), one),
         ("dog", model, optax.contrib.dog(), written),

@@ -63,7 +63,8 @@ def _compile(traced, args) -> Callable:
     # (metadata 1 and 1.0 compare equal), the output types (a key's impl).
     key = (lowered.as_text(debug_info=False), tuple(map(str, jax.tree.leaves(traced.in_avals))),
            tuple(str(v.aval) for v in traced.jaxpr.jaxpr.outvars), str(traced.in_tree),
-           str(traced.out_tree), traced.in_tree, traced.out_tree, devices)
+           str(traced.out_tree), traced.in_tree, traced.out_tree, devices,
+           str(jax.config.jax_default_device))  # where a program without inputs runs
     try:
         if key not in _compiled:
             _compiled[key] = _build(lowered)
@@ -106,6 +107,8 @@ def _kinds(jaxpr: Jaxpr, kinds_in: list[str]) -> list[str]:
             outs = _kinds(inner[0], ins)
         elif eqn.primitive.name in _MOVES and not inner and len(ins) == 1:
             outs = ins * len(eqn.outvars)
+            if ins == [ZERO] and not _holds_zero(eqn.outvars[0].aval.dtype):
+                outs = [OTHER]  # e.g. float8_e8m0fnu, which has no zero
         else:
             outs = [OTHER] * len(eqn.outvars)
         kinds.update(zip(eqn.outvars, outs))
@@ -113,9 +116,19 @@ def _kinds(jaxpr: Jaxpr, kinds_in: list[str]) -> list[str]:
 
 
 def _is_zero(value) -> bool:
-    """A scalar zero (not -0.0): the same bits however it is made."""
+    """A scalar of all-zero bytes that is zero (not -0.0): the same bits
+    however it is made."""
     a = np.asarray(value)
-    return a.ndim == 0 and bool(a == 0) and not bool(np.signbit(a))
+    return a.ndim == 0 and not a.tobytes().strip(b"\0") and bool(a == 0)
+
+
+def _holds_zero(dtype) -> bool:
+    """Whether `dtype` holds zero as all-zero bytes, so that a zero converted
+    to it is zero on either path."""
+    try:
+        return _is_zero(np.zeros((), dtype))
+    except TypeError:  # not a NumPy type (a key)
+        return False
 
 
 def _programs(eqn) -> list[Jaxpr]:
