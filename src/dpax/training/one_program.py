@@ -57,10 +57,10 @@ def _compile(traced, args) -> Callable:
         return _build(lowered)  # values JAX may pass beside the text: not shared
     devices = tuple(sorted({d for a in jax.tree.leaves(args) if isinstance(a, jax.Array)
                             for d in a.devices()}, key=lambda d: (d.platform, d.id)))
-    # The text leaves out inputs the program does not read: their types are
-    # part of the key too, as the executable checks them.
-    # The trees as objects (two classes of one name differ) and as text
-    # (metadata 1 and 1.0 compare equal), the output types (a key's impl).
+    # Beside the text: the input types (the text leaves out inputs it does not
+    # read, and the executable checks them), the output types (a key's impl),
+    # the trees as objects (two classes of one name differ) and as text
+    # (metadata 1 and 1.0 compare equal).
     key = (lowered.as_text(debug_info=False), tuple(map(str, jax.tree.leaves(traced.in_avals))),
            tuple(str(v.aval) for v in traced.jaxpr.jaxpr.outvars), str(traced.in_tree),
            str(traced.out_tree), traced.in_tree, traced.out_tree, devices,
