@@ -1,7 +1,8 @@
 """Seconds to the first step through the Python API, dpax's `Trainer` against
 a hand-written `jit` loop (the batch sharded by `NamedSharding`, the state
-replicated), in a fresh process with an empty compilation cache, on a bench
-workload (`dpax.bench.workloads`). The model is made before the clock; then
+replicated; `masked`: the same keeping dpax's masks and weighted mean,
+`Workload.masked_loss`), in a fresh process with an empty compilation
+cache, on a bench workload (`dpax.bench.workloads`). The model is made before the clock; then
 dpax builds its `Trainer` and `fit`s one step, or the hand loop splits the
 model, runs `tx.init`, places the state and calls its step; both end with
 the loss on the host. JAX's monitoring events split the time into tracing,
@@ -10,6 +11,7 @@ lowering and XLA's compile.
     python scripts/first_call_time.py 2 dpax gpt
     python scripts/first_call_time.py 2 hand gpt
     python scripts/first_call_time.py 2 pmap gpt   # the seeds' pmap loop
+    python scripts/first_call_time.py 2 masked gpt # jit, padded rows masked
 
 Run each side in its own process, alternating, several times: the first
 call in a process pays its warm-ups. benchmarks/README.md ("First steps")
@@ -69,6 +71,32 @@ def hand_loop(w, model, x, y):
     jax.block_until_ready(params)
 
 
+def masked_loop(w, model, x, y):
+    """The `jit` loop keeping what dpax promises of a batch: a mask over the
+    rows and dpax's per-example loss, weighed as dpax does
+    (`Workload.masked_loss`); no dpax code runs but the loss function."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = w.tx()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("data",))
+    state = jax.device_put((params, tx.init(params)), NamedSharding(mesh, P()))
+    rows = NamedSharding(mesh, P("data"))
+
+    def loss(p, batch):
+        return w.masked_loss(nnx.merge(graphdef, p, rest), batch)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch):
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, metrics
+
+    b = w.batch_size
+    batch = jax.device_put({"x": x[:b], "y": y[:b], "mask": np.ones(b, bool)}, rows)
+    params, _, value, _ = train_step(*state, batch)
+    float(value)
+    jax.block_until_ready(params)
+
+
 def pmap_loop(w, model, x, y):
     """The seeds' loop: replicas stacked on the host, the batch reshaped to
     (N, rows / N, ...), a pmapped step that pmeans the gradients and metrics."""
@@ -107,6 +135,8 @@ def main() -> None:
         jax.block_until_ready(t.state.params)
     elif WHO == "pmap":
         pmap_loop(w, model, x, y)
+    elif WHO == "masked":
+        masked_loop(w, model, x, y)
     else:
         hand_loop(w, model, x, y)
     seconds = time.perf_counter() - start

@@ -1,7 +1,8 @@
 """The bench's hand loops do the per-step work dpax's built-in losses do: the
 same mean loss and the same accuracy (`Workload.mean_loss` against
 `dpax.models.losses`, weighted as dpax weighs them), so a bench row compares
-like with like."""
+like with like; the masked loop's loss (`Workload.masked_loss`) on a padded
+batch is the unpadded batch's."""
 
 import numpy as np
 import pytest
@@ -24,3 +25,17 @@ def test_hand_loss_and_accuracy_match_dpax_builtin_loss(name):
     np.testing.assert_allclose(float(loss), mean(per), rtol=1e-5)
     np.testing.assert_allclose(float(accuracy), mean(metrics["accuracy"]), rtol=1e-6)
     assert 0.0 < float(accuracy) < 1.0  # an accuracy that can tell the two apart
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt"])
+def test_the_masked_loss_of_a_padded_batch_is_the_unpadded_batch_loss(name):
+    w = WORKLOADS[name]
+    x, y = synthetic(w, 64, 1)
+    model = w.make()
+    loss, accuracy = nnx.jit(w.mean_loss)(model, x[:40], y[:40])
+    # Rows 40..63 are padding: zeros, as dpax pads, and masked out.
+    pad = lambda a: np.concatenate([a[:40], np.zeros_like(a[40:])])  # noqa: E731
+    batch = {"x": pad(x), "y": pad(y), "mask": np.arange(64) < 40}
+    masked, metrics = nnx.jit(w.masked_loss)(model, batch)
+    np.testing.assert_allclose(float(masked), float(loss), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["accuracy"]), float(accuracy), rtol=1e-6)

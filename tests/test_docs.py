@@ -111,14 +111,14 @@ def test_every_readme_command_runs(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "runs" / "compare-one-vs-eight.png").exists()
     # The bench command is the bench's smoke test: every method has its row.
     table = (tmp_path / "runs" / "bench" / "results.md").read_text()
-    for method in ("pmap loop", "jit 1 device", "jit sharded", "dpax/shard_map", "dpax/pmap",
-                   "dpax/tuned", "dpax/guard", "dpax/k=8"):
+    for method in ("pmap loop", "jit 1 device", "jit sharded", "jit masked", "dpax/shard_map",
+                   "dpax/pmap", "dpax/tuned", "dpax/guard", "dpax/k=8"):
         assert f"| tiny | 8 | {method} |" in table, table
     assert "every method trains with adam" in table.splitlines()[0]
     # Each ratio to the best hand loop with its interval, the hand loop's own 1.00x.
     ratios = re.findall(r"^\| tiny \| 8 \| ([^|]+) \|(?:[^|]*\|){4} (\d+\.\d\d)x "
                         r"\[(\d+\.\d\d), (\d+\.\d\d)\] \|", table, re.M)
-    assert len(ratios) == 8 and all(float(lo) <= float(r) <= float(hi)
+    assert len(ratios) == 9 and all(float(lo) <= float(r) <= float(hi)
                                     for _, r, lo, hi in ratios), table
     assert {(m, "1.00", "1.00", "1.00") for m in ("pmap loop", "jit sharded")} & set(ratios)
     assert (tmp_path / "runs" / "bench" / "steps_per_sec_vs_devices.png").stat().st_size > 10_000

@@ -15,6 +15,10 @@
   jit sharded                 jit with the batch sharded by NamedSharding over N devices and
                               the state replicated: XLA partitions the whole step itself
                               (the path JAX's docs recommend)
+  jit masked                  jit sharded keeping what dpax promises of a batch: the
+                              per-example loss dpax trains with, a mask over the rows, the
+                              mean as dpax weighs it (`Workload.masked_loss`); a reference
+                              for what the promise costs a hand loop, not a "best hand loop"
 
 Every method trains with the workload's optimizer (`Workload.tx`) and, as the
 seeds' loop does, computes the loss and the accuracy of every step
@@ -113,13 +117,15 @@ def step_comms(t: Trainer, compiled) -> dict:
     return {"found": found, "minimum": minimum, "padded": padded}
 
 
-def _split(w):
-    """((loss, accuracy) of (params, x, y), params): the model's other state
-    (e.g. RNG counters of dropout layers, unused at rate 0) held fixed."""
+def _split(w, masked=False):
+    """((loss, metrics) of (params, x, y), params), or with `masked` of
+    (params, batch) (`Workload.masked_loss`): the model's other state (e.g.
+    RNG counters of dropout layers, unused at rate 0) held fixed."""
     graphdef, params, rest = nnx.split(w.make(), nnx.Param, ...)
 
-    def loss(params, x, y):
-        return w.mean_loss(nnx.merge(graphdef, params, rest), x, y)
+    def loss(params, *batch):
+        model = nnx.merge(graphdef, params, rest)
+        return w.masked_loss(model, *batch) if masked else w.mean_loss(model, *batch)
 
     return loss, params
 
@@ -159,12 +165,13 @@ def bench_pmap_loop(w, n, batch_size) -> Method:
     return first_call("pmap loop", run)
 
 
-def bench_jit(w, batch_size, n=None) -> Method:
+def bench_jit(w, batch_size, n=None, masked=False) -> Method:
     """A jit loop: on one device (`n` None), or with the batch sharded over
     `n` devices by NamedSharding and the state replicated; each step returns
-    the loss and the accuracy, the loss read only at the end."""
+    the loss and the accuracy, the loss read only at the end. `masked`: the
+    step takes a batch with a mask, and minimizes `Workload.masked_loss`."""
     x, y = synthetic(w, batch_size)
-    mean_loss, params = _split(w)
+    mean_loss, params = _split(w, masked)
     tx = w.tx()
     state = [params, tx.init(params)]
     put = None
@@ -175,24 +182,28 @@ def bench_jit(w, batch_size, n=None) -> Method:
         put = functools.partial(jax.device_put, device=rows)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, xb, yb):
-        (loss, accuracy), grads = jax.value_and_grad(mean_loss, has_aux=True)(params, xb, yb)
+    def train_step(params, opt_state, *batch):
+        (loss, metrics), grads = jax.value_and_grad(mean_loss, has_aux=True)(params, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, accuracy
+        return optax.apply_updates(params, updates), opt_state, loss, metrics
 
     n_batches = len(x) // batch_size
+    mask = np.ones(batch_size, bool)  # every row real: the bench's batches are full
 
     def run(k):
         loss = None
         for i in range(k):
             j = i % n_batches
-            xb, yb = x[j * batch_size:(j + 1) * batch_size], y[j * batch_size:(j + 1) * batch_size]
+            batch = (x[j * batch_size:(j + 1) * batch_size], y[j * batch_size:(j + 1) * batch_size])
+            if masked:
+                batch = ({"x": batch[0], "y": batch[1], "mask": mask},)
             if put is not None:
-                xb, yb = put(xb), put(yb)
-            state[0], state[1], loss, _ = train_step(state[0], state[1], xb, yb)
+                batch = put(batch)
+            state[0], state[1], loss, _ = train_step(state[0], state[1], *batch)
             if put is not None and i % 2 == 1:  # XLA:CPU: bound the multi-device queue
                 state[0] = jax.block_until_ready(state[0])
         jax.block_until_ready(state)
         float(loss)  # the log line: one sync at the end
 
-    return first_call("jit 1 device" if n is None else "jit sharded", run)
+    name = "jit masked" if masked else "jit 1 device" if n is None else "jit sharded"
+    return first_call(name, run)

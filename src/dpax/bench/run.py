@@ -93,6 +93,7 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
             methods = [bench_pmap_loop(w, n, w.batch_size), jit]
             if n > 1:
                 methods.append(bench_jit(w, w.batch_size, n))
+            methods.append(bench_jit(w, w.batch_size, n, masked=True))
             methods += [bench_dpax(w, n, backend, w.batch_size)
                         for backend in ("shard_map", "pmap")]
             if jax.default_backend() == "cpu":  # the opt-in XLA:CPU tuning

@@ -41,6 +41,21 @@ class Workload:
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         return loss, jnp.mean(jnp.argmax(logits, -1) == labels)
 
+    def masked_loss(self, model, batch):
+        """What a hand-written loop that keeps dpax's promise of a batch
+        minimizes: dpax's per-example `loss()` on `batch` (`x`, `y`, `mask`),
+        the padded rows (mask False) weighted 0, the mean over the global
+        batch as dpax weighs it (over tokens for an LM); `(mean loss,
+        {metric: mean})`."""
+        out = self.loss()(model, batch)
+        out = out if isinstance(out, tuple) else (out,)
+        per_example, metrics, weights = out + ({}, None)[len(out) - 1:]
+        weights = jnp.ones_like(per_example) if weights is None else weights.astype(jnp.float32)
+        weights = jnp.where(batch["mask"], weights, 0.0)
+        total = jnp.sum(weights)
+        return jnp.sum(per_example * weights) / total, {
+            k: jnp.sum(v * weights) / total for k, v in metrics.items()}
+
     def tx(self):
         return OPTIMIZERS[self.optimizer]()
 
