@@ -49,50 +49,31 @@ def listen(name, seconds, **kwargs):
         events[name.rsplit("/", 1)[-1]] += seconds
 
 
-def hand_loop(w, model, x, y):
+def hand_loop(w, model, x, y, masked=False):
+    """`masked`: the step takes a batch with a mask over its rows and
+    minimizes `Workload.masked_loss` (dpax's per-example loss, weighted as
+    dpax weights it); no dpax code runs but the loss function."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = w.tx()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("data",))
     state = jax.device_put((params, tx.init(params)), NamedSharding(mesh, P()))
     rows = NamedSharding(mesh, P("data"))
 
-    def loss(p, xb, yb):
-        return w.mean_loss(nnx.merge(graphdef, p, rest), xb, yb)
+    def loss(p, *batch):
+        model = nnx.merge(graphdef, p, rest)
+        return w.masked_loss(model, *batch) if masked else w.mean_loss(model, *batch)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, xb, yb):
-        (value, accuracy), grads = jax.value_and_grad(loss, has_aux=True)(params, xb, yb)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value, accuracy
-
-    xb, yb = jax.device_put((x[:w.batch_size], y[:w.batch_size]), rows)
-    params, _, value, _ = train_step(*state, xb, yb)
-    float(value)
-    jax.block_until_ready(params)
-
-
-def masked_loop(w, model, x, y):
-    """The `jit` loop keeping what dpax promises of a batch: a mask over the
-    rows and dpax's per-example loss, weighed as dpax does
-    (`Workload.masked_loss`); no dpax code runs but the loss function."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = w.tx()
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("data",))
-    state = jax.device_put((params, tx.init(params)), NamedSharding(mesh, P()))
-    rows = NamedSharding(mesh, P("data"))
-
-    def loss(p, batch):
-        return w.masked_loss(nnx.merge(graphdef, p, rest), batch)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch):
-        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, batch)
+    def train_step(params, opt_state, *batch):
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, metrics
 
     b = w.batch_size
-    batch = jax.device_put({"x": x[:b], "y": y[:b], "mask": np.ones(b, bool)}, rows)
-    params, _, value, _ = train_step(*state, batch)
+    batch = (x[:b], y[:b])
+    if masked:
+        batch = ({"x": x[:b], "y": y[:b], "mask": np.ones(b, bool)},)
+    params, _, value, _ = train_step(*state, *jax.device_put(batch, rows))
     float(value)
     jax.block_until_ready(params)
 
@@ -135,12 +116,10 @@ def main() -> None:
         jax.block_until_ready(t.state.params)
     elif WHO == "pmap":
         pmap_loop(w, model, x, y)
-    elif WHO == "masked":
-        masked_loop(w, model, x, y)
     else:
-        hand_loop(w, model, x, y)
+        hand_loop(w, model, x, y, masked=WHO == "masked")
     seconds = time.perf_counter() - start
-    parts = {k: round(v, 2) for k, v in sorted(events.items()) if v > 0.05}
+    parts = {k: round(v, 2) for k, v in sorted(events.items()) if v > 0.05}  # the rest: < 0.05 s
     print(f"{WHO} {WORKLOAD} N={N}: first step {seconds:.2f} s {parts}")
 
 

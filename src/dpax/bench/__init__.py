@@ -3,7 +3,8 @@ measured in one process on the same devices.
 
   run         `BenchConfig` and `run_bench`: every method of every workload
   workloads   the models, data and optimizers timed
-  baselines   the pmap loop, jit on one device, jit + NamedSharding, and dpax
+  baselines   the pmap loop, jit on one device, jit + NamedSharding (also with masked
+              rows, a reference), and dpax
   timing      methods timed in turns
   report      results.md, results.json and PNG plots
 """

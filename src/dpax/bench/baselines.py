@@ -22,7 +22,8 @@
 
 Every method trains with the workload's optimizer (`Workload.tx`) and, as the
 seeds' loop does, computes the loss and the accuracy of every step
-(`Workload.mean_loss`; dpax's built-in losses report both).
+(`Workload.mean_loss`, `jit masked` `Workload.masked_loss`; dpax's built-in
+losses report both).
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def bench_jit(w, batch_size, n=None, masked=False) -> Method:
     the loss and the accuracy, the loss read only at the end. `masked`: the
     step takes a batch with a mask, and minimizes `Workload.masked_loss`."""
     x, y = synthetic(w, batch_size)
-    mean_loss, params = _split(w, masked)
+    loss_fn, params = _split(w, masked)
     tx = w.tx()
     state = [params, tx.init(params)]
     put = None
@@ -183,7 +184,7 @@ def bench_jit(w, batch_size, n=None, masked=False) -> Method:
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params, opt_state, *batch):
-        (loss, metrics), grads = jax.value_and_grad(mean_loss, has_aux=True)(params, *batch)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, metrics
 
@@ -200,7 +201,7 @@ def bench_jit(w, batch_size, n=None, masked=False) -> Method:
             if put is not None:
                 batch = put(batch)
             state[0], state[1], loss, _ = train_step(state[0], state[1], *batch)
-            if put is not None and i % 2 == 1:  # XLA:CPU: bound the multi-device queue
+            if n is not None and n > 1 and i % 2 == 1:  # XLA:CPU: bound the multi-device queue
                 state[0] = jax.block_until_ready(state[0])
         jax.block_until_ready(state)
         float(loss)  # the log line: one sync at the end

@@ -44,17 +44,22 @@ class Workload:
     def masked_loss(self, model, batch):
         """What a hand-written loop that keeps dpax's promise of a batch
         minimizes: dpax's per-example `loss()` on `batch` (`x`, `y`, `mask`),
-        the padded rows (mask False) weighted 0, the mean over the global
-        batch as dpax weighs it (over tokens for an LM); `(mean loss,
-        {metric: mean})`."""
+        the padded rows (mask False) left out, the mean over the batch
+        weighted as dpax weights it (over tokens for an LM, in float32);
+        `(mean loss, {metric: mean})`."""
         out = self.loss()(model, batch)
         out = out if isinstance(out, tuple) else (out,)
         per_example, metrics, weights = out + ({}, None)[len(out) - 1:]
-        weights = jnp.ones_like(per_example) if weights is None else weights.astype(jnp.float32)
-        weights = jnp.where(batch["mask"], weights, 0.0)
-        total = jnp.sum(weights)
-        return jnp.sum(per_example * weights) / total, {
-            k: jnp.sum(v * weights) / total for k, v in metrics.items()}
+        mask = batch["mask"]
+        weights = jnp.ones(mask.shape) if weights is None else weights.astype(jnp.float32)
+        total = jnp.sum(jnp.where(mask, weights, 0.0))
+
+        def mean(v):  # `where`, as dpax: a NaN on a padded row must not count
+            w = weights.reshape(weights.shape + (1,) * (v.ndim - 1))
+            m = mask.reshape(mask.shape + (1,) * (v.ndim - 1))
+            return jnp.sum(jnp.where(m, v.astype(jnp.float32) * w, 0.0), axis=0) / total
+
+        return mean(per_example), {k: mean(v) for k, v in metrics.items()}
 
     def tx(self):
         return OPTIMIZERS[self.optimizer]()
