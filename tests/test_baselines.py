@@ -30,7 +30,7 @@ def test_hand_loss_and_accuracy_match_dpax_builtin_loss(name):
 @pytest.mark.parametrize("name", ["tiny", "gpt"])
 def test_the_masked_loss_of_a_padded_batch_is_the_unpadded_batch_loss(name):
     """Against dpax's per-example loss on the 40 real rows, weighted as dpax
-    weights it: windows of different lengths (weights 2..64 tokens), and
+    weights it: windows of different lengths (weights 1..64 tokens), and
     padded rows that would count if the mask were ignored (copies of real
     rows, with their lengths)."""
     w = WORKLOADS[name]
