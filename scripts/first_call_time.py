@@ -11,7 +11,7 @@ lowering and XLA's compile.
     python scripts/first_call_time.py 2 dpax gpt
     python scripts/first_call_time.py 2 hand gpt
     python scripts/first_call_time.py 2 pmap gpt   # the seeds' pmap loop
-    python scripts/first_call_time.py 2 masked gpt # jit, padded rows masked
+    python scripts/first_call_time.py 2 masked gpt # jit, with a mask over the rows
 
 Run each side in its own process, alternating, several times: the first
 call in a process pays its warm-ups. benchmarks/README.md ("First steps")
@@ -26,6 +26,8 @@ import tempfile
 import time
 
 N, WHO, WORKLOAD = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if WHO not in ("dpax", "hand", "masked", "pmap"):
+    sys.exit(f"WHO is one of dpax, hand, masked, pmap, got {WHO!r}")
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["DPAX_CACHE_DIR"] = tempfile.mkdtemp()  # an empty compilation cache
 

@@ -134,6 +134,8 @@ def test_bench_refuses_an_unknown_workload():
     # The bench itself runs in test_readme (the README's bench command).
     assert main(["bench", "--workloads", "resnet"]) == 2
     assert main(["bench", "--workloads", "tiny", "--optimizer", "lion"]) == 2
+    # No workload's batch splits over 3 devices: refused, not a run that times nothing.
+    assert main(["bench", "--workloads", "tiny,mlp", "--devices", "1,3"]) == 2
 
 
 def test_every_bench_optimizer_is_what_every_method_trains_with():

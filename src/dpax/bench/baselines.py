@@ -15,7 +15,8 @@
   jit sharded                 jit with the batch sharded by NamedSharding over N devices and
                               the state replicated: XLA partitions the whole step itself
                               (the path JAX's docs recommend)
-  jit masked                  jit sharded keeping what dpax promises of a batch: the
+  jit masked                  jit sharded (jit 1 device at N = 1) keeping what dpax promises
+                              of a batch: the
                               per-example loss dpax trains with, a mask over the rows, the
                               mean as dpax weighs it (`Workload.masked_loss`); a reference
                               for what the promise costs a hand loop, not a "best hand loop"
@@ -201,7 +202,7 @@ def bench_jit(w, batch_size, n=None, masked=False) -> Method:
             if put is not None:
                 batch = put(batch)
             state[0], state[1], loss, _ = train_step(state[0], state[1], *batch)
-            if n is not None and n > 1 and i % 2 == 1:  # XLA:CPU: bound the multi-device queue
+            if put is not None and i % 2 == 1:  # XLA:CPU: bound the multi-device queue
                 state[0] = jax.block_until_ready(state[0])
         jax.block_until_ready(state)
         float(loss)  # the log line: one sync at the end

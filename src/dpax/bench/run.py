@@ -67,6 +67,12 @@ class BenchConfig:
                             f"from {', '.join(WORKLOADS)}")
         if any(n < 1 for n in self.counts()):
             raise DpaxError(f"`devices` must be counts >= 1, got {self.devices!r}")
+        batches = {name: WORKLOADS[name].batch_size for name in self.names()}
+        for n in self.counts():  # a count no batch splits into would time nothing
+            if all(b % n for b in batches.values()):
+                sizes = ", ".join(f"{name} {b}" for name, b in batches.items())
+                raise DpaxError(f"`devices` {n} divides no workload's batch ({sizes}); use "
+                                "counts that divide them, e.g. 1,2,4,8")
         cfg.one_of(self, "optimizer", OPTIMIZERS)
         for name in ("repeats", "steps", "steps_per_call"):
             cfg.whole(self, name)
@@ -89,11 +95,14 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
         jit = bench_jit(w, w.batch_size)
         for n in device_counts:
             if w.batch_size % n:
+                log(f"{name} skipped on {n} devices: its batch of {w.batch_size} does not "
+                    "split evenly")
                 continue
             methods = [bench_pmap_loop(w, n, w.batch_size), jit]
             if n > 1:
                 methods.append(bench_jit(w, w.batch_size, n))
-            methods.append(bench_jit(w, w.batch_size, n, masked=True))
+            # On one device as `jit 1 device` runs: a one-device mesh would add a put per step.
+            methods.append(bench_jit(w, w.batch_size, n if n > 1 else None, masked=True))
             methods += [bench_dpax(w, n, backend, w.batch_size)
                         for backend in ("shard_map", "pmap")]
             if jax.default_backend() == "cpu":  # the opt-in XLA:CPU tuning
