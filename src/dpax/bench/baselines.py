@@ -16,10 +16,10 @@
                               the state replicated: XLA partitions the whole step itself
                               (the path JAX's docs recommend)
   jit masked                  jit sharded (jit 1 device at N = 1) keeping what dpax promises
-                              of a batch: the
-                              per-example loss dpax trains with, a mask over the rows, the
-                              mean as dpax weighs it (`Workload.masked_loss`); a reference
-                              for what the promise costs a hand loop, not a "best hand loop"
+                              of a batch: the per-example loss dpax trains with, a mask over
+                              the rows, the mean weighted as dpax weights it
+                              (`Workload.masked_loss`); a reference for what the promise
+                              costs a hand loop, not a "best hand loop"
 
 Every method trains with the workload's optimizer (`Workload.tx`) and, as the
 seeds' loop does, computes the loss and the accuracy of every step
