@@ -4,10 +4,9 @@ replicated; `masked`: the same keeping dpax's masks and weighted mean,
 `Workload.masked_loss`), in a fresh process with an empty compilation
 cache, on a bench workload (`dpax.bench.workloads`). The model is made
 before the clock; then dpax builds its `Trainer` and `fit`s one step, or
-the hand loop splits the
-model, runs `tx.init`, places the state and calls its step; both end with
-the loss on the host. JAX's monitoring events split the time into tracing,
-lowering and XLA's compile.
+the hand loop splits the model, runs `tx.init`, places the state and calls
+its step; both end with the loss on the host. JAX's monitoring events split
+the time into tracing, lowering and XLA's compile.
 
     python scripts/first_call_time.py 2 dpax gpt
     python scripts/first_call_time.py 2 hand gpt
