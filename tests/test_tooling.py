@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dpax.cli import main
+from dpax.errors import DpaxError
 
 RUN = ["--model", "mlp", "--devices", "4", "--steps", "30", "--log-every", "10",
        "--eval-every", "10", "--skip-nonfinite"]  # the guard logs grad_norm
@@ -130,12 +131,16 @@ def test_progress_bar_on_a_terminal_and_lines_without_one():
         ["10/30", "20/30", "30/30", "30/30"]
 
 
-def test_bench_refuses_an_unknown_workload():
+def test_bench_refuses_an_unknown_workload(tmp_path):
     # The bench itself runs in test_readme (the README's bench command).
     assert main(["bench", "--workloads", "resnet"]) == 2
     assert main(["bench", "--workloads", "tiny", "--optimizer", "lion"]) == 2
     # No workload's batch splits over 3 devices: refused, not a run that times nothing.
     assert main(["bench", "--workloads", "tiny,mlp", "--devices", "1,3"]) == 2
+    from dpax.bench.run import run_bench  # the Python API refuses it before timing anything
+    with pytest.raises(DpaxError, match="divides no workload's batch"):
+        run_bench(["tiny"], [3], out_dir=str(tmp_path))
+    assert not list(tmp_path.iterdir())
 
 
 def test_every_bench_optimizer_is_what_every_method_trains_with():

@@ -67,12 +67,7 @@ class BenchConfig:
                             f"from {', '.join(WORKLOADS)}")
         if any(n < 1 for n in self.counts()):
             raise DpaxError(f"`devices` must be counts >= 1, got {self.devices!r}")
-        batches = {name: WORKLOADS[name].batch_size for name in self.names()}
-        for n in self.counts():  # a count no batch splits into would time nothing
-            if all(b % n for b in batches.values()):
-                sizes = ", ".join(f"{name} {b}" for name, b in batches.items())
-                raise DpaxError(f"`devices` {n} divides no workload's batch ({sizes}); use "
-                                "counts that divide them, e.g. 1,2,4,8")
+        check_counts(self.names(), self.counts())
         cfg.one_of(self, "optimizer", OPTIMIZERS)
         for name in ("repeats", "steps", "steps_per_call"):
             cfg.whole(self, name)
@@ -80,11 +75,25 @@ class BenchConfig:
             check_sharding(mode, "shard_map")
 
 
+def check_counts(workloads, device_counts) -> None:
+    """Refuse a device count that splits no workload's batch: it would time nothing."""
+    batches = {name: WORKLOADS[name].batch_size for name in workloads}
+    for n in device_counts:
+        if all(b % n for b in batches.values()):
+            sizes = ", ".join(f"{name} {b}" for name, b in batches.items())
+            raise DpaxError(f"`devices` {n} divides no workload's batch ({sizes}); use "
+                            "counts that divide them, e.g. 1,2,4,8")
+
+
 def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
               sweep=True, out_dir="benchmarks/results", shardings=(), log=print,
               optimizer="adam") -> list[dict]:
     """Measure everything, every method training with `optimizer` (a name in
-    `OPTIMIZERS`); write results.md, results.json and PNGs to `out_dir`."""
+    `OPTIMIZERS`); write results.md, results.json and PNGs to `out_dir`.
+
+    Raises:
+      DpaxError: a device count that splits no workload's batch."""
+    check_counts(workloads, device_counts)
     os.makedirs(out_dir, exist_ok=True)
     # One device's peak (the kept best measurement on CPU, `dpax.parallel.peak`).
     peak = peaks.for_devices(jax.devices()[:1])
