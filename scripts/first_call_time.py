@@ -1,7 +1,8 @@
 """Seconds to the first step through the Python API, dpax's `Trainer` against
 a hand-written `jit` loop (the batch sharded by `NamedSharding`, the state
 replicated; `masked`: the same keeping dpax's masks and weighted mean,
-`Workload.masked_loss`), in a fresh process with an empty compilation
+`Workload.masked_loss`; `smap`: that step per device under `jax.shard_map`,
+its gradients pmeaned), in a fresh process with an empty compilation
 cache, on a bench workload (`dpax.bench.workloads`). The model is made
 before the clock; then dpax builds its `Trainer` and `fit`s one step, or
 the hand loop splits the model, runs `tx.init`, places the state and calls
@@ -12,6 +13,14 @@ the time into tracing, lowering and XLA's compile.
     python scripts/first_call_time.py 2 hand gpt
     python scripts/first_call_time.py 2 pmap gpt   # the seeds' pmap loop
     python scripts/first_call_time.py 2 masked gpt # jit, with a mask over the rows
+    python scripts/first_call_time.py 2 smap gpt   # the same math per device (shard_map)
+    python scripts/first_call_time.py 2 dpax gpt DIR  # compiled programs kept in DIR
+
+Without DIR, dpax keeps its programs in an empty directory (its default
+cache) and the hand loops in none (JAX's default). With DIR, that is the
+cache of both (dpax's `compile_cache`; for the hand loops JAX's own, of
+programs of 0.1 s and more, as dpax keeps them): a second run with the
+same DIR times a rerun's first step.
 
 Run each side in its own process, alternating, several times: the first
 call in a process pays its warm-ups. benchmarks/README.md ("First steps")
@@ -25,11 +34,16 @@ import sys
 import tempfile
 import time
 
+WHOS = ("dpax", "hand", "masked", "smap", "pmap")
+if len(sys.argv) not in (4, 5) or not sys.argv[1].isdigit() or not 1 <= int(sys.argv[1]) <= 8:
+    sys.exit("usage: first_call_time.py N WHO WORKLOAD [CACHE_DIR]  (N: 1-8 devices)")
 N, WHO, WORKLOAD = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-if WHO not in ("dpax", "hand", "masked", "pmap"):
-    sys.exit(f"WHO is one of dpax, hand, masked, pmap, got {WHO!r}")
+# Without CACHE_DIR: dpax's default cache in an empty directory, the hand loops none.
+CACHE = sys.argv[4] if len(sys.argv) == 5 else None
+if WHO not in WHOS:
+    sys.exit(f"WHO is one of {', '.join(WHOS)}, got {WHO!r}")
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-os.environ["DPAX_CACHE_DIR"] = tempfile.mkdtemp()  # an empty compilation cache
+os.environ["DPAX_CACHE_DIR"] = CACHE or tempfile.mkdtemp()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -42,6 +56,12 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from dpax.bench.workloads import WORKLOADS, synthetic  # noqa: E402
 from dpax.training.trainer import Trainer  # noqa: E402
 
+if WORKLOAD not in WORKLOADS:
+    sys.exit(f"WORKLOAD is one of {', '.join(WORKLOADS)}, got {WORKLOAD!r}")
+if CACHE and WHO != "dpax":  # dpax sets its own (`compile_cache`); the hand loops, JAX's
+    jax.config.update("jax_compilation_cache_dir", CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
 events: dict = collections.defaultdict(float)
 timing = [False]
 
@@ -51,10 +71,13 @@ def listen(name, seconds, **kwargs):
         events[name.rsplit("/", 1)[-1]] += seconds
 
 
-def hand_loop(w, model, x, y, masked=False):
+def hand_loop(w, model, x, y, masked=False, per_device=False):
     """`masked`: the step takes a batch with a mask over its rows and
     minimizes `Workload.masked_loss` (dpax's per-example loss, weighted as
-    dpax weights it); no dpax code runs but the loss function."""
+    dpax weights it); no dpax code runs but the loss function. `per_device`
+    (with `masked`): that step per device under `jax.shard_map`, each
+    device's mean loss and gradients pmeaned (the global mean where every
+    device holds as many examples and tokens, as in the bench's batches)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = w.tx()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("data",))
@@ -65,15 +88,21 @@ def hand_loop(w, model, x, y, masked=False):
         model = nnx.merge(graphdef, p, rest)
         return w.masked_loss(model, *batch) if masked else w.mean_loss(model, *batch)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, *batch):
+    def step(params, opt_state, *batch):
         (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, *batch)
+        if per_device:
+            grads, value, metrics = jax.lax.pmean((grads, value, metrics), "data")
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value, metrics
 
+    if per_device:
+        step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")),
+                             out_specs=(P(), P(), P(), P()))
+    train_step = functools.partial(jax.jit, donate_argnums=(0, 1))(step)
+
     b = w.batch_size
     batch = (x[:b], y[:b])
-    if masked:
+    if masked or per_device:
         batch = ({"x": x[:b], "y": y[:b], "mask": np.ones(b, bool)},)
     params, _, value, _ = train_step(*state, *jax.device_put(batch, rows))
     float(value)
@@ -113,13 +142,14 @@ def main() -> None:
     timing[0] = True
     start = time.perf_counter()
     if WHO == "dpax":
-        t = Trainer(model, w.loss(), w.tx(), devices=N, xla_cpu_tuning=False)
+        t = Trainer(model, w.loss(), w.tx(), devices=N, xla_cpu_tuning=False,
+                    compile_cache=CACHE or "default")
         t.fit(x, y, batch_size=w.batch_size, until_step=1, log_every=10**9)
         jax.block_until_ready(t.state.params)
     elif WHO == "pmap":
         pmap_loop(w, model, x, y)
     else:
-        hand_loop(w, model, x, y, masked=WHO == "masked")
+        hand_loop(w, model, x, y, masked=WHO in ("masked", "smap"), per_device=WHO == "smap")
     seconds = time.perf_counter() - start
     parts = {k: round(v, 2) for k, v in sorted(events.items()) if v > 0.05}  # the rest: < 0.05 s
     print(f"{WHO} {WORKLOAD} N={N}: first step {seconds:.2f} s {parts}")
