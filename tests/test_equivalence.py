@@ -8,6 +8,7 @@ real at all.
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -132,3 +133,41 @@ def test_one_compilation_per_run_even_with_a_partial_last_batch():
         assert t.traces["train"] == 1, backend
         t.evaluate(ds.x_eval, ds.y_eval, batch_size=64)  # 360 = 5 * 64 + 40
         assert t.traces["eval"] == 1, backend
+
+
+class _UnitNorm(nnx.Module):
+    """A linear head on each input scaled to unit length: a row of zeros
+    divides by zero, and its gradient is NaN even where the mask drops it."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.head = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(x / jnp.linalg.norm(x, axis=-1, keepdims=True))
+
+
+def _inverse_count_loss(model, batch):
+    """Each example weighed by 1 / its count (>= 1 in every example)."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+    return ce, {}, 1.0 / batch["count"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_padding_is_as_finite_as_the_examples(seed):
+    """Padded rows copy a real example: what the model and the loss compute
+    on them is as finite as on the data. With rows of zeros, 4 devices
+    (batch 34 padded to 36) trained NaN params where one device, which pads
+    nothing, trained; with `skip_nonfinite` they skipped every step."""
+    rng = np.random.default_rng(seed)
+    data = {"x": rng.normal(size=(102, 8)).astype(np.float32), "y": rng.integers(0, 3, 102),
+            "count": rng.integers(1, 5, 102).astype(np.float32)}
+    for loss_fn in (losses.classification_loss, _inverse_count_loss):
+        params = {}
+        for n in (1, 4):
+            t = dpax.Trainer(_UnitNorm(nnx.Rngs(seed)), loss_fn, optax.sgd(0.1), devices=n,
+                             skip_nonfinite=True)
+            rows = t.fit(data, batch_size=34, until_step=6, log_every=6)
+            assert rows[-1]["skipped"] == 0, (loss_fn, n)
+            params[n] = t.params
+        assert all(np.isfinite(a).all() for a in jax.tree.leaves(params[4]))
+        assert max_diff(params[4], params[1]) <= TOL

@@ -22,7 +22,7 @@ TOL = 1e-5  # as tests/test_equivalence.py: N devices against one
 
 
 def test_gathered_batches_are_the_host_pipelines():
-    """Row for row, padded rows zero, nested keys and every dtype kept: a
+    """Row for row, padded rows the same copies, nested keys and every dtype kept: a
     short last batch of an epoch (10 examples, batches of 4) included."""
     rng = np.random.default_rng(0)
     data = {"x": rng.normal(size=(10, 3, 2)).astype(np.float32),

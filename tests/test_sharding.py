@@ -22,15 +22,24 @@ def test_shard_batch_pads_masks_and_round_trips(n, b):
     np.testing.assert_array_equal(back["y"], y)
 
 
-def test_padding_rows_are_zero_and_masked_off():
-    s = pad_batch({"x": np.ones((3, 2), np.float32)}, 8)
+def test_padding_rows_copy_the_first_example_and_are_masked_off():
+    x = np.arange(6, dtype=np.float32).reshape(3, 2) + 1
+    s = pad_batch({"x": x, "y": {"n": np.array([4, 5, 6])}}, 8)
     assert s["mask"].tolist() == [True] * 3 + [False] * 5
-    assert not s["x"][3:].any()
+    np.testing.assert_array_equal(s["x"], np.concatenate([x, np.repeat(x[:1], 5, 0)]))
+    assert s["y"]["n"].tolist() == [4, 5, 6] + [4] * 5
+    # A given example (`local_part`'s: the global batch's first), and zeros
+    # only where there is no example to copy.
+    s = pad_batch({"x": x}, 5, fill={"x": np.full((1, 2), 9.0)})
+    assert s["x"][3:].tolist() == [[9.0, 9.0]] * 2
+    s = pad_batch({"x": np.zeros((0, 2), np.float32)}, 2)
+    assert not s["x"].any() and not s["mask"].any()
 
 
 def test_pad_keeps_an_existing_mask():
-    s = pad_batch({"x": np.ones(3), "mask": np.array([True, False, True])}, 4)
-    assert s["mask"].tolist() == [True, False, True, False]
+    s = pad_batch({"x": np.arange(3) + 1, "mask": np.array([False, True, True])}, 4)
+    assert s["mask"].tolist() == [False, True, True, False]
+    assert s["x"].tolist() == [1, 2, 3, 2]  # the first real row's copy
 
 
 def test_bad_shapes_are_refused():

@@ -3,7 +3,12 @@ with a boolean mask of its real rows.
 
 A global batch of any size B >= 1 is padded to a multiple of the device count;
 every consumer divides by the mask's count, so padding never counts and no
-example is dropped.
+example is dropped. The padded rows are copies of a real example, not
+zeros: the mask keeps them out of every sum, but the model and the loss
+still run on them, and a row of zeros can make them divide by zero (an
+input's norm, a count the loss weighs by), whose gradient is NaN even
+where the mask leaves the row out. A copy of a real example computes
+whatever the real one does, so padding is as finite as the data.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 Batch = dict[str, Any]  # arrays (or nested dicts of them) sharing a leading example axis
@@ -34,25 +38,34 @@ def batch_rows(batch: Any) -> int:
     return next(iter(sizes.values()), 0)
 
 
-def pad_batch(batch: Batch, size: int) -> Batch:
-    """Zero-pad every array of `batch` (a dict of arrays, possibly nested) to
+def pad_batch(batch: Batch, size: int, fill: Batch | None = None) -> Batch:
+    """Pad every array of `batch` (a dict of arrays, possibly nested) to
     `size` rows and add the `mask` entry.
 
-    Zeros keep every loss finite on the padded rows; the mask keeps them out of
-    every sum.
+    The padded rows are copies of `fill` (a batch of one example, without a
+    mask), else of the batch's first real row (see the module's docstring);
+    a batch with no real row and no `fill` is padded with zeros. The mask
+    keeps them out of every sum.
     """
     old = batch.get(MASK)
     b = batch_rows(batch)
     if not 0 <= b <= size:  # 0: a process whose rows of the batch are all padding
         raise ValueError(f"batch of {b} examples does not fit a padded size of {size}")
+    if fill is None and size > b:
+        real = np.flatnonzero(np.asarray(old, bool)) if old is not None else range(b)
+        if len(real):
+            fill = {k: jax.tree.map(lambda a: np.asarray(a)[real[0]:real[0] + 1], v)
+                    for k, v in batch.items() if k != MASK}
 
-    def pad(v):
+    def pad(v, row=None):
         v = np.asarray(v)
         if size > b:
-            v = np.concatenate([v, np.zeros((size - b,) + v.shape[1:], v.dtype)])
+            row = np.zeros((1,) + v.shape[1:], v.dtype) if row is None else np.asarray(row)
+            v = np.concatenate([v, np.repeat(row.astype(v.dtype), size - b, axis=0)])
         return v
 
-    out = {k: jax.tree.map(pad, v) for k, v in batch.items()}
+    out = {k: jax.tree.map(pad, v) if fill is None else jax.tree.map(pad, v, fill[k])
+           for k, v in batch.items() if k != MASK}
     mask = np.zeros(size, bool)
     mask[:b] = True if old is None else np.asarray(old, bool)
     out[MASK] = mask
@@ -61,14 +74,9 @@ def pad_batch(batch: Batch, size: int) -> Batch:
 
 def gather_rows(data: Batch, rows: Batch) -> Batch:
     """On the device: the batch of the examples `rows[ROWS]` of `data` (arrays
-    placed on every device), its padded rows zero as `pad_batch` makes them,
-    with `rows`'s mask; `rows` may stack several steps' batches (leading
-    axes). The same batch as the host pipeline's, without a host-to-device
-    copy of its examples each step."""
-    mask = rows[MASK]
-
-    def take(a):
-        keep = mask.reshape(mask.shape + (1,) * (a.ndim - 1))
-        return jnp.where(keep, a[rows[ROWS]], jnp.zeros((), a.dtype))
-
-    return {**jax.tree.map(take, data), MASK: mask}
+    placed on every device), with `rows`'s mask; `rows` may stack several
+    steps' batches (leading axes). Its padded rows hold the example
+    `pad_batch` copied into them (`local_part` pads the indices with the
+    same example as the examples), so this is the host pipeline's batch,
+    without a host-to-device copy of its examples each step."""
+    return {**jax.tree.map(lambda a: a[rows[ROWS]], data), MASK: rows[MASK]}

@@ -106,10 +106,13 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 def local_part(data: dict, idx: np.ndarray, rows: tuple[int, int]) -> Batch:
     """Rows [lo, hi) of the padded global batch whose examples are `idx`: only
-    this process's examples are read; positions past len(idx) are padding."""
+    this process's examples are read; positions past len(idx) are padding,
+    copies of the global batch's first example (`pad_batch`) on every
+    process and device count."""
     lo, hi = rows
     mine = idx[lo:hi]
-    return pad_batch(jax.tree.map(lambda a: a[mine], data), hi - lo)
+    fill = jax.tree.map(lambda a: a[idx[:1]], data) if len(mine) < hi - lo else None
+    return pad_batch(jax.tree.map(lambda a: a[mine], data), hi - lo, fill)
 
 
 # Bytes of batches built in one piece: small batches come CHUNK_STEPS at a time

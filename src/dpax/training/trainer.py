@@ -630,7 +630,7 @@ class Trainer:
         def check_first(batch):
             mask = np.asarray(batch[MASK])
             arrays = {k: v for k, v in batch.items() if k != MASK}
-            if not mask.all():  # padding is zeros, and no example
+            if not mask.all():  # padding copies an example checked here already
                 arrays = jax.tree.map(lambda a: a[mask], arrays)
             first = dataclasses.replace(named, arrays=arrays, first_batch=True)
             distributed.refuse_together(
