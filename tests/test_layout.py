@@ -6,6 +6,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -74,6 +75,31 @@ def test_sharded_layouts_equal_one_device_for_any_n(sharding, n, opt):
         assert rel <= 1e-4 and diff <= 1e-4
     else:
         assert diff <= 1e-5 and rel <= 1e-5
+
+
+class _Temperature(nnx.Module):
+    """Logits divided by a learned scalar: a param no split divides."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.mlp = odd_mlp()
+        self.temperature = nnx.Param(jnp.ones(()))
+
+    def __call__(self, x):
+        return self.mlp(x) / self.temperature[...]
+
+
+@pytest.mark.parametrize("sharding,n", [("full", 3), ("optimizer", 3), ("full", 1)])
+def test_a_scalar_param_is_summed_whole_in_a_split_layout(sharding, n):
+    """A scalar param (a temperature) stays whole on every device of a
+    split layout; its gradient was scattered along no dimension (a raw
+    TypeError before the first step)."""
+    def run(n, sharding):
+        t = dpax.Trainer(_Temperature(nnx.Rngs(0)), dpax.classification_loss, optax.adam(3e-3),
+                         devices=n, sharding=sharding)
+        fit_digits(t, BATCH)
+        return leaves(t)
+
+    assert max_diff(run(n, sharding), run(1, "replicated")) <= 1e-4  # Adam, as above
 
 
 @pytest.mark.parametrize("kw", [{"grad_accum": 4}, {"steps_per_call": 4},

@@ -105,13 +105,20 @@ class Split:
 
     # -- in the per-device step: this device's slice along `dim` -----------------
     def gather(self, local: jax.Array) -> jax.Array:
-        """The whole logical leaf from every device's slice."""
+        """The whole logical leaf from every device's slice (a leaf no split
+        divides, a scalar, is whole on every device)."""
+        if self.dim is None:
+            return local
         return self.unpad(jax.lax.all_gather(local, AXIS, axis=self.dim, tiled=True))
 
     def scatter_sum(self, whole: jax.Array) -> jax.Array:
         """This device's slice of the sum over devices of a logical leaf: over
-        its group's devices, then (hybrid sharding) over the groups."""
-        part = reduce_scatter(self.pad(whole), AXIS, self.dim)
+        its group's devices, then (hybrid sharding) over the groups. A leaf
+        that is not split (a scalar) is summed whole."""
+        if self.dim is None:
+            part = psum_tree(whole, AXIS)
+        else:
+            part = reduce_scatter(self.pad(whole), AXIS, self.dim)
         return part if self.replicas == 1 else psum_tree(part, REPLICAS)
 
 
