@@ -44,8 +44,8 @@ class CheckConfig:
               "built-in loss)", metavar="MODULE:FN")
     data: str = cfg.field("digits", "data to train on")
     devices: int = cfg.field(8, "devices to compare with one")
-    batch_size: int | None = cfg.field(None, "global batch (default: 5N+3, so a device holds "
-                                             "padding)")
+    batch_size: int | None = cfg.field(None, "global batch (default: 5N+3, or 5N+2 on 3 "
+                                             "devices, so a device holds padding)")
     steps: int = cfg.field(5, "SGD steps")
     grad_accum: int = cfg.field(1, "micro-batches per step, on both sides")
     backend: str = cfg.field(DEFAULT_BACKEND, "shard_map or pmap")

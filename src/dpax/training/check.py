@@ -54,6 +54,9 @@ CAUSES = {
                   "normalization): return each example's own loss",
     "model-mixes": "an op in the model mixes examples across the batch (a mean, norm or "
                    "sort over the batch axis) without synchronizing it",
+    "nonfinite": "NaN or inf where one device's values are finite: something the model or "
+                 "the loss computes from a device's share of the batch (its size, its padded "
+                 "rows) is not finite",
 }
 
 
@@ -87,6 +90,13 @@ class CheckResult:
         return f"{head}\nNOT equivalent: {self.detail or CAUSES[self.cause]}"
 
 
+def default_batch(devices: int) -> int:
+    """A global batch that leaves `devices` > 1 padding: 5N + 3, or one less
+    where N divides that (N = 3)."""
+    b = 5 * devices + 3
+    return b - 1 if devices > 1 and b % devices == 0 else b
+
+
 def _numeric(x) -> np.ndarray:
     if jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key):
         x = jax.random.key_data(x)
@@ -94,9 +104,16 @@ def _numeric(x) -> np.ndarray:
 
 
 def _max_diff(a, b) -> float:
-    diffs = [float(np.max(np.abs(_numeric(x) - _numeric(y))))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)) if np.size(x)]
-    return max(diffs, default=0.0)
+    """The largest |a - b| over two trees: inf where a value is NaN or
+    infinite on one side only (equal NaNs and infinities differ by 0)."""
+    diffs = [0.0]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = _numeric(x), _numeric(y)
+        if x.size:
+            same = (x == y) | (np.isnan(x) & np.isnan(y))
+            d = np.where(same, 0.0, np.abs(x - y))
+            diffs.append(float(np.max(np.where(np.isnan(d), np.inf, d))))
+    return max(diffs)
 
 
 def _per_device_batchnorm(model: nnx.Module, sync_batchnorm: bool) -> list[str]:
@@ -147,8 +164,9 @@ def check_equivalence(
       loss_fn: the loss as given to `Trainer` (one loss per example).
       data, y: training examples, as `Trainer.fit` takes them.
       devices: the device count compared against one device.
-      batch_size: the global batch; None: `5 * devices + 3`, which leaves
-        the last device mostly padding.
+      batch_size: the global batch; None: `5 * devices + 3` (one less where
+        that splits evenly, on 3 devices), which leaves the last device
+        padding.
       steps: how many steps are compared, each from one device's state.
       lr: the SGD learning rate.
       sync_batchnorm: as `Trainer` takes it.
@@ -171,7 +189,7 @@ def check_equivalence(
     """
     data = examples(data, y)
     # Uneven: with N = 8, 43 rows pad to 48, and the last device holds 1 real row.
-    batch_size = batch_size or 5 * devices + 3
+    batch_size = batch_size or default_batch(devices)
     t1, tn = (Trainer(make_model(), loss_fn, optax.sgd(lr), devices=n, backend=backend,
                       sync_batchnorm=sync_batchnorm, max_bad_steps=None,
                       grad_accum=grad_accum, **layout)
@@ -198,6 +216,9 @@ def check_equivalence(
     result = CheckResult(devices, batch_size, steps, diffs["params"], diffs["loss"],
                          diffs["state"], layout=layout)
     if max(diffs.values()) <= TOLERANCE:
+        return result
+    if np.isinf(max(diffs.values())):  # not a difference of rounding or of a mix: no search
+        result.cause = "nonfinite"
         return result
     result.cause, result.detail = _diagnose(tn.model(), t1, loss_fn, data, before,
                                             sync_batchnorm)
