@@ -100,6 +100,32 @@ def test_the_step_reads_the_gradients_trace_as_the_forwards(name, fn, mixes):
         k for k in own if not isinstance(k, Mixed)], name
 
 
+@pytest.mark.parametrize("name,fn", [
+    ("cummax over the rows", lambda x: jax.lax.cummax(x, 0)),
+    ("cumprod over the rows", lambda x: jnp.cumprod(x, 0)),
+    ("scaled by a product over the rows", lambda x: x * jnp.prod(x, 0)),
+])
+def test_what_the_gradients_trace_hides_is_read_from_the_forward(name, fn):
+    """JAX writes these ops' JVPs as slices, pads and scans that the analysis
+    does not read (`UNKNOWN`), so they trained on N devices unrefused: where
+    the gradient's trace holds anything unread, the refusals read the
+    forward's own trace, whose ops mix the rows."""
+    from dpax.analysis.refusals import Asks, refuse
+    from dpax.training.step import _value_part
+
+    def forward(w, state, x):
+        out = fn(x * w)
+        return jnp.sum(out), out
+
+    args = (jax.ShapeDtypeStruct((4,), jnp.float32), {},
+            jax.ShapeDtypeStruct((R, 4), jnp.float32))
+    grad = jax.make_jaxpr(jax.value_and_grad(forward, has_aux=True), axis_env=[("d", 2)])(*args)
+    part = _value_part(grad.jaxpr, 1)
+    assert UNKNOWN in mixing(part, [False, True])
+    with pytest.raises(MixesExamples, match=name.split()[0].replace("scaled", "mul")):
+        refuse(forward, args, "d", 2, Asks(), jaxpr=part)
+
+
 def test_lookups_convolutions_and_scans_keep_rows():
     table = jnp.ones((10, 4))
 
@@ -168,6 +194,20 @@ def test_a_loss_over_the_batch_is_refused_on_several_devices():
     assert "global_rows" in str(e.value)
     assert int(t.state.step) == 0  # nothing trained, nothing changed
     jax.tree.map(np.testing.assert_array_equal, before, t.params)
+
+
+def test_a_loss_with_a_running_max_over_the_batch_is_refused():
+    """cummax over the batch's losses: read from the forward's own trace (the
+    gradient's writes it as ops the analysis does not read)."""
+    def running_max(model, batch):
+        za, _ = model(batch["x"])
+        losses = optax.softmax_cross_entropy_with_integer_labels(za, batch["y"])
+        return losses + jax.lax.cummax(losses, 0)
+
+    x, y = data(0)
+    t = dpax.Trainer(Towers(nnx.Rngs(0)), running_max, optax.adam(1e-2), devices=2)
+    with pytest.raises(MixesExamples, match="cummax at .*test_rows.py"):
+        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
 
 
 def test_the_refusal_comes_before_an_error_of_the_gradient():

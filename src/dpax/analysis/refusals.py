@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from dpax.analysis.propagate import COLLECTIVES, PER_DEVICE, axes, leaf_flags, trace
-from dpax.analysis.rows import first_mixed, mixing
+from dpax.analysis.rows import UNKNOWN, first_mixed, mixing
 from dpax.analysis.varying import analyze, varying
 from dpax.errors import DpaxError, MixesExamples, PerDeviceRandom, PerDeviceState
 
@@ -49,6 +49,11 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
     the leaves of `args`; the random draws' check traces `forward` again)."""
     if math.prod(size if isinstance(size, tuple) else (size,)) == 1:
         return {}
+    if jaxpr is not None and UNKNOWN in mixing(jaxpr, leaf_flags(args, ON_ROWS)):
+        # The caller's trace (a gradient's forward part) holds derivative
+        # forms the analysis cannot read (cummax's or a product's JVP): read
+        # the forward's own ops instead.
+        jaxpr = None
     if jaxpr is None:
         jaxpr = trace(forward, args, axis, size)
     if isinstance(axis, tuple):

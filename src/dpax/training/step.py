@@ -152,8 +152,9 @@ def preflight(forward: Callable, params, model_state, batch: dict, axis,
     differently from one device, and returns {leaf index: path} of the model
     state to average (`_average_state`). `traced`: the gradient's trace of
     that micro-batch (`_sums_and_grads`), whose forward part is read instead
-    of tracing `forward` again (a model's own random streams are judged on
-    traces of `forward` at two batch sizes).
+    of tracing `forward` again, unless it holds derivative forms the
+    analysis cannot read (`dpax.analysis.refusals.refuse`; a model's own
+    random streams are judged on traces of `forward` at two batch sizes).
 
     Called as the step is traced: one device's shapes and the number of
     devices exist only once a backend (`pmap`, `shard_map`) traces the
