@@ -227,3 +227,71 @@ def test_check_bad_factory_exits_2(capsys):
     assert main(["check", "--factory", "no-colon"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "cannot import" in err[0] and "MODULE:NAME" in err[1]
+
+
+# -- a BatchNorm's own mask (padded steps of sequences) ------------------------------------
+T = 6  # steps of a sequence; each example's real ones come first
+
+
+def sequences(seed):
+    """Sequences of 2-6 real steps; the padded steps hold 5.0, far from the
+    real ones' mean, so statistics that count them are plainly off."""
+    rng = np.random.default_rng(seed)
+    real = np.arange(T)[None, :] < rng.integers(2, T + 1, (103, 1))
+    x = np.where(real[..., None], rng.normal(size=(103, T, 4)), 5.0).astype(np.float32)
+    return {"x": x, "real": real, "y": rng.integers(0, 3, 103)}
+
+
+class MaskedSequences(nnx.Module):
+    def __init__(self, rngs):
+        self.bn = nnx.BatchNorm(4, momentum=0.5, rngs=rngs)
+        self.head = nnx.Linear(4, 3, rngs=rngs)
+
+    def __call__(self, x, real):
+        h = self.bn(x, mask=real[..., None])
+        return self.head((h * real[..., None]).sum(1) / real.sum(1, keepdims=True))
+
+
+def masked_loss(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        model(batch["x"], batch["real"]), batch["y"])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_batchnorms_own_mask_counts_as_it_does_without_dpax(seed):
+    """nnx.BatchNorm(x, mask=...) leaves the masked positions out of its
+    statistics; dpax's synchronized BatchNorm counted them, on 1 device and
+    on N alike, silently unlike the user's model. Now one step's running
+    mean is the user's model's own, and 3 devices train what one does; the
+    same through Linen's nn.BatchNorm (it fell back to Linen's own layer,
+    which the analysis then refused)."""
+    from flax import linen
+
+    data = sequences(seed)
+    first = dpax.data.pipeline.BatchPlan(103, 29, seed=0).indices(0)
+    plain = MaskedSequences(nnx.Rngs(seed))
+    plain.train()
+    plain(data["x"][first], data["real"][first])
+    states = {}
+    for n in (1, 3):
+        m = MaskedSequences(nnx.Rngs(seed))
+        t = dpax.Trainer(m, masked_loss, optax.sgd(0.0), devices=n)
+        t.fit(data, batch_size=29, until_step=1)
+        np.testing.assert_allclose(m.bn.mean[...], plain.bn.mean[...], atol=1e-6)
+        t.fit(data, batch_size=29, until_step=4)
+        states[n] = t.state_dict()
+    assert max_diff(states[3], states[1]) <= 1e-5
+
+    class Linen(linen.Module):
+        @linen.compact
+        def __call__(self, x, real, train: bool = False):
+            h = linen.BatchNorm(use_running_average=not train, momentum=0.5)(
+                x, mask=real[..., None])
+            return linen.Dense(3)((h * real[..., None]).sum(1) / real.sum(1, keepdims=True))
+
+    for n in (1, 3):
+        m = dpax.from_linen(Linen(), data["x"][:1], data["real"][:1], seed=seed)
+        t = dpax.Trainer(m, masked_loss, optax.sgd(0.1), devices=n)
+        t.fit(data, batch_size=29, until_step=3)
+        states[n] = t.state_dict()
+    assert max_diff(states[3], states[1]) <= 1e-5

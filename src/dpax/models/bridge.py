@@ -82,7 +82,7 @@ def _batchnorm(m: linen.BatchNorm, ctx, next_fun, x, use_running_average=None, *
     """Linen's BatchNorm.__call__ with the global batch's statistics."""
     use_ra = linen.module.merge_param("use_running_average", m.use_running_average,
                                       use_running_average)
-    if use_ra or mask is not None:  # running averages, or the user's own mask
+    if use_ra:
         return next_fun(x, use_running_average, mask=mask)
     feature_axes = normalization._canonicalize_axes(x.ndim, m.axis)
     reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
@@ -92,7 +92,7 @@ def _batchnorm(m: linen.BatchNorm, ctx, next_fun, x, use_running_average=None, *
                          feature_shape)
     ra_var = m.variable("batch_stats", "var", lambda s: jax.numpy.ones(s, stat_dtype),
                         feature_shape)
-    (mean, var), (running_mean, running_var) = global_moments(x, feature_axes, ctx)
+    (mean, var), (running_mean, running_var) = global_moments(x, feature_axes, ctx, mask)
     ra_mean.value = m.momentum * ra_mean.value + (1 - m.momentum) * running_mean
     ra_var.value = m.momentum * ra_var.value + (1 - m.momentum) * running_var
     return normalization._normalize(

@@ -60,11 +60,14 @@ def current() -> BatchContext | None:
     return _CONTEXT.get()
 
 
-def global_moments(x: jax.Array, feature_axes: tuple[int, ...], ctx: BatchContext):
+def global_moments(x: jax.Array, feature_axes: tuple[int, ...], ctx: BatchContext,
+                   mask: jax.Array | None = None):
     """Mean and (biased) variance over every axis but `feature_axes`, over the
     real rows of the GLOBAL batch. Returns them twice: per device (to
     normalize with: differentiated) and replicated (for running averages:
-    state the step returns).
+    state the step returns). `mask` (a BatchNorm's own: boolean,
+    broadcastable to `x`): only its True positions of the real rows count,
+    each feature over its own count.
 
     The sums are exact sums (`dpax.collectives.exact_sums`): the
     statistics have the same bits on one device and on N, so the layer's
@@ -80,7 +83,12 @@ def global_moments(x: jax.Array, feature_axes: tuple[int, ...], ctx: BatchContex
     def flat(v):
         return jnp.moveaxis(v, feature_axes, range(-len(features), 0)).reshape((-1,) + features)
 
-    values = (flat(xf * rows), flat(jnp.square(xf) * rows), rows.reshape(-1) * per_row)
+    if mask is None:
+        weight, count = rows, rows.reshape(-1) * per_row
+    else:
+        weight = jnp.broadcast_to(rows * jnp.asarray(mask, jnp.float32), x.shape)
+        count = flat(weight)
+    values = (flat(xf * weight), flat(jnp.square(xf) * weight), count)
     if ctx.axis is None:
         replicated = per_device = tuple(jnp.sum(v, 0) for v in values)
     else:
@@ -105,14 +113,15 @@ def _global_sums(values: tuple, axis: str, most: int) -> tuple[tuple, tuple]:
     if most >= EXACT_INTEGERS:
         return exact_sums(values, axis)
     (both,), (both_per_device,) = exact_sums((jnp.stack([s1, s2], 1),), axis)
-    total = jax.lax.psum(jnp.sum(count), axis)
+    total = jax.lax.psum(jnp.sum(count, 0), axis)  # per feature where a mask counts
     return (both[0], both[1], total), (both_per_device[0], both_per_device[1], total)
 
 
 class SyncBatchNorm(nnx.BatchNorm):
     """`nnx.BatchNorm` with masked statistics over the global batch (per layer
     and step, one exact all-reduce of the sums and squared sums, and one psum
-    of the count)."""
+    of the count); a `mask` given to the call counts as nnx.BatchNorm counts
+    it, on top of the batch's real rows."""
 
     def __call__(self, x, use_running_average=None, *, mask=None):
         ctx = current()
@@ -120,7 +129,7 @@ class SyncBatchNorm(nnx.BatchNorm):
         if ctx is None or use_ra:
             return super().__call__(x, use_running_average, mask=mask)
         feature = self.axis % x.ndim
-        (mean, var), (running_mean, running_var) = global_moments(x, (feature,), ctx)
+        (mean, var), (running_mean, running_var) = global_moments(x, (feature,), ctx, mask)
         self.mean[...] = self.momentum * self.mean[...] + (1 - self.momentum) * running_mean
         self.var[...] = self.momentum * self.var[...] + (1 - self.momentum) * running_var
         shape = [1] * x.ndim
