@@ -62,7 +62,11 @@ def varying(jaxpr: jcore.Jaxpr, in_flags: Sequence[bool], axis: str,
     if draws is not None:
         def observe(eqn, facts, inner=observe):
             if eqn.primitive.name == "random_bits":
-                draws.append((tuple(eqn.params["shape"]), facts[0]))
+                # Each key's shape, after the shape of the keys: a batch of
+                # keys split or folded per row (`vmap` over `random.split(key,
+                # rows)`) draws in a shape that follows the rows as well.
+                keys = tuple(getattr(eqn.invars[0].aval, "shape", ()))
+                draws.append((keys + tuple(eqn.params["shape"]), facts[0]))
             if inner is not None:
                 inner(eqn, facts)
     return propagate(jaxpr, list(in_flags), Varying(axis), observe)
