@@ -72,3 +72,19 @@ def test_a_loss_that_returns_a_mean_is_refused():
                      optim.make_optimizer("sgd", optim.make_schedule(0.1)), devices=2)
     with pytest.raises(dpax.DpaxError, match="one loss per example"):
         t.fit(ds.x_train, ds.y_train, batch_size=8, until_step=1)
+
+
+def test_a_loss_of_integers_is_refused():
+    """A count of mistakes per example, cast to float32 for the sums, trained
+    silently with a gradient of 0 (params unchanged, loss logged)."""
+    ds = data.digits()
+
+    def mistakes(model, batch):
+        wrong = losses.classification_loss(model, batch)[0] > 0.5
+        return wrong.astype(jnp.int32)
+
+    t = dpax.Trainer(models.make_model("mlp", ds.input_shape, ds.n_out, 0), mistakes,
+                     optim.make_optimizer("sgd", optim.make_schedule(0.1)), devices=2)
+    with pytest.raises(dpax.DpaxError, match="floating-point losses, got int32"):
+        t.fit(ds.x_train, ds.y_train, batch_size=8, until_step=1)
+    assert int(t.state.step) == 0

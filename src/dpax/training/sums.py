@@ -59,6 +59,12 @@ def shard_sums(loss_fn: LossFn, model, batch):
                 f"loss_fn must return one {name} per example (shape {mask.shape} for a "
                 f"device's rows), got {jnp.shape(v)}; return per-example values before "
                 "taking the mean", name)
+    if not jnp.issubdtype(jnp.result_type(losses), jnp.floating):
+        # Cast to float32 for the sums, an integer loss would train with a gradient of 0.
+        raise DpaxError(
+            f"loss_fn must return floating-point losses, got {jnp.result_type(losses)}: "
+            "an integer or boolean loss (a count of mistakes) has no gradient; return a "
+            "differentiable loss and report such a count as a metric")
     ones = jnp.ones(mask.shape, jnp.float32)
     w = None if weights is None else weights.astype(jnp.float32)
 
