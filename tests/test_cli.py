@@ -293,8 +293,13 @@ def test_outputs_are_checked_before_the_work(tmp_path, capsys):
          "does not exist"),
         (["plot", str(tmp_path / "run"), "--out", str(tmp_path / "m.xyz")], ".png"),
         (["eval", "--checkpoint", x], "is a file"),
+        # An existing file (here the input itself) is kept unless asked to replace it.
+        (["predict", "--checkpoint", ck, "--data", x, "--out", x], "exists"),
     ]:
         assert needle in one_line_error(capsys, argv)
+    assert np.load(x)["x"].shape == (3, 8, 8, 1)
+    assert main(["predict", "--checkpoint", ck, "--data", x, "--out", x, "--overwrite"]) == 0
+    assert np.load(x)["predictions"].shape == (3,)
 
 
 def test_every_commands_help_works(capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import numpy as np
 
@@ -30,6 +31,7 @@ class PredictConfig(EvalConfig):
                           metavar="X.npz")
     out: str = cfg.field(None, "where to write the array 'predictions'", required=True,
                          metavar="PREDS.npz")
+    overwrite: bool = cfg.field(False, "replace an existing --out file (default: refuse)")
 
 
 def add_parser(sub) -> None:
@@ -42,17 +44,22 @@ def run(args: argparse.Namespace) -> int:
     config = cfg.validate(config_from_args(args, PredictConfig))
     devices.start(config.devices)
     preds = predict_checkpoint(config.checkpoint, config.data, config.out, config.devices,
-                               config.backend, config.batch_size)
+                               config.backend, config.batch_size, config.overwrite)
     print(f"wrote {len(preds)} predictions to {config.out}")
     return 0
 
 
 def predict_checkpoint(path: str, data: str, out: str, devices: int | None = None,
-                       backend: str = DEFAULT_BACKEND, batch_size: int = EVAL_BATCH) -> np.ndarray:
+                       backend: str = DEFAULT_BACKEND, batch_size: int = EVAL_BATCH,
+                       overwrite: bool = False) -> np.ndarray:
     """Predictions of a checkpoint for every row of `x` in the .npz `data`,
-    written to `out` as an .npz with array `predictions`."""
+    written to `out` as an .npz with array `predictions`; an existing `out`
+    (the data itself, a run's params) only with `overwrite`."""
     if is_writer():
         writable_file(out, "out", (".npz",))
+        if os.path.exists(out) and not overwrite:
+            raise DpaxError(f"`out={out}` exists; give another path, or `overwrite` to "
+                            "replace it")
     x = read_inputs(data)
     loaded = load_checkpoint(path, devices, backend)
     shape = tuple(loaded.meta["input_shape"])
