@@ -376,3 +376,20 @@ def test_train_step_takes_a_padded_masked_batch_and_names_the_fix_otherwise():
                 call(bad)
     t.train_step(pad_batch({"x": x, "y": y}, t.padded(13)))
     assert max_diff(leaves(ref), leaves(t)) < 1e-6
+
+
+@pytest.mark.parametrize("args,message", [
+    ((None, dpax.classification_loss, "adam"),
+     "`optimizer` must be an optax GradientTransformation .*got str 'adam'"),
+    ((lambda x: x, dpax.classification_loss, optax.adam(1e-2)),
+     "`model` must be a Flax NNX module, got function: .*dpax.from_linen"),
+    ((None, "ce", optax.adam(1e-2)), "`loss_fn` must be a function .*got str 'ce'"),
+])
+def test_a_model_loss_or_optimizer_of_the_wrong_kind_is_named(args, message):
+    """Each was an error from inside optax or Flax (AttributeError,
+    IndexError) or, for a loss, a TypeError at the first step."""
+    ds = digits()
+    model = dpax.models.make_model("mlp", ds.input_shape, ds.n_out, 0)
+    args = tuple(model if a is None else a for a in args)
+    with pytest.raises(dpax.DpaxError, match=message):
+        dpax.Trainer(*args, devices=1)

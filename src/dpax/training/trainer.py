@@ -245,6 +245,7 @@ class Trainer:
         seed: int = 0,
         **options: Any,
     ):
+        _check_arguments(model, loss_fn, optimizer, predict_fn)
         listed = isinstance(devices, (list, tuple))
         _check_devices(devices, listed)
         if "sharding" in options:  # before the type check, whose message lists no names
@@ -939,6 +940,23 @@ def _unshared(state: TrainState, owned: set) -> TrainState:
 def _store_params_in(model: nnx.Module, dtype) -> None:
     """Cast `model`'s floating-point params to `dtype`, in place."""
     nnx.update(model, cast_floats(nnx.state(model, nnx.Param), dtype))
+
+
+def _check_arguments(model: Any, loss_fn: Any, optimizer: Any, predict_fn: Any) -> None:
+    """What the model, the loss and the optimizer must be, named where they
+    are not (the errors came from deep inside Flax, optax or the first step)."""
+    if not isinstance(model, nnx.Module):
+        raise DpaxError(f"`model` must be a Flax NNX module, got {type(model).__name__}: "
+                        "wrap a Linen module with dpax.from_linen, a function of a params "
+                        "tree with dpax.from_function")
+    for name, fn in (("loss_fn", loss_fn), ("predict_fn", predict_fn)):
+        if fn is not None and not callable(fn):
+            raise DpaxError(f"`{name}` must be a function (model, batch) -> per-example "
+                            f"values, got {type(fn).__name__} {fn!r:.40}")
+    if not (callable(getattr(optimizer, "init", None))
+            and callable(getattr(optimizer, "update", None))):
+        raise DpaxError(f"`optimizer` must be an optax GradientTransformation (e.g. "
+                        f"optax.adam(1e-3)), got {type(optimizer).__name__} {optimizer!r:.40}")
 
 
 def _check_devices(devices: Any, listed: bool) -> None:
