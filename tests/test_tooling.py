@@ -141,6 +141,13 @@ def test_bench_refuses_an_unknown_workload(tmp_path):
     with pytest.raises(DpaxError, match="divides no workload's batch"):
         run_bench(["tiny"], [3], out_dir=str(tmp_path))
     assert not list(tmp_path.iterdir())
+    # An --out that is a file: one line, exit 2 (was a FileExistsError, exit 1).
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    assert main(["bench", "--workloads", "tiny", "--devices", "1", "--out", str(afile)]) == 2
+    with pytest.raises(DpaxError, match="is a file"):
+        run_bench(["tiny"], [1], out_dir=str(afile))
+    assert afile.read_text() == "kept"
 
 
 def test_every_bench_optimizer_is_what_every_method_trains_with():
