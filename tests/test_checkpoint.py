@@ -411,6 +411,15 @@ def test_resume_refuses_a_changed_meaning_but_allows_other_devices(tmp_path, cap
     assert len(err.splitlines()) == 1 and "--lr was 0.05" in err
     assert main(["train", *flags, "--devices", "8", "--backend", "pmap", "--checkpoint-dir",
                  ck, "--resume"]) == 0
+    # A checkpoint past the run's steps: refused before anything is written
+    # (it trained nothing, rewrote params.npz, then failed at its last save, exit 1).
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", *RUN, "--steps", "6", "--checkpoint-dir", ck, "--resume",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "at step 10, past the 6 steps" in err
+    assert not out.exists()
 
 
 def test_eval_and_predict_from_a_checkpoint(tmp_path, capsys):

@@ -109,6 +109,10 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
                             "`resume` to continue that run, or an empty `checkpoint_dir`")
         if resume is not None:
             start, data_restored = _resume(resume, config, ckpt, job.trainer, data_iter)
+            if start > job.total:  # refused before anything is written
+                raise DpaxError(f"the checkpoint resumed is at step {start}, past the "
+                                f"{job.total} steps of this run; give more `steps` (or "
+                                "`epochs`), or `resume` from an earlier checkpoint")
             if not data_restored:  # saved by another process count: rebuilt from the step
                 data_iter = job.input(start)
     if not writer_process:
