@@ -274,6 +274,8 @@ def test_eval_on_data_that_does_not_fit_names_the_difference(tmp_path, capsys):
     # Fewer classes than the model has is fine, and the checkpoint was never damaged.
     three = npz(tmp_path, "three.npz", x=images, y=np.arange(20) % 3)
     assert main(["eval", "--checkpoint", ck, "--data", three, "--devices", "2"]) == 0
+    # The rows scored are the file's eval split, and the line says so.
+    assert f"examples 4 (the eval split of {three})" in capsys.readouterr().out
     assert main(["eval", "--checkpoint", ck, "--devices", "2"]) == 0
     assert "examples 359" in capsys.readouterr().out
 

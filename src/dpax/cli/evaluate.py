@@ -24,8 +24,9 @@ class EvalConfig:
 
     checkpoint: str = cfg.field(None, "a checkpoint directory (newest step) or one step "
                                 "directory", required=True, metavar="PATH")
-    data: str | None = cfg.field(None, "data to evaluate (default: what it trained on)",
-                                 metavar="NAME")
+    data: str | None = cfg.field(
+        None, "data whose eval split is evaluated: the 20% of its examples training holds "
+        "out (default: what it trained on)", metavar="NAME")
     devices: int | None = cfg.field(
         None, "devices to use (default: all local; on CPU, 8 simulated)")
     backend: str = cfg.field(DEFAULT_BACKEND, "shard_map or pmap")
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     devices.start(config.devices)
     ev = evaluate_checkpoint(config.checkpoint, config.data, config.devices, config.backend,
                              config.batch_size)
-    print(f"{summary_line(ev)}  examples {ev['examples']}")
+    split = "" if config.data is None else f" (the eval split of {config.data})"
+    print(f"{summary_line(ev)}  examples {ev['examples']}{split}")
     return 0
 
 
