@@ -66,6 +66,16 @@ def bad_inputs(tmp_path):
         "momentum nan": (["--optimizer", "momentum", "--momentum", "nan"], "--momentum"),
         "momentum 1": (["--momentum", "1"], "--momentum"),
         "weight decay negative": (["--weight-decay", "-1"], "--weight-decay"),
+        # Options of another optimizer or model were ignored (trained without them).
+        "weight decay with adam": (["--weight-decay", "0.5"],
+                                   "--weight-decay is an option of --optimizer adamw, not of "
+                                   "--optimizer adam"),
+        "momentum with sgd": (["--optimizer", "sgd", "--momentum", "0.5"],
+                              "--momentum is an option of --optimizer momentum"),
+        "dropout with mlp": (["--model", "mlp", "--dropout", "0.5"],
+                             "--dropout is an option of --model gpt and --model llama, not of "
+                             "--model mlp"),
+        "heads with mlp": (["--model", "mlp", "--heads", "3"], "--heads is an option of"),
         "warmup negative": (["--warmup-steps", "-5"], "--warmup-steps"),
         "timeout 0": (["--timeout", "0"], "--timeout"),
         "timeout negative": (["--timeout", "-1"], "--timeout"),

@@ -81,6 +81,12 @@ class ModelConfig:
         for name in ("rope_theta", "norm_eps"):
             if getattr(self, name) is not None:
                 cfg.number(self, name, 0, low_open=True)
+        if not self.takes_text:  # set away from its default, it would train silently without
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name in ("layers", "width", "heads", "dropout", "remat"):
+                if getattr(self, name) != defaults[name]:
+                    raise DpaxError(f"`{name}` is an option of `model=gpt` and `model=llama`, "
+                                    f"not of `model={self.name}`")
         gpt.check_shape(self.width, self.heads, self.remat)
         given = [n for n in LLAMA_OPTIONS if getattr(self, n) is not None]
         if self.name != "llama" and given:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from dpax import config as cfg
+from dpax.errors import DpaxError
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 DEFAULT_LR = 3e-3  # unless the model has its own (`dpax.models.registry.ModelConfig.lr`)
@@ -56,6 +57,13 @@ class OptimizerConfig:
         cfg.whole(self, "reference_batch")
         cfg.number(self, "momentum", 0, 1)
         cfg.number(self, "weight_decay", 0)
+        # An option set away from its default on an optimizer that ignores it
+        # would train silently without it.
+        for option, takes in (("momentum", "momentum"), ("weight_decay", "adamw")):
+            default = next(f.default for f in dataclasses.fields(self) if f.name == option)
+            if getattr(self, option) != default and self.name != takes:
+                raise DpaxError(f"`{option}` is an option of `optimizer={takes}`, not of "
+                                f"`optimizer={self.name}`")
 
     def build(self, batch_size: int, total_steps: int, model_lr: float | None = None
               ) -> tuple[optax.GradientTransformation, optax.Schedule]:
