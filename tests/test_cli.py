@@ -525,3 +525,17 @@ def test_the_task_decides_what_a_npz_trains_and_a_resume_keeps_it(tmp_path, caps
     was = dpax.config.to_dict(TrainConfig.from_flags(data=floats, task="classification"))
     with pytest.raises(dpax.DpaxError, match="cannot resume: `task` was 'classification'"):
         check_same_meaning(was, TrainConfig.from_flags(data=floats))
+
+
+def test_a_platform_jax_cannot_start_is_one_line(monkeypatch, capsys):
+    """JAX_PLATFORMS=cuda on a host without CUDA: JAX fails an assert inside
+    its backend setup; every command now says what to change (exit 2)."""
+    from dpax.cli import devices
+
+    def no_backend():
+        raise AssertionError
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    monkeypatch.setattr(devices.jax, "devices", no_backend)
+    err = one_line_error(capsys, ["devices"])
+    assert "JAX cannot start a backend for JAX_PLATFORMS=cuda" in err

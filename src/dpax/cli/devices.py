@@ -4,7 +4,11 @@ and the multi-process runtime, before JAX starts its backend."""
 from __future__ import annotations
 
 import argparse
+import os
 
+import jax
+
+from dpax.errors import DpaxError, summary
 from dpax.parallel.distributed import DistributedConfig, initialize
 from dpax.parallel.mesh import describe, simulate_devices
 
@@ -22,6 +26,21 @@ def start(devices: int | None = None, distributed: DistributedConfig | None = No
     else:
         simulate_devices(max(devices or 8, 8))
     initialize(distributed)
+    _backend_started()
+
+
+def _backend_started() -> None:
+    """JAX's backend, started now: a platform it cannot start (JAX_PLATFORMS=cuda
+    on a host without CUDA) failed later as an AssertionError inside JAX."""
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError) as e:
+        platforms = os.environ.get("JAX_PLATFORMS")
+        asked = f"JAX_PLATFORMS={platforms}" if platforms else "its default platforms"
+        raise DpaxError(f"JAX cannot start a backend for {asked} on this host"
+                        + (f" ({summary(e, 160)})" if str(e) else "")
+                        + ": install that platform's jax plugin, or unset JAX_PLATFORMS"
+                        ) from None
 
 
 def add_parser(sub) -> None:
