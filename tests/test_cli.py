@@ -427,7 +427,11 @@ def test_resume_auto_starts_without_a_checkpoint_and_continues_with_one(tmp_path
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in rows if "loss" in r] == [6, 10, 12]
     assert main(["train", "--resume", "auto"]) == 2
-    assert "--resume auto needs --checkpoint-dir" in capsys.readouterr().err
+    assert ("--resume auto resumes from the newest checkpoint in --checkpoint-dir"
+            in capsys.readouterr().err)
+    # An option left to its default reads so, not as Python's None.
+    assert main([*flags, "--steps", "14", "--lr", "0.01"]) == 2
+    assert "--lr was not given in the checkpoint, now 0.01" in capsys.readouterr().err
     # Without `resume` the directory is another run's: its saves would not be made.
     before = sorted(os.listdir(ck))
     assert main(["train", "--model", "mlp", "--devices", "2", "--steps", "3",

@@ -65,7 +65,9 @@ class CheckpointConfig:
             raise DpaxError("`checkpoint_every` and `checkpoint_every_minutes` need "
                             "`checkpoint_dir`")
         if self.resume in (LATEST, AUTO) and self.dir is None:
-            raise DpaxError(f"`resume={self.resume}` needs `checkpoint_dir`")
+            which = "`resume=auto`" if self.resume == AUTO else "`resume`"
+            raise DpaxError(f"{which} resumes from the newest checkpoint in `checkpoint_dir`: "
+                            "give `checkpoint_dir`, or `resume` a checkpoint's path")
 
 
 class Checkpointer:
