@@ -543,3 +543,13 @@ def test_a_platform_jax_cannot_start_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(devices.jax, "devices", no_backend)
     err = one_line_error(capsys, ["devices"])
     assert "JAX cannot start a backend for JAX_PLATFORMS=cuda" in err
+
+
+def test_messages_suggest_only_what_the_command_takes(tmp_path, capsys):
+    """predict takes no --x-column, and --loss wants a loss, not a model."""
+    err = one_line_error(capsys, ["check", "--loss", "nomod", "--devices", "2"])
+    assert "e.g. mylosses:my_loss" in err
+    nox = npz(tmp_path, "nox.npz", z=np.zeros((3, 8, 8, 1), np.float32))
+    err = one_line_error(capsys, ["predict", "--checkpoint", str(tmp_path / "none"), "--data",
+                                  nox, "--out", str(tmp_path / "p.npz")])
+    assert "lacks array(s) x" in err and "--x-column" not in err

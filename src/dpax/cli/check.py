@@ -120,7 +120,8 @@ def _load(spec: str, what: str):
     """`module:attribute` -> the attribute (the current directory is importable)."""
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
-        raise DpaxError(f"{what} {spec!r} is not MODULE:NAME, e.g. mymodels:make_model")
+        example = {"--loss": "mylosses:my_loss"}.get(what, "mymodels:make_model")
+        raise DpaxError(f"{what} {spec!r} is not MODULE:NAME, e.g. {example}")
     if "" not in sys.path:
         sys.path.insert(0, "")
     try:

@@ -102,9 +102,11 @@ def random_images(n: int = 2048, side: int = 32, channels: int = 3, classes: int
     return _split("random-images", x, y, "classification", classes)
 
 
-def read_npz(path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """The named arrays of an .npz, or a DpaxError that says how to fix the file."""
+def read_npz(path: str, names: tuple[str, ...], columns: bool = True) -> dict[str, np.ndarray]:
+    """The named arrays of an .npz, or a DpaxError that says how to fix the file
+    (`columns`: whether the caller takes `x_column`/`y_column`)."""
     how = "np.savez(path, " + ", ".join(f"{n}=..." for n in names) + ")"
+    rename = "name them with `x_column`/`y_column`, or " if columns else ""
     if not os.path.isfile(path):
         raise DpaxError(f"data file {path!r} does not exist; pass an existing .npz")
     try:
@@ -113,7 +115,7 @@ def read_npz(path: str, names: tuple[str, ...]) -> dict[str, np.ndarray]:
             if missing:
                 has = ", ".join(f.files) or "none"
                 raise DpaxError(f"{path} lacks array(s) {', '.join(missing)} (it has {has}); "
-                                f"name them with `x_column`/`y_column`, or save it with {how}")
+                                f"{rename}save it with {how}")
             return {n: f[n] for n in names}
     except DpaxError:
         raise
@@ -221,7 +223,7 @@ def _class_ids(path: str, y: np.ndarray) -> tuple[np.ndarray, int]:
 
 def read_inputs(path: str) -> np.ndarray:
     """Array `x` of a user's .npz (for prediction; `y` may be absent)."""
-    x = read_npz(path, ("x",))["x"]
+    x = read_npz(path, ("x",), columns=False)["x"]
     if (x.ndim == 0 or len(x) == 0 or not np.issubdtype(x.dtype, np.number)
             or np.iscomplexobj(x)):
         raise DpaxError(f"{path}: x must be a non-empty array of real numbers, examples first")
