@@ -107,11 +107,11 @@ def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
 def local_part(data: dict, idx: np.ndarray, rows: tuple[int, int]) -> Batch:
     """Rows [lo, hi) of the padded global batch whose examples are `idx`: only
     this process's examples are read; positions past len(idx) are padding,
-    copies of the global batch's first example (`pad_batch`) on every
-    process and device count."""
+    copies of this process's first example (`pad_batch`), or of the global
+    batch's first where the process holds none."""
     lo, hi = rows
     mine = idx[lo:hi]
-    fill = jax.tree.map(lambda a: a[idx[:1]], data) if len(mine) < hi - lo else None
+    fill = jax.tree.map(lambda a: a[idx[:1]], data) if len(mine) == 0 < hi - lo else None
     return pad_batch(jax.tree.map(lambda a: a[mine], data), hi - lo, fill)
 
 

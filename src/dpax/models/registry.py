@@ -81,6 +81,9 @@ class ModelConfig:
         for name in ("rope_theta", "norm_eps"):
             if getattr(self, name) is not None:
                 cfg.number(self, name, 0, low_open=True)
+        if self.init_from is not None and not self.takes_text:
+            raise DpaxError(f"`init_from` starts a language model from Hugging Face "
+                            f"weights; `model={self.name}` takes none")
         if not self.takes_text:  # set away from its default, it would train silently without
             defaults = {f.name: f.default for f in dataclasses.fields(self)}
             for name in ("layers", "width", "heads", "dropout", "remat"):
@@ -95,9 +98,6 @@ class ModelConfig:
         if self.name == "llama":
             llama.check_shape(self.width, self.heads, self.kv_heads)
         if self.init_from is not None:
-            if not self.takes_text:
-                raise DpaxError(f"`init_from` starts a language model from Hugging Face "
-                                f"weights; `model={self.name}` takes none")
             if self.name == "gpt":
                 hf_gpt2.check_flags(self.init_from, self.layers, self.width, self.heads)
             else:  # the directory's shape fills in the options not given
