@@ -536,7 +536,7 @@ def test_a_platform_jax_cannot_start_is_one_line(monkeypatch, capsys):
     its backend setup; every command now says what to change (exit 2)."""
     from dpax.cli import devices
 
-    def no_backend():
+    def no_backend(*args, **kwargs):
         raise AssertionError
 
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")

@@ -138,3 +138,21 @@ def test_state_stored_in_bf16_rounds_the_state_once_per_step_and_updates_in_f32(
                 assert a.dtype == b.dtype and a == b
     assert float(jnp.max(jnp.abs(state[0].mu["w"].astype(jnp.float32)
                                  - want_state[0].mu["w"]))) > 0  # it did round
+
+
+def test_an_ignored_option_is_refused_for_a_new_run_only():
+    """A new run refuses an option its model or optimizer ignores (the CLI,
+    tests/test_cli.py); a config saved with one, before that was refused,
+    still validates, so its checkpoints load and resume."""
+    from dpax import config as cfg
+    from dpax.models.registry import ModelConfig
+    from dpax.training.optim import OptimizerConfig
+
+    model = cfg.validate(ModelConfig(name="mlp", dropout=0.5, heads=3))
+    assert model.ignored() == ("`heads` is an option of `model=gpt` and `model=llama`, not "
+                               "of `model=mlp`")
+    assert cfg.validate(ModelConfig(name="gpt", dropout=0.5)).ignored() is None
+    opt = cfg.validate(OptimizerConfig(name="adam", weight_decay=0.01))
+    assert "`weight_decay` is an option of `optimizer=adamw`" in opt.ignored()
+    assert cfg.validate(OptimizerConfig(name="adamw", weight_decay=0.01)).ignored() is None
+    optim.make_optimizer("adam", optim.make_schedule(0.1), weight_decay=0.01)  # as before

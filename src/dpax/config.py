@@ -191,6 +191,12 @@ def _flag(config: Any, name: str) -> str:
     return next((flag_name(f) for f in dataclasses.fields(config) if f.name == name), name)
 
 
+def changed(config: Any, name: str) -> bool:
+    """Whether `config`'s field `name` holds other than its default."""
+    field = next(f for f in dataclasses.fields(config) if f.name == name)
+    return getattr(config, name) != field.default
+
+
 def whole(config: Any, name: str, low: int = 1) -> None:
     """`config.name` is None or a whole number >= `low`."""
     value = getattr(config, name)

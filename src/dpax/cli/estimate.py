@@ -98,6 +98,9 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = cfg.validate(config_from_args(args, EstimateConfig))
+    ignored = config.model.ignored() or config.optimizer.ignored()
+    if ignored:
+        raise DpaxError(ignored)
     est = estimate_config(config)
     print(report(config, est))
     if est.fits is False:

@@ -82,6 +82,11 @@ def train(config: TrainConfig, *, log="stdout") -> RunResult:
     if log == "stdout":
         log = sys.stdout
     cfg.validate(config)
+    # An option the model or optimizer ignores: refused for a new run only,
+    # so that a run saved with one (before this was refused) still resumes.
+    ignored = config.model.ignored() or config.optimizer.ignored()
+    if ignored and config.checkpoint.resume is None:
+        raise DpaxError(ignored)
     out = config.output
     writer_process = is_writer()  # only process 0 prints progress and writes --out
     with _removed_if_unused(outputs.check_dirs(out, config.checkpoint, writer_process)):
