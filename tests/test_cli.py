@@ -536,13 +536,18 @@ def test_a_platform_jax_cannot_start_is_one_line(monkeypatch, capsys):
     its backend setup; every command now says what to change (exit 2)."""
     from dpax.cli import devices
 
-    def no_backend(*args, **kwargs):
+    cpu = devices.jax.devices
+
+    def no_backend(*backend):  # the default backend fails; the CPU one is asked for too
+        if backend:
+            return cpu(*backend)
         raise AssertionError
 
     monkeypatch.setenv("JAX_PLATFORMS", "cuda")
     monkeypatch.setattr(devices.jax, "devices", no_backend)
-    err = one_line_error(capsys, ["devices"])
-    assert "JAX cannot start a backend for JAX_PLATFORMS=cuda" in err
+    for command in (["devices"], ["estimate", "--model", "mlp"]):
+        err = one_line_error(capsys, command)
+        assert "JAX cannot start a backend for JAX_PLATFORMS=cuda" in err, command
 
 
 def test_messages_suggest_only_what_the_command_takes(tmp_path, capsys):

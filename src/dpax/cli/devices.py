@@ -26,21 +26,24 @@ def start(devices: int | None = None, distributed: DistributedConfig | None = No
     else:
         simulate_devices(max(devices or 8, 8))
     initialize(distributed)
-    _backend_started()
+    backend_started()
 
 
-def _backend_started() -> None:
-    """JAX's backend, started now: a platform it cannot start (JAX_PLATFORMS=cuda
-    on a host without CUDA) failed later as an AssertionError inside JAX."""
+def backend_started() -> None:
+    """JAX's backend, started now (every command, `start` or not): a platform it
+    cannot start (JAX_PLATFORMS=cuda on a host without CUDA) failed later as
+    an AssertionError inside JAX."""
     try:
         jax.devices()
     except (RuntimeError, AssertionError) as e:
         platforms = os.environ.get("JAX_PLATFORMS")
-        asked = f"JAX_PLATFORMS={platforms}" if platforms else "its default platforms"
-        raise DpaxError(f"JAX cannot start a backend for {asked} on this host"
-                        + (f" ({summary(e, 160)})" if str(e) else "")
-                        + ": install that platform's jax plugin, or unset JAX_PLATFORMS"
-                        ) from None
+        why = f" ({summary(e, 160)})" if str(e) else ""
+        if platforms:
+            raise DpaxError(f"JAX cannot start a backend for JAX_PLATFORMS={platforms} on this "
+                            f"host{why}: install that platform's jax plugin, or unset "
+                            "JAX_PLATFORMS") from None
+        raise DpaxError(f"JAX cannot start a backend on this host{why}: reinstall jax and "
+                        "jaxlib (make setup)") from None
 
 
 def add_parser(sub) -> None:

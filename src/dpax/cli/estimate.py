@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dpax import config as cfg
+from dpax.cli import devices
 from dpax.cli.flags import add_flags, config_from_args
 from dpax.data import tokenizer
 from dpax.data.datasets import DataConfig
@@ -98,6 +99,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = cfg.validate(config_from_args(args, EstimateConfig))
+    devices.backend_started()  # no devices of its own: it traces shapes only
     ignored = config.model.ignored() or config.optimizer.ignored()
     if ignored:
         raise DpaxError(ignored)
