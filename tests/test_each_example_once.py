@@ -88,3 +88,5 @@ def test_a_loss_of_integers_is_refused():
     with pytest.raises(dpax.DpaxError, match="floating-point losses, got int32"):
         t.fit(ds.x_train, ds.y_train, batch_size=8, until_step=1)
     assert int(t.state.step) == 0
+    # Evaluated, not trained on, it is a count like any metric.
+    assert 0.0 <= t.evaluate(ds.x_eval, ds.y_eval, batch_size=64)["loss"] <= 1.0

@@ -25,8 +25,8 @@ class EvalConfig:
     checkpoint: str = cfg.field(None, "a checkpoint directory (newest step) or one step "
                                 "directory", required=True, metavar="PATH")
     data: str | None = cfg.field(
-        None, "data whose eval split is evaluated: the 20% of its examples training holds "
-        "out (default: what it trained on)", metavar="NAME")
+        None, "data whose eval split is evaluated, the part training holds out of it "
+        "(docs/data.md) (default: what it trained on)", metavar="NAME")
     devices: int | None = cfg.field(
         None, "devices to use (default: all local; on CPU, 8 simulated)")
     backend: str = cfg.field(DEFAULT_BACKEND, "shard_map or pmap")

@@ -173,14 +173,16 @@ def check_same_meaning(saved: dict, config: TrainConfig) -> None:
     shorter run changes of the schedule."""
     old = cfg.from_dict(TrainConfig, saved)
     was, now = cfg.what_is_trained(old), cfg.what_is_trained(config)
+
     def shown(v):  # None: the option was left to its default
         return "not given" if v is None else repr(v)
 
     for key, value in now.items():
         if was.get(key) != value:
+            same = "without" if was.get(key) is None else "with the same"
             raise DpaxError(f"cannot resume: `{key}` was {shown(was.get(key))} in the "
-                            f"checkpoint, now {shown(value)}; resume with the same `{key}` "
-                            "or start a new run")
+                            f"checkpoint, now {shown(value)}; resume {same} `{key}` or "
+                            "start a new run")
     if (old.steps, old.epochs) != (config.steps, config.epochs) and (
             config.optimizer.schedule in BY_LENGTH):
         warnings.warn(f"the run's length changed: the {config.optimizer.schedule} schedule "

@@ -18,7 +18,7 @@ from dpax.data.datasets import read_inputs
 from dpax.data.pipeline import EVAL_BATCH
 from dpax.errors import DpaxError
 from dpax.parallel.backends import DEFAULT_BACKEND
-from dpax.parallel.distributed import is_writer
+from dpax.parallel.distributed import is_writer, refuse_together
 
 NAME = "predict"
 
@@ -55,11 +55,15 @@ def predict_checkpoint(path: str, data: str, out: str, devices: int | None = Non
     """Predictions of a checkpoint for every row of `x` in the .npz `data`,
     written to `out` as an .npz with array `predictions`; an existing `out`
     (the data itself, a run's params) only with `overwrite`."""
-    if is_writer():
-        writable_file(out, "out", (".npz",))
-        if os.path.exists(out) and not overwrite:
-            raise DpaxError(f"`out={out}` exists; give another path, or `overwrite` to "
-                            "replace it")
+    def check_out():  # process 0 writes; every process refuses with it
+        if is_writer():
+            writable_file(out, "out", (".npz",))
+            if os.path.exists(out) and not overwrite:
+                raise DpaxError(f"`out={out}` exists; give another path, or `overwrite` to "
+                                "replace it")
+
+    refuse_together(check_out, lambda process: DpaxError(
+        f"process {process} cannot write `out={out}`; see its error"))
     x = read_inputs(data)
     loaded = load_checkpoint(path, devices, backend)
     shape = tuple(loaded.meta["input_shape"])

@@ -54,9 +54,9 @@ CAUSES = {
                   "normalization): return each example's own loss",
     "model-mixes": "an op in the model mixes examples across the batch (a mean, norm or "
                    "sort over the batch axis) without synchronizing it",
-    "nonfinite": "NaN or inf where one device's values are finite: something the model or "
-                 "the loss computes from a device's share of the batch (its size, its padded "
-                 "rows) is not finite",
+    "nonfinite": "NaN or inf on one side only (N devices or the one device): something the "
+                 "model or the loss computes from a device's share of the batch (its size, "
+                 "its rows) is not finite there",
 }
 
 

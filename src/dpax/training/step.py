@@ -387,7 +387,7 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
         model.eval()  # running averages, no dropout
         batch = _with_index(batch, layout.axis)
         with batch_context(_context(batch, None, layout.axis, options)):
-            loss_sum, count, sums = shard_sums(loss_fn, model, batch)
+            loss_sum, count, sums = shard_sums(loss_fn, model, batch, differentiated=False)
         return example_metrics(*psum_tree((loss_sum, count, sums), layout.axis, options.pack))
 
     return eval_step

@@ -47,10 +47,11 @@ def masked_sum(values: jax.Array, mask: jax.Array) -> jax.Array:
 EXAMPLES = "_examples"  # the example count among the sums, when losses are weighted
 
 
-def shard_sums(loss_fn: LossFn, model, batch):
+def shard_sums(loss_fn: LossFn, model, batch, differentiated: bool = True):
     """(weighted loss sum, weight sum, {metric: weighted sum}) over the real
     rows of a shard; the weight of an example is 1 unless `loss_fn` gives one.
-    With weights, `sums` also holds the example count as "examples"."""
+    With weights, `sums` also holds the example count as "examples".
+    `differentiated`: the loss is trained on, so it must be real floats."""
     losses, metrics, weights = losses_and_metrics(loss_fn, model, batch)
     mask = batch["mask"]
     for name, v in (("loss", losses), ("weight", weights)):
@@ -59,11 +60,11 @@ def shard_sums(loss_fn: LossFn, model, batch):
                 f"loss_fn must return one {name} per example (shape {mask.shape} for a "
                 f"device's rows), got {jnp.shape(v)}; return per-example values before "
                 "taking the mean", name)
-    if not jnp.issubdtype(jnp.result_type(losses), jnp.floating):
+    if differentiated and not jnp.issubdtype(jnp.result_type(losses), jnp.floating):
         # Cast to float32 for the sums, an integer loss would train with a gradient of 0.
         raise DpaxError(
-            f"loss_fn must return floating-point losses, got {jnp.result_type(losses)}: "
-            "an integer or boolean loss (a count of mistakes) has no gradient; return a "
+            f"loss_fn must return real floating-point losses, got {jnp.result_type(losses)}: "
+            "an integer, boolean or complex loss has no gradient to train on; return a "
             "differentiable loss and report such a count as a metric")
     ones = jnp.ones(mask.shape, jnp.float32)
     w = None if weights is None else weights.astype(jnp.float32)

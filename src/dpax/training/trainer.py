@@ -631,7 +631,7 @@ class Trainer:
         def check_first(batch):
             mask = np.asarray(batch[MASK])
             arrays = {k: v for k, v in batch.items() if k != MASK}
-            if not mask.all():  # padding copies an example checked here already
+            if not mask.all():  # padding copies an example, checked where it is real
                 arrays = jax.tree.map(lambda a: a[mask], arrays)
             first = dataclasses.replace(named, arrays=arrays, first_batch=True)
             distributed.refuse_together(
@@ -952,11 +952,17 @@ def _check_arguments(model: Any, loss_fn: Any, optimizer: Any, predict_fn: Any) 
     for name, fn in (("loss_fn", loss_fn), ("predict_fn", predict_fn)):
         if fn is not None and not callable(fn):
             raise DpaxError(f"`{name}` must be a function (model, batch) -> per-example "
-                            f"values, got {type(fn).__name__} {fn!r:.40}")
+                            f"values, got {_kind(fn)}")
     if not (callable(getattr(optimizer, "init", None))
             and callable(getattr(optimizer, "update", None))):
         raise DpaxError(f"`optimizer` must be an optax GradientTransformation (e.g. "
-                        f"optax.adam(1e-3)), got {type(optimizer).__name__} {optimizer!r:.40}")
+                        f"optax.adam(1e-3)), got {_kind(optimizer)}")
+
+
+def _kind(value: Any) -> str:
+    """A value named in one line: its type, and itself where that is a short string."""
+    short = isinstance(value, str) and len(value) <= 40 and "\n" not in value
+    return f"{type(value).__name__} {value!r}" if short else type(value).__name__
 
 
 def _check_devices(devices: Any, listed: bool) -> None:
