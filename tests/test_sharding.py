@@ -34,6 +34,11 @@ def test_padding_rows_copy_the_first_example_and_are_masked_off():
     assert s["x"][3:].tolist() == [[9.0, 9.0]] * 2
     s = pad_batch({"x": np.zeros((0, 2), np.float32)}, 2)
     assert not s["x"].any() and not s["mask"].any()
+    # No real row: still the user's own first row, never a row of zeros.
+    s = pad_batch({"x": x, "mask": np.zeros(3, bool)}, 4)
+    assert s["x"][3].tolist() == x[0].tolist() and not s["mask"].any()
+    with pytest.raises(ValueError, match="one example"):
+        pad_batch({"x": x}, 5, fill={"x": np.zeros((0, 2))})
 
 
 def test_pad_keeps_an_existing_mask():

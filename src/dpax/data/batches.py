@@ -43,19 +43,22 @@ def pad_batch(batch: Batch, size: int, fill: Batch | None = None) -> Batch:
     `size` rows and add the `mask` entry.
 
     The padded rows are copies of `fill` (a batch of one example, without a
-    mask), else of the batch's first real row (see the module's docstring);
-    a batch with no real row and no `fill` is padded with zeros. The mask
-    keeps them out of every sum.
+    mask), else of the batch's first real row, else of its first row (see
+    the module's docstring); a batch of no rows and no `fill` is padded with
+    zeros. The mask keeps them out of every sum.
     """
     old = batch.get(MASK)
     b = batch_rows(batch)
     if not 0 <= b <= size:  # 0: a process whose rows of the batch are all padding
         raise ValueError(f"batch of {b} examples does not fit a padded size of {size}")
-    if fill is None and size > b:
-        real = np.flatnonzero(np.asarray(old, bool)) if old is not None else range(b)
-        if len(real):
-            fill = {k: jax.tree.map(lambda a: np.asarray(a)[real[0]:real[0] + 1], v)
-                    for k, v in batch.items() if k != MASK}
+    if fill is not None and (set(fill) != set(batch) - {MASK} or batch_rows(fill) != 1):
+        raise ValueError(f"`fill` must be one example of the batch's arrays, got "
+                         f"{batch_rows(fill)} of {sorted(fill)}")
+    if fill is None and 0 < b < size:
+        real = np.flatnonzero(np.asarray(old, bool)) if old is not None else [0]
+        first = real[0] if len(real) else 0  # no real row: still the user's own data
+        fill = {k: jax.tree.map(lambda a: np.asarray(a)[first:first + 1], v)
+                for k, v in batch.items() if k != MASK}
 
     def pad(v, row=None):
         v = np.asarray(v)

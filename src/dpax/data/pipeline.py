@@ -111,7 +111,8 @@ def local_part(data: dict, idx: np.ndarray, rows: tuple[int, int]) -> Batch:
     batch's first where the process holds none."""
     lo, hi = rows
     mine = idx[lo:hi]
-    fill = jax.tree.map(lambda a: a[idx[:1]], data) if len(mine) == 0 < hi - lo else None
+    holds_none = len(mine) == 0 and len(idx) > 0
+    fill = jax.tree.map(lambda a: a[idx[:1]], data) if holds_none else None
     return pad_batch(jax.tree.map(lambda a: a[mine], data), hi - lo, fill)
 
 
