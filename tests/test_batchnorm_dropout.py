@@ -292,6 +292,10 @@ def test_a_batchnorms_own_mask_counts_as_it_does_without_dpax(seed):
     for n in (1, 3):
         m = dpax.from_linen(Linen(), data["x"][:1], data["real"][:1], seed=seed)
         t = dpax.Trainer(m, masked_loss, optax.sgd(0.1), devices=n)
+        t.fit(data, batch_size=29, until_step=1)
+        # The layer normalizes the inputs themselves: its statistics are the data's alone.
+        np.testing.assert_allclose(m.wrapped.BatchNorm_0["mean"], plain.bn.mean[...],
+                                   atol=1e-6)
         t.fit(data, batch_size=29, until_step=3)
         states[n] = t.state_dict()
     assert max_diff(states[3], states[1]) <= 1e-5

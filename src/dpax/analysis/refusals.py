@@ -49,11 +49,12 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
     the leaves of `args`; the random draws' check traces `forward` again)."""
     if math.prod(size if isinstance(size, tuple) else (size,)) == 1:
         return {}
-    if jaxpr is not None and UNKNOWN in mixing(jaxpr, leaf_flags(args, ON_ROWS)):
+    kinds = None if jaxpr is None else mixing(jaxpr, leaf_flags(args, ON_ROWS))
+    if kinds is not None and UNKNOWN in kinds:
         # The caller's trace (a gradient's forward part) holds derivative
         # forms the analysis cannot read (cummax's or a product's JVP): read
-        # the forward's own ops instead.
-        jaxpr = None
+        # the forward's own ops instead, at the cost of one more trace of it.
+        jaxpr = kinds = None
     if jaxpr is None:
         jaxpr = trace(forward, args, axis, size)
     if isinstance(axis, tuple):
@@ -63,7 +64,9 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
         per_device = _state_per_device(forward, args, jaxpr, axis, size, asks)
     size = math.prod(size) if isinstance(size, tuple) else size  # the devices, for messages
     # With sync_batchnorm off the user asked for per-device batch statistics.
-    mixed = asks.sync_batchnorm and first_mixed(mixing(jaxpr, leaf_flags(args, ON_ROWS)))
+    if kinds is None:
+        kinds = mixing(jaxpr, leaf_flags(args, ON_ROWS))
+    mixed = asks.sync_batchnorm and first_mixed(kinds)
     if mixed:
         raise MixesExamples(
             f"an example's loss depends on the other examples in its batch ({mixed.where}), "
