@@ -102,7 +102,7 @@ def hand_loop(w, model, x, y, masked=False, per_device=False):
 
     b = w.batch_size
     batch = (x[:b], y[:b])
-    if masked or per_device:
+    if masked:  # `per_device` is the masked step per device
         batch = ({"x": x[:b], "y": y[:b], "mask": np.ones(b, bool)},)
     params, _, value, _ = train_step(*state, *jax.device_put(batch, rows))
     float(value)

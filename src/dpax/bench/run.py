@@ -68,8 +68,6 @@ class BenchConfig:
         if any(n < 1 for n in self.counts()):
             raise DpaxError(f"`devices` must be counts >= 1, got {self.devices!r}")
         check_counts(self.names(), self.counts())
-        if os.path.exists(self.out) and not os.path.isdir(self.out):
-            raise DpaxError(f"`out={self.out}` is a file; give a directory for the results")
         cfg.one_of(self, "optimizer", OPTIMIZERS)
         for name in ("repeats", "steps", "steps_per_call"):
             cfg.whole(self, name)
@@ -97,7 +95,7 @@ def run_bench(workloads, device_counts, repeats=5, steps=None, steps_per_call=8,
       DpaxError: a device count that splits no workload's batch, an `out_dir`
         that is a file."""
     check_counts(workloads, device_counts)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):  # the CLI's --out too
         raise DpaxError(f"`out={out_dir}` is a file; give a directory for the results")
     os.makedirs(out_dir, exist_ok=True)
     # One device's peak (the kept best measurement on CPU, `dpax.parallel.peak`).
