@@ -102,8 +102,11 @@ def test_prepare_from_parquet_and_hf_equals_prepare_from_npz(stored, tmp_path, c
     x, y, paths = stored
     for fmt in ("parquet", "hf"):
         dest = str(tmp_path / fmt)
-        assert main(["prepare", paths[fmt], dest, "--quiet"]) == 0
-        assert f"wrote 300 examples in 1 shard(s) to {dest}" in capsys.readouterr().out
+        # Not --quiet: into a pipe (pytest's capture) the bar stays off, no "\r" redraws.
+        assert main(["prepare", paths[fmt], dest]) == 0
+        printed = capsys.readouterr()
+        assert f"wrote 300 examples in 1 shard(s) to {dest}" in printed.out
+        assert "\r" not in printed.err + printed.out
         got = data.load(dest)
         np.testing.assert_array_equal(got.x_train[np.arange(240)],
                                       data.load(paths["npz"]).x_train[np.arange(240)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from dpax.data import tokenizer
 from dpax.data.datasets import DEFAULT_SEQ_LEN, TEXT, is_text
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             raise DpaxError(f"{args.src} holds text dpax prepare already wrote; train on it "
                             "with --data")
         meta = prepare(args.src, args.dest, args.x_column or "x", args.y_column or "y",
-                       progress=not args.quiet)
+                       progress=_bar(args))
         print(f"wrote {meta['examples']} examples in {len(meta['shards'])} shard(s) to "
               f"{args.dest}")
         return 0
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         hf_files.check_tokenizer(args.tokenizer_from, spec)
         tok = tokenizer.from_json(spec, hf_files.tokenizer_json(args.tokenizer_from))
     meta = prepare_text(args.src.partition(":")[2] or None, args.dest, seq_len, spec,
-                        args.pack, tok, progress=not args.quiet)
+                        args.pack, tok, progress=_bar(args))
     info = meta["text"]
     held = meta["examples"] - info["train_examples"]
     split = (f"{info['train_examples']} to train on, {held} held out" if held else
@@ -81,3 +82,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {meta['examples']} windows of {info['seq_len']} tokens ({split}) in "
           f"{len(meta['shards'])} shard(s) to {args.dest}")
     return 0
+
+
+def _bar(args: argparse.Namespace) -> bool:
+    """A progress bar on a terminal only: redrawn with carriage returns, it
+    fills a log or a pipe with one line per update (the final line says it all)."""
+    return not args.quiet and sys.stderr.isatty()
