@@ -393,3 +393,19 @@ def test_a_model_loss_or_optimizer_of_the_wrong_kind_is_named(args, message):
     args = tuple(model if a is None else a for a in args)
     with pytest.raises(dpax.DpaxError, match=message):
         dpax.Trainer(*args, devices=1)
+
+
+def test_idle_devices_are_warned_of_once_per_trainer_and_batch():
+    """`dpax check` fits one step at a time: its one warning came once per
+    step. One device of two idle reads 'sees'."""
+    import warnings
+
+    ds = digits()
+    t = mlp_trainer(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for until in (1, 2, 3):
+            t.fit(ds.x_train, ds.y_train, batch_size=1, until_step=until)
+    idle = [str(w.message) for w in caught if "only padding" in str(w.message)]
+    assert idle == ["batches of 1 examples on 2 devices: 1 of them sees only padding every "
+                    "step; use a `batch_size` that is a multiple of 2"]

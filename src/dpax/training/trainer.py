@@ -299,6 +299,7 @@ class Trainer:
         self._model_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                          (state.params, state.model_state))
         self._output_specs: dict = {}  # (example shape, dtype) -> the model's output
+        self._warned_idle: set = set()  # the batches `_warn_idle` warned of: once each
         self._rule = checks.rule_of(loss_fn)
         self.layout = make_layout(config.sharding, self.backend, state, config.grad_accum)
         self._specs = layouts.specs(self.layout)
@@ -658,15 +659,18 @@ class Trainer:
 
     def _warn_idle(self, batch_size: int, n_examples: int, size: int) -> None:
         """Padding fills the devices after the real rows: warn when some
-        devices hold no real row at all (their compute is wasted)."""
+        devices hold no real row at all (their compute is wasted), once per
+        Trainer and batch (`dpax check` fits one step at a time)."""
         real = min(batch_size, n_examples)
         idle = self.n_devices - -(-real // (size // self.n_devices))
-        if idle <= 0:
+        if idle <= 0 or (real, n_examples < batch_size) in self._warned_idle:
             return
+        self._warned_idle.add((real, n_examples < batch_size))
         fix = (f"the data holds only {n_examples} examples" if n_examples < batch_size
                else f"use a `batch_size` that is a multiple of {self.n_devices}")
         warnings.warn(f"batches of {real} examples on {self.n_devices} devices: {idle} of "
-                      f"them see only padding every step; {fix}", DpaxWarning, stacklevel=3)
+                      f"them {'sees' if idle == 1 else 'see'} only padding every step; {fix}",
+                      DpaxWarning, stacklevel=3)
 
     def _read(self, pending: list) -> dict:
         host = self.backend.host(pending)  # sync point (timed): once per log
