@@ -180,6 +180,21 @@ def trace(fn: Callable, args: Sequence[Any], axis: str | tuple[str, ...],
     return jax.make_jaxpr(fn, axis_env=env)(*shapes(args)).jaxpr
 
 
+def line(eqn) -> str:
+    """The user's line that made `eqn`, or "" where JAX does not say."""
+    try:  # a private module: the line is a courtesy, the verdict does not need it
+        from jax._src import source_info_util
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:
+        return ""
+
+
+def where(eqn) -> str:
+    """`eqn`'s primitive, and its line: "mul at model.py:12 (loss)"."""
+    at = line(eqn)
+    return f"{eqn.primitive.name} at {at}" if at else eqn.primitive.name
+
+
 def leaf_flags(args: Sequence[Any], flags: Sequence[bool]) -> list[bool]:
     """Each argument's flag, once per leaf: the jaxpr's inputs."""
     return [flag for arg, flag in zip(args, flags) for _ in jax.tree.leaves(arg)]

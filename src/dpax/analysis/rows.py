@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend import core as jcore
 
-from dpax.analysis.propagate import Domain, propagate
+from dpax.analysis.propagate import Domain, line, propagate, where
 
 CONST, SUMMARY, UNKNOWN = "const", "summary", "unknown"
 
@@ -118,24 +118,11 @@ class Kinds(Domain):
 _KINDS = Kinds()
 
 
-def _line(eqn) -> str:
-    try:  # a private module: the line is a courtesy, the verdict does not need it
-        from jax._src import source_info_util
-        return source_info_util.summarize(eqn.source_info)
-    except Exception:
-        return ""
-
-
-def _where(eqn) -> str:
-    line = _line(eqn)
-    return f"{eqn.primitive.name} at {line}" if line else eqn.primitive.name
-
-
 def _located(kinds: list, eqn) -> list:
     """A call's mixing, at the caller's line where jnp's own jit hid it."""
-    line = _line(eqn)
-    return [Mixed(f"{k.where} at {line}") if isinstance(k, Mixed) and " at " not in k.where
-            and line else k for k in kinds]
+    at = line(eqn)
+    return [Mixed(f"{k.where} at {at}") if isinstance(k, Mixed) and " at " not in k.where
+            and at else k for k in kinds]
 
 
 def _shape(atom) -> tuple:
@@ -152,7 +139,7 @@ def _eqn(eqn, kinds: list) -> list:
     else:
         out = _elementwise(eqn, kinds)
     if isinstance(out, Mixed) or out == "mix":
-        out = Mixed(_where(eqn))
+        out = Mixed(where(eqn))
     return out if isinstance(out, list) else [out] * len(eqn.outvars)
 
 
@@ -293,8 +280,8 @@ def _dot_general(eqn, kinds):
         other = rhs if lhs == SUMMARY else lhs
         return "mix" if isinstance(other, Row) else SUMMARY
     side, k = (0, lhs) if isinstance(lhs, Row) else (1, rhs)
-    where = out_axis(side, k)
-    return SUMMARY if where == SUMMARY else Row(where, k.group)
+    lands = out_axis(side, k)
+    return SUMMARY if lands == SUMMARY else Row(lands, k.group)
 
 
 def _conv(eqn, kinds):
