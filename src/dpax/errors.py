@@ -43,6 +43,16 @@ class MixesExamples(DpaxError):
         self.where = where
 
 
+class ReadsBatchSize(DpaxError):
+    """An example's loss would be computed from the number of rows a device
+    holds, or from its position among them (`dpax.analysis.batch_size`);
+    `where` names the operation."""
+
+    def __init__(self, message: str, where: str):
+        super().__init__(message)
+        self.where = where
+
+
 class BadArgument(DpaxError):
     """An argument no run can take, refused before the first step; `argument`
     names it (`batch_size`, `data`, `y`, `batches`, or the file it came from)."""

@@ -5,8 +5,10 @@ compute differently from one device, and no average mends.
 draw shaped by the rows from a key every device holds alike
 (`PerDeviceRandom`), numeric model state computed from each device's rows
 while `sync_batchnorm` asks for one device's numbers or when it is a count
-(`PerDeviceState`), and a loss or layer that mixes the examples a device
-holds (`MixesExamples`). It returns the state that is averaged instead.
+(`PerDeviceState`), a loss or layer that mixes the examples a device holds
+(`MixesExamples`), and one that computes with how many rows it holds
+(`ReadsBatchSize`, from one more trace: `dpax.analysis.batch_size`). It
+returns the state that is averaged instead.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from dpax.analysis.batch_size import uses_rows_count
 from dpax.analysis.propagate import COLLECTIVES, PER_DEVICE, axes, leaf_flags, trace
 from dpax.analysis.rows import UNKNOWN, first_mixed, mixing
 from dpax.analysis.varying import analyze, varying
-from dpax.errors import DpaxError, MixesExamples, PerDeviceRandom, PerDeviceState
+from dpax.errors import DpaxError, MixesExamples, PerDeviceRandom, PerDeviceState, ReadsBatchSize
 
 # forward(params, model_state, rows): the params and the state are alike on
 # every device, the rows (one device's micro-batch) are its own.
@@ -75,6 +78,15 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
             "statistics use nnx.BatchNorm or Linen's nn.BatchNorm (dpax synchronizes them); "
             "for a loss over the whole batch (contrastive) take the other examples from "
             "dpax.models.layers.global_rows", mixed.where)
+    counted = asks.sync_batchnorm and uses_rows_count(forward, args, ON_ROWS, axis, size)
+    if counted:
+        raise ReadsBatchSize(
+            f"the loss or the model computes with the number of rows a device holds or a "
+            f"row's position among them ({counted}: e.g. x.shape[0], jnp.arange(len(x))), "
+            f"which on {size} devices is a device's share of the batch, so they would not "
+            "train what one device trains: return each example's own loss (dpax takes the "
+            "mean over the global batch; weights go in loss_fn's third output), and take an "
+            "example's position in the batch from batch['index']", counted)
     return per_device
 
 

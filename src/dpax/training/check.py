@@ -28,7 +28,13 @@ from flax import nnx
 
 from dpax.data.batches import batch_rows
 from dpax.data.pipeline import examples
-from dpax.errors import MixesExamples, NotPerExample, PerDeviceRandom, PerDeviceState
+from dpax.errors import (
+    MixesExamples,
+    NotPerExample,
+    PerDeviceRandom,
+    PerDeviceState,
+    ReadsBatchSize,
+)
 from dpax.models.bridge import LinenModel
 from dpax.models.layers import SyncBatchNorm
 from dpax.parallel.backends import DEFAULT_BACKEND
@@ -54,6 +60,10 @@ CAUSES = {
                   "normalization): return each example's own loss",
     "model-mixes": "an op in the model mixes examples across the batch (a mean, norm or "
                    "sort over the batch axis) without synchronizing it",
+    "batch-size": "the loss or the model computes with the number of rows a device holds "
+                  "or a row's position among them (e.g. divides by x.shape[0]), a device's "
+                  "share of the batch on N devices: return each example's own loss, and "
+                  "take positions from batch['index']",
     "nonfinite": "NaN or inf on one side only (N devices or the one device): something the "
                  "model or the loss computes from a device's share of the batch (its size, "
                  "its rows) is not finite there",
@@ -204,7 +214,8 @@ def check_equivalence(
         try:
             row1, rown = (t.fit(data, batch_size=batch_size, until_step=step, log_every=1)[-1]
                           for t in (t1, tn))
-        except (PerDeviceRandom, PerDeviceState, MixesExamples, NotPerExample) as e:
+        except (PerDeviceRandom, PerDeviceState, MixesExamples, ReadsBatchSize,
+                NotPerExample) as e:
             # Refused before the step on N devices ran.
             cause, detail = _refused(e, tn, t1, loss_fn, data, before, sync_batchnorm)
             return CheckResult(devices, batch_size, steps, None, None, None, cause, detail,
@@ -237,6 +248,8 @@ def _refused(e: Exception, tn, t1, loss_fn, data, before, sync_batchnorm
     if isinstance(e, MixesExamples):
         cause, detail = _diagnose(tn.model(), t1, loss_fn, data, before, sync_batchnorm)
         return cause, f"{detail} ({e.where})"
+    if isinstance(e, ReadsBatchSize):
+        return "batch-size", f"{CAUSES['batch-size']} ({e.where})"
     if e.name == "loss":  # a mean over the batch, not one loss per example
         return "loss-mean", ""
     raise e

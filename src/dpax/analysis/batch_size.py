@@ -1,0 +1,112 @@
+"""Values computed from how many rows a device holds, or from a row's
+position among them.
+
+A loss that divides by `x.shape[0]` (a per-token loss over `B * T`, weights
+of `1 / B`) reads the batch size as a number. Each device holds 1/N of the
+rows, so on N devices that number is N times smaller than on one: the loss,
+and with SGD the step, are scaled by N, and padded shards weigh their real
+rows more. Likewise `jnp.arange(x.shape[0])` as a value (a weight by
+position, every other example) is a row's position in its device's shard,
+not in the batch. No row is mixed with another, so `dpax.analysis.rows`
+sees nothing; a jaxpr holds the size as a plain constant.
+
+`uses_rows_count` traces the forward once more with the number of rows as a
+symbol (`jax.export.symbolic_shape`): shapes stay symbolic, and a shape
+becomes a number only through a `dim_as_value` equation, or an `iota` along
+the rows. What such a number flows into is followed: into an index (`x[-1]`,
+`logits[jnp.arange(B), y]`: JAX adds the size to negative indices) it only
+picks values, which the rows analysis judges; into a floating-point value it
+changes what is computed. A forward that cannot be traced with a symbolic
+size (`len(x)`, a Python `if` on it, NumPy on a shape) is not judged: the
+analysis refuses only what it reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dpax.analysis.propagate import Domain, line, names, propagate, where
+
+# Operands that only index into the first: (primitive, how many operands
+# before the indices carry values).
+_INDEXED = {"gather": 1, "dynamic_slice": 1, "dynamic_update_slice": 2}
+_SCATTERS = ("scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min",
+             "scatter_max", "scatter_apply")
+
+
+class FromRowsCount(Domain):
+    """A fact per value: is it computed from the number of rows? `found`:
+    where the first equation that makes a floating-point value from it is."""
+
+    bottom = False
+
+    def __init__(self):
+        self.found: str | None = None
+
+    def first(self, eqn, facts: list) -> list | None:
+        name = eqn.primitive.name
+        if name == "dim_as_value" or (name == "iota" and not isinstance(
+                eqn.params["shape"][eqn.params["dimension"]], int)):
+            return [True] * len(eqn.outvars)
+        return None
+
+    def join(self, facts: list) -> bool:
+        return any(facts)
+
+    def primitive(self, eqn, facts: list) -> list:
+        name = eqn.primitive.name
+        if name in _INDEXED:
+            facts = facts[:_INDEXED[name]]
+        elif name in _SCATTERS:  # operand, indices, updates
+            facts = facts[:1] + facts[2:]
+        out = any(facts)
+        if out and self.found is None and any(
+                jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact)
+                for v in eqn.outvars):
+            self.found = where(eqn)
+        return [out] * len(eqn.outvars)
+
+    def call(self, eqn, outs: list) -> list:
+        # Inside a jit of jnp's own (`jnp.where`), traced once and cached, an
+        # equation has no line of the user's: the call's line is theirs.
+        if self.found is not None and " at " not in self.found:
+            at = line(eqn)
+            if at:
+                self.found = f"{self.found} at {at}"
+        return outs
+
+    def opaque(self, eqn) -> list:
+        return [True] * len(eqn.outvars)
+
+
+def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
+                    axis: str | tuple[str, ...], size: int | tuple[int, ...]) -> str | None:
+    """Where `fn(*args)` computes a floating-point value from the number of
+    rows of the arguments marked in `rows` (their leading axis) or from a
+    row's position among them, as "`op` at file:line", or None where it does
+    not, or where `fn` cannot be traced with that number as a symbol."""
+    try:
+        from jax import export
+        (count,) = export.symbolic_shape("rows")
+        symbolic = [jax.tree.map(lambda a: _with_rows(a, count), arg) if flag
+                    else jax.tree.map(_shape, arg) for arg, flag in zip(args, rows)]
+        env = list(zip(names(axis), size if isinstance(size, tuple) else (size,)))
+        jaxpr = jax.make_jaxpr(fn, axis_env=env)(*symbolic).jaxpr
+    except Exception:  # not traceable with a symbolic batch: not judged
+        return None
+    domain = FromRowsCount()
+    propagate(jaxpr, [False] * len(jaxpr.invars), domain)
+    return domain.found
+
+
+def _shape(a) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+def _with_rows(a, count) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((count,) + a.shape[1:], a.dtype) if a.ndim else _shape(a)
+

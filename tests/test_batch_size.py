@@ -1,0 +1,115 @@
+"""A loss or model that computes with the number of rows a device holds
+(`x.shape[0]`) is refused before training on several devices
+(`dpax.analysis.batch_size`): each device holds 1/N of the batch, so such a
+number is N times smaller there than on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import dpax
+from dpax.analysis.batch_size import uses_rows_count
+from dpax.errors import ReadsBatchSize
+
+R = 6  # a device's rows
+
+
+def found(fn):
+    """`uses_rows_count` on fn(w, x, y): w (4, 3) alike on every device, x
+    (R, 4) floats and y (R,) class ids the device's rows."""
+    args = (jax.ShapeDtypeStruct((4, 3), jnp.float32), jax.ShapeDtypeStruct((R, 4), jnp.float32),
+            jax.ShapeDtypeStruct((R,), jnp.int32))
+    return uses_rows_count(fn, args, (False, True, True), "d", 2)
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("a per-example loss over the batch size",
+     lambda w, x, y: jnp.tanh(x @ w).sum(1) / x.shape[0]),
+    ("a per-token loss over batch x tokens",
+     lambda w, x, y: jnp.tanh(x @ w).sum(1) / (x.shape[0] * x.shape[1])),
+    ("weights of 1 / B",
+     lambda w, x, y: jnp.tanh(x @ w).sum(1) * jnp.full(x.shape[0], 1 / x.shape[0])),
+    ("a row's rank scaled by B", lambda w, x, y: jnp.arange(x.shape[0]) / x.shape[0] * x.sum(1)),
+    ("a row's position in the shard", lambda w, x, y: x.sum(1) + jnp.arange(x.shape[0])),
+    ("every other row", lambda w, x, y: jnp.where(jnp.arange(x.shape[0]) % 2 == 0, x.sum(1), 0.)),
+])
+def test_a_value_from_the_number_of_rows_is_found(name, fn):
+    where = found(fn)
+    assert where is not None and "test_batch_size.py" in where, (name, where)
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("a per-example loss",
+     lambda w, x, y: optax.softmax_cross_entropy_with_integer_labels(x @ w, y)),
+    ("the logit of each row's label", lambda w, x, y: (x @ w)[jnp.arange(x.shape[0]), y]),
+    ("take_along_axis", lambda w, x, y: jnp.take_along_axis(x @ w, y[:, None], 1)[:, 0]),
+    ("the last row (an index: the rows analysis judges it)", lambda w, x, y: x[-1] * x),
+    ("a mean over features", lambda w, x, y: (x @ w).mean(1)),
+    ("a position along the features", lambda w, x, y: x * jnp.arange(x.shape[1])),
+    ("a one-hot label", lambda w, x, y: (jax.nn.one_hot(y, 3) * (x @ w)).sum(1)),
+    ("an argmax's accuracy", lambda w, x, y: (jnp.argmax(x @ w, -1) == y).astype(jnp.float32)),
+    ("a reshape by the rows", lambda w, x, y: x.reshape(x.shape[0], 2, 2).sum((1, 2))),
+    # Not traceable with a symbolic size: not judged (docs/exactness.md).
+    ("len() of the rows", lambda w, x, y: x.sum(1) / len(x)),
+])
+def test_what_only_shapes_or_picks_by_the_rows_is_not_found(name, fn):
+    assert found(fn) is None, name
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.l = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l(x)
+
+
+def mean_scaled(model, batch):
+    """A per-example loss, "normalized" by the device's batch size."""
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]) / logits.shape[0]
+
+
+def data(seed):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(30, 8)).astype(np.float32), rng.integers(0, 3, 30).astype(np.int32)
+
+
+def params_after(n, seed, loss=mean_scaled):
+    x, y = data(seed)
+    t = dpax.Trainer(Net(nnx.Rngs(seed)), loss, optax.sgd(0.5), devices=n)
+    t.fit(x, y, batch_size=15, until_step=2, log_every=10**9)
+    return t.params
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_loss_over_the_batch_size_is_refused_on_several_devices(seed, monkeypatch):
+    """One device trains the loss as written. On 2 devices it is refused,
+    in one line naming the user's line, before anything changes; with the
+    analysis off, the 2 devices would have trained other params (with SGD
+    the loss, and so the step, is 2x one device's: 15 rows padded to 16)."""
+    one = params_after(1, seed)
+    x, y = data(seed)
+    t = dpax.Trainer(Net(nnx.Rngs(seed)), mean_scaled, optax.sgd(0.5), devices=2)
+    before = t.params
+    with pytest.raises(ReadsBatchSize, match="number of rows a device holds") as e:
+        t.fit(x, y, batch_size=15, until_step=2, log_every=10**9)
+    assert "\n" not in str(e.value) and "test_batch_size.py" in e.value.where
+    assert int(t.state.step) == 0
+    jax.tree.map(np.testing.assert_array_equal, before, t.params)
+
+    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a: None)
+    unrefused = params_after(2, seed)
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(unrefused)))
+    assert diff > 1e-3, diff
+
+
+def test_check_names_the_batch_size():
+    x, y = data(0)
+    result = dpax.check_equivalence(lambda: Net(nnx.Rngs(0)), mean_scaled, x, y, devices=2,
+                                    steps=1)
+    assert result.cause == "batch-size" and "test_batch_size.py" in result.report()
