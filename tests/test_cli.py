@@ -558,3 +558,15 @@ def test_messages_suggest_only_what_the_command_takes(tmp_path, capsys):
     err = one_line_error(capsys, ["predict", "--checkpoint", str(tmp_path / "none"), "--data",
                                   nox, "--out", str(tmp_path / "p.npz")])
     assert "lacks array(s) x" in err and "--x-column" not in err
+
+
+def test_version_names_dpax_and_its_stack_on_one_line(capsys):
+    import flax
+    import jax
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.count("\n") == 1
+    assert out.startswith(f"dpax {dpax.__version__} (jax {jax.__version__},")
+    assert f"flax {flax.__version__}" in out

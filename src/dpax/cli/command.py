@@ -6,10 +6,13 @@ and the libraries' log records in a file (`dpax.cli.failures`)."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import platform
 import sys
 import typing
 import warnings
 
+from dpax import __version__
 from dpax.cli import (
     bench,
     check,
@@ -48,11 +51,29 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dpax", description="Data-parallel training on JAX.")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print dpax's version and its stack's, and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for command in COMMANDS:
         command.add_parser(sub)
     parser.commands = sub.choices  # name -> subparser, for errors that name the command
     return parser
+
+
+class _Version(argparse.Action):
+    """dpax's version and its stack's on one line, as a bug report wants them
+    (read from the installed packages: JAX is not started for it). argparse's
+    own version action wraps the line at the terminal's width."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        stack = []
+        for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain"):
+            try:
+                stack.append(f"{name} {importlib.metadata.version(name)}")
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        print(f"dpax {__version__} ({', '.join(stack)}, Python {platform.python_version()})")
+        parser.exit(0)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):
