@@ -108,6 +108,26 @@ def test_a_loss_over_the_batch_size_is_refused_on_several_devices(seed, monkeypa
     assert diff > 1e-3, diff
 
 
+class NormNet(nnx.Module):
+    def __init__(self, rngs):
+        self.l = nnx.Linear(8, 16, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.out = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.bn(self.l(x))))
+
+
+def test_a_batchnorm_model_is_read_too():
+    """dpax's synchronized BatchNorm sums the rows exactly, a loop over their
+    number: the symbolic trace takes a plain sum there, so such a model is
+    judged (and refused with this loss), not skipped."""
+    x, y = data(0)
+    t = dpax.Trainer(NormNet(nnx.Rngs(0)), mean_scaled, optax.sgd(0.5), devices=2)
+    with pytest.raises(ReadsBatchSize, match="test_batch_size.py"):
+        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
+
+
 def test_check_names_the_batch_size():
     x, y = data(0)
     result = dpax.check_equivalence(lambda: Net(nnx.Rngs(0)), mean_scaled, x, y, devices=2,

@@ -171,6 +171,10 @@ def two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _compensated(hi: jax.Array, lo: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(hi, lo) of the sum along axis 0 of the pairs (hi, lo) (lo None: zeros),
     pairwise: each level's rounding errors are kept in lo."""
+    if not isinstance(hi.shape[0], int):
+        # A symbolic batch (`dpax.analysis.batch_size`'s trace, read, never
+        # run) has no halving to unroll: a plain sum depends on the same values.
+        return jnp.sum(hi, 0), jnp.zeros_like(hi[0]) if lo is None else jnp.sum(lo, 0)
     if lo is None:  # the first level needs no zeros
         if hi.shape[0] % 2:
             hi = jnp.pad(hi, [(0, 1)] + [(0, 0)] * (hi.ndim - 1))

@@ -110,7 +110,9 @@ def _global_sums(values: tuple, axis: str, most: int) -> tuple[tuple, tuple]:
     the count, whole numbers, is a plain sum when its total (`most` at the
     largest) stays below `EXACT_INTEGERS`."""
     s1, s2, count = values
-    if most >= EXACT_INTEGERS:
+    # A symbolic batch (`dpax.analysis.batch_size`'s trace) has no size to
+    # compare: that trace is read, not run, and the exact count serves any.
+    if not isinstance(most, int) or most >= EXACT_INTEGERS:
         return exact_sums(values, axis)
     (both,), (both_per_device,) = exact_sums((jnp.stack([s1, s2], 1),), axis)
     total = jax.lax.psum(jnp.sum(count, 0), axis)  # per feature where a mask counts
