@@ -47,6 +47,7 @@ def test_a_value_from_the_number_of_rows_is_found(name, fn):
     ("the logit of each row's label", lambda w, x, y: (x @ w)[jnp.arange(x.shape[0]), y]),
     ("take_along_axis", lambda w, x, y: jnp.take_along_axis(x @ w, y[:, None], 1)[:, 0]),
     ("the last row (an index: the rows analysis judges it)", lambda w, x, y: x[-1] * x),
+    ("an update of the last row", lambda w, x, y: x.at[-1].add(1.0).sum(1)),
     ("a mean over features", lambda w, x, y: (x @ w).mean(1)),
     ("a position along the features", lambda w, x, y: x * jnp.arange(x.shape[1])),
     ("a one-hot label", lambda w, x, y: (jax.nn.one_hot(y, 3) * (x @ w)).sum(1)),

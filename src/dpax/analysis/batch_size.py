@@ -28,14 +28,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import export
 
-from dpax.analysis.propagate import Domain, line, names, propagate, where
+from dpax.analysis.propagate import Domain, line, propagate, trace, where
 
 # Operands that only index into the first: (primitive, how many operands
 # before the indices carry values).
 _INDEXED = {"gather": 1, "dynamic_slice": 1, "dynamic_update_slice": 2}
-_SCATTERS = ("scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min",
-             "scatter_max", "scatter_apply")
+_SCATTERS = ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
+             "scatter-max")
 
 
 class FromRowsCount(Domain):
@@ -89,13 +90,11 @@ def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
     rows of the arguments marked in `rows` (their leading axis) or from a
     row's position among them, as "`op` at file:line", or None where it does
     not, or where `fn` cannot be traced with that number as a symbol."""
+    (count,) = export.symbolic_shape("rows")
+    symbolic = [jax.tree.map(lambda a: _with_rows(a, count), arg) if flag else arg
+                for arg, flag in zip(args, rows)]
     try:
-        from jax import export
-        (count,) = export.symbolic_shape("rows")
-        symbolic = [jax.tree.map(lambda a: _with_rows(a, count), arg) if flag
-                    else jax.tree.map(_shape, arg) for arg, flag in zip(args, rows)]
-        env = list(zip(names(axis), size if isinstance(size, tuple) else (size,)))
-        jaxpr = jax.make_jaxpr(fn, axis_env=env)(*symbolic).jaxpr
+        jaxpr = trace(fn, symbolic, axis, size)
     except Exception:  # not traceable with a symbolic batch: not judged
         return None
     domain = FromRowsCount()
@@ -103,10 +102,6 @@ def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
     return domain.found
 
 
-def _shape(a) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(a.shape, a.dtype)
-
-
 def _with_rows(a, count) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((count,) + a.shape[1:], a.dtype) if a.ndim else _shape(a)
+    return jax.ShapeDtypeStruct((count,) + a.shape[1:] if a.ndim else (), a.dtype)
 
