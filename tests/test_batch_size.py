@@ -34,6 +34,7 @@ def found(fn):
      lambda w, x, y: jnp.tanh(x @ w).sum(1) * jnp.full(x.shape[0], 1 / x.shape[0])),
     ("a row's rank scaled by B", lambda w, x, y: jnp.arange(x.shape[0]) / x.shape[0] * x.sum(1)),
     ("a row's position in the shard", lambda w, x, y: x.sum(1) + jnp.arange(x.shape[0])),
+    ("a table cut to the rows", lambda w, x, y: x.sum(1) + jnp.linspace(0, 1, 32)[:x.shape[0]]),
     ("every other row", lambda w, x, y: jnp.where(jnp.arange(x.shape[0]) % 2 == 0, x.sum(1), 0.)),
 ])
 def test_a_value_from_the_number_of_rows_is_found(name, fn):
@@ -53,6 +54,7 @@ def test_a_value_from_the_number_of_rows_is_found(name, fn):
     ("a one-hot label", lambda w, x, y: (jax.nn.one_hot(y, 3) * (x @ w)).sum(1)),
     ("an argmax's accuracy", lambda w, x, y: (jnp.argmax(x @ w, -1) == y).astype(jnp.float32)),
     ("a reshape by the rows", lambda w, x, y: x.reshape(x.shape[0], 2, 2).sum((1, 2))),
+    ("a slice of the rows' own values", lambda w, x, y: x[:, :2].sum(1) + x[: x.shape[0]].sum(1)),
     # Not traceable with a symbolic size: not judged (docs/exactness.md).
     ("len() of the rows", lambda w, x, y: x.sum(1) / len(x)),
 ])
@@ -106,6 +108,45 @@ def test_a_loss_over_the_batch_size_is_refused_on_several_devices(seed, monkeypa
     unrefused = params_after(2, seed)
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(unrefused)))
+    assert diff > 1e-3, diff
+
+
+class NoisyNet(nnx.Module):
+    """Noise drawn from the model's own stream in a fixed shape, cut to the
+    batch: row i gets noise row i, its position in the device's shard."""
+
+    def __init__(self, rngs):
+        self.l = nnx.Linear(8, 3, rngs=rngs)
+        self.rngs = rngs
+
+    def __call__(self, x):
+        noise = jax.random.normal(self.rngs.noise(), (64, 8))[: x.shape[0]]
+        return self.l(x + 0.5 * noise)
+
+
+def ce(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_noise_cut_to_the_batch_is_refused(seed, monkeypatch):
+    """The draw's shape does not follow the rows (`dpax.analysis.varying`
+    judges those); the slice does. Without the refusal 2 devices trained
+    other params than one."""
+    x, y = data(seed)
+
+    def params_of(n):
+        t = dpax.Trainer(NoisyNet(nnx.Rngs(seed, noise=seed + 1)), ce, optax.sgd(0.5),
+                         devices=n)
+        t.fit(x, y, batch_size=15, until_step=2, log_every=10**9)
+        return t.params
+
+    one = params_of(1)
+    with pytest.raises(ReadsBatchSize, match="test_batch_size.py"):
+        params_of(2)
+    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a: None)
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(params_of(2))))
     assert diff > 1e-3, diff
 
 

@@ -12,8 +12,10 @@ sees nothing; a jaxpr holds the size as a plain constant.
 
 `uses_rows_count` traces the forward once more with the number of rows as a
 symbol (`jax.export.symbolic_shape`): shapes stay symbolic, and a shape
-becomes a number only through a `dim_as_value` equation, or an `iota` along
-the rows. What such a number flows into is followed: into an index (`x[-1]`,
+becomes a number only through a `dim_as_value` equation, an `iota` along
+the rows, or a slice as long as the rows of an array that holds none
+(`table[:B]`, noise drawn in a fixed shape and cut to the batch: row i gets
+entry i). What such a number flows into is followed: into an index (`x[-1]`,
 `logits[jnp.arange(B), y]`: JAX adds the size to negative indices) it only
 picks values, which the rows analysis judges; into a floating-point value it
 changes what is computed. A forward that cannot be traced with a symbolic
@@ -50,10 +52,18 @@ class FromRowsCount(Domain):
 
     def first(self, eqn, facts: list) -> list | None:
         name = eqn.primitive.name
-        if name == "dim_as_value" or (name == "iota" and not isinstance(
-                eqn.params["shape"][eqn.params["dimension"]], int)):
+        if (name == "dim_as_value"
+                or name == "iota" and _symbolic(eqn.params["shape"][eqn.params["dimension"]])
+                or name in ("slice", "dynamic_slice", "gather") and _by_rows(eqn)):
+            self._found(eqn)  # a slice's values are floats already
             return [True] * len(eqn.outvars)
         return None
+
+    def _found(self, eqn) -> None:
+        if self.found is None and any(
+                jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact)
+                for v in eqn.outvars):
+            self.found = where(eqn)
 
     def join(self, facts: list) -> bool:
         return any(facts)
@@ -65,10 +75,8 @@ class FromRowsCount(Domain):
         elif name in _SCATTERS:  # operand, indices, updates
             facts = facts[:1] + facts[2:]
         out = any(facts)
-        if out and self.found is None and any(
-                jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact)
-                for v in eqn.outvars):
-            self.found = where(eqn)
+        if out:
+            self._found(eqn)
         return [out] * len(eqn.outvars)
 
     def call(self, eqn, outs: list) -> list:
@@ -90,7 +98,13 @@ def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
     rows of the arguments marked in `rows` (their leading axis) or from a
     row's position among them, as "`op` at file:line", or None where it does
     not, or where `fn` cannot be traced with that number as a symbol."""
-    (count,) = export.symbolic_shape("rows")
+    held = [a.shape[0] for flag, arg in zip(rows, args) if flag
+            for a in jax.tree.leaves(arg) if a.ndim]
+    if not held:
+        return None
+    # At most the rows there are: a slice `[:rows]` of a longer array is then
+    # `rows` long (JAX would otherwise type it `min(len, rows)`).
+    (count,) = export.symbolic_shape("rows", constraints=(f"rows <= {held[0]}",))
     symbolic = [jax.tree.map(lambda a: _with_rows(a, count), arg) if flag else arg
                 for arg, flag in zip(args, rows)]
     try:
@@ -100,6 +114,21 @@ def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
     domain = FromRowsCount()
     propagate(jaxpr, [False] * len(jaxpr.invars), domain)
     return domain.found
+
+
+def _symbolic(dim) -> bool:
+    return not isinstance(dim, int)
+
+
+def _by_rows(eqn) -> bool:
+    """A slice of an array that holds no rows, as many as there are rows
+    (`table[:x.shape[0]]`, noise drawn in a fixed shape and cut to the
+    batch): row i gets the slice's i-th entry, by position. (A gather
+    slices by the rows' number only so; a lookup by ids slices a fixed size.)"""
+    sliced = (eqn.params["slice_sizes"] if eqn.primitive.name == "gather"
+              else eqn.outvars[0].aval.shape)
+    return (any(_symbolic(d) for d in sliced)
+            and not any(_symbolic(d) for d in eqn.invars[0].aval.shape))
 
 
 def _with_rows(a, count) -> jax.ShapeDtypeStruct:

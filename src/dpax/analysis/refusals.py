@@ -82,7 +82,8 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
     if counted:
         raise ReadsBatchSize(
             f"the loss or the model computes with the number of rows a device holds or a "
-            f"row's position among them ({counted}: e.g. x.shape[0], jnp.arange(len(x))), "
+            f"row's position among them ({counted}: e.g. / x.shape[0], jnp.arange(x.shape[0]), "
+            "noise[:x.shape[0]]), "
             f"which on {size} devices is a device's share of the batch, so they would not "
             "train what one device trains: return each example's own loss (dpax takes the "
             "mean over the global batch; weights go in loss_fn's third output), and take an "
