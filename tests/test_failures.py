@@ -273,7 +273,7 @@ def test_check_names_the_model_or_the_loss_that_mixes_examples(bad):
     assert result.cause == ("model-mixes" if bad == "sum" else "loss-mean"), report
 
 
-def test_check_finds_values_not_finite_on_n_devices_only():
+def test_check_finds_values_not_finite_on_n_devices_only(monkeypatch):
     """Params NaN on N devices and finite on one are no match: `max` of a
     NaN kept the earlier 0.0, and the check said "equivalent". The default
     batch pads on 3 devices too (5N+3 = 18 split evenly)."""
@@ -282,13 +282,18 @@ def test_check_finds_values_not_finite_on_n_devices_only():
     class ByShardRows(models.Linear):  # divides by (a device's rows - 6): by 0 on 3 devices
         def __call__(self, x):
             x = x.reshape(x.shape[0], -1)
-            # len(), which the refusal of x.shape[0] as a value cannot trace
-            # (`dpax.analysis.batch_size`): what the check is for.
-            return self.dense(x) / (len(x) - 6)
+            return self.dense(x) / (x.shape[0] - 6)
 
-    result = dpax.check_equivalence(
-        lambda: ByShardRows(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)),
-        losses.classification_loss, ds.x_train, ds.y_train, devices=3, steps=1)
+    def check():
+        return dpax.check_equivalence(
+            lambda: ByShardRows(ds.input_shape, ds.n_out, rngs=nnx.Rngs(0)),
+            losses.classification_loss, ds.x_train, ds.y_train, devices=3, steps=1)
+
+    # Refused before training (`dpax.analysis.batch_size`); where the
+    # analysis cannot read such a model, the check's run finds the NaN.
+    assert check().cause == "batch-size"
+    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a: None)
+    result = check()
     assert (result.batch_size, result.cause) == (17, "nonfinite"), result.report()
     assert "NOT equivalent" in result.report()
     assert all(dpax.training.check.default_batch(n) % n for n in range(2, 9))

@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import export
 
 # Leaves this large go as their own operand: copying them into a packed buffer
 # costs more than their rendezvous saves.
@@ -171,7 +172,7 @@ def two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _compensated(hi: jax.Array, lo: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(hi, lo) of the sum along axis 0 of the pairs (hi, lo) (lo None: zeros),
     pairwise: each level's rounding errors are kept in lo."""
-    if not isinstance(hi.shape[0], int):
+    if export.is_symbolic_dim(hi.shape[0]):
         # A symbolic batch (`dpax.analysis.batch_size`'s trace, read, never
         # run) has no halving to unroll: a plain sum depends on the same values.
         return jnp.sum(hi, 0), jnp.zeros_like(hi[0]) if lo is None else jnp.sum(lo, 0)

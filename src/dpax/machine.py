@@ -9,6 +9,7 @@ both: the tuning imports no engine module (`tests/test_structure.py`).
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 
@@ -29,6 +30,20 @@ def machine_key(device) -> str:
         pass
     return f"{device.platform}|{getattr(device, 'device_kind', '')}|{cpu}|" \
            f"{os.cpu_count()} cores|jax {jax.__version__}"
+
+
+def versions() -> str:
+    """dpax's version and its stack's on one line, as a bug report wants them
+    (`dpax --version`); from the installed packages, JAX is not started."""
+    from dpax import __version__
+
+    stack = []
+    for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain"):
+        try:
+            stack.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return f"dpax {__version__} ({', '.join(stack)}, Python {platform.python_version()})"
 
 
 def cache_dir() -> str:

@@ -15,10 +15,13 @@ symbol (`jax.export.symbolic_shape`): shapes stay symbolic, and a shape
 becomes a number only through a `dim_as_value` equation, an `iota` along
 the rows, or a slice as long as the rows of an array that holds none
 (`table[:B]`, noise drawn in a fixed shape and cut to the batch: row i gets
-entry i). What such a number flows into is followed: into an index (`x[-1]`,
-`logits[jnp.arange(B), y]`: JAX adds the size to negative indices) it only
-picks values, which the rows analysis judges; into a floating-point value it
-changes what is computed. A forward that cannot be traced with a symbolic
+entry i). What such a number flows into is followed: as an index into the
+rows (`x[-1]`, `logits[jnp.arange(B), y]`: JAX adds the size to negative
+indices) it only picks rows, which the rows analysis judges; as an index
+into an array without rows (`table[jnp.arange(B)]`) or into a
+floating-point value it changes what is computed. A `while` loop is read
+by its carry: how many rounds run (a loop over the rows, one row a round)
+is not judged. A forward that cannot be traced with a symbolic
 size (`len(x)`, a Python `if` on it, NumPy on a shape) is not judged: the
 analysis refuses only what it reads.
 """
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import export
 
-from dpax.analysis.propagate import Domain, line, propagate, trace, where
+from dpax.analysis.propagate import Domain, at_call, propagate, trace, where
 
 # Operands that only index into the first: (primitive, how many operands
 # before the indices carry values).
@@ -57,6 +60,8 @@ class FromRowsCount(Domain):
                 or name in ("slice", "dynamic_slice", "gather") and _by_rows(eqn)):
             self._found(eqn)  # a slice's values are floats already
             return [True] * len(eqn.outvars)
+        if name == "while":
+            return self._while(eqn, facts)
         return None
 
     def _found(self, eqn) -> None:
@@ -65,27 +70,37 @@ class FromRowsCount(Domain):
                 for v in eqn.outvars):
             self.found = where(eqn)
 
+    def _while(self, eqn, facts: list) -> list:
+        """The carry, through the body until its facts settle; the condition's
+        operands only say how many rounds run."""
+        p = eqn.params
+        consts = facts[p["cond_nconsts"]:p["cond_nconsts"] + p["body_nconsts"]]
+        carry = facts[p["cond_nconsts"] + p["body_nconsts"]:]
+        while True:
+            out = propagate(p["body_jaxpr"].jaxpr, consts + carry, self)
+            joined = [a or b for a, b in zip(carry, out)]
+            if joined == carry:
+                return carry
+            carry = joined
+
     def join(self, facts: list) -> bool:
         return any(facts)
 
     def primitive(self, eqn, facts: list) -> list:
         name = eqn.primitive.name
-        if name in _INDEXED:
-            facts = facts[:_INDEXED[name]]
-        elif name in _SCATTERS:  # operand, indices, updates
-            facts = facts[:1] + facts[2:]
+        # An index into the rows picks rows (the rows analysis's to judge);
+        # into an array without rows, a value by the rows' number or position.
+        if (name in _INDEXED or name in _SCATTERS) and _has_rows(eqn.invars[0]):
+            facts = (facts[:_INDEXED[name]] if name in _INDEXED
+                     else facts[:1] + facts[2:])  # a scatter's operand, indices, updates
         out = any(facts)
         if out:
             self._found(eqn)
         return [out] * len(eqn.outvars)
 
     def call(self, eqn, outs: list) -> list:
-        # Inside a jit of jnp's own (`jnp.where`), traced once and cached, an
-        # equation has no line of the user's: the call's line is theirs.
-        if self.found is not None and " at " not in self.found:
-            at = line(eqn)
-            if at:
-                self.found = f"{self.found} at {at}"
+        if self.found is not None:
+            self.found = at_call(self.found, eqn)
         return outs
 
     def opaque(self, eqn) -> list:
@@ -117,7 +132,11 @@ def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
 
 
 def _symbolic(dim) -> bool:
-    return not isinstance(dim, int)
+    return export.is_symbolic_dim(dim)
+
+
+def _has_rows(atom) -> bool:
+    return any(_symbolic(d) for d in getattr(atom.aval, "shape", ()))
 
 
 def _by_rows(eqn) -> bool:
@@ -127,10 +146,8 @@ def _by_rows(eqn) -> bool:
     slices by the rows' number only so; a lookup by ids slices a fixed size.)"""
     sliced = (eqn.params["slice_sizes"] if eqn.primitive.name == "gather"
               else eqn.outvars[0].aval.shape)
-    return (any(_symbolic(d) for d in sliced)
-            and not any(_symbolic(d) for d in eqn.invars[0].aval.shape))
+    return any(_symbolic(d) for d in sliced) and not _has_rows(eqn.invars[0])
 
 
 def _with_rows(a, count) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((count,) + a.shape[1:] if a.ndim else (), a.dtype)
-

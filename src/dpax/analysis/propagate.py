@@ -195,6 +195,16 @@ def where(eqn) -> str:
     return f"{eqn.primitive.name} at {at}" if at else eqn.primitive.name
 
 
+def at_call(found: str, eqn) -> str:
+    """`found` ("op" or "op at line") at the line of `eqn`, the call it was
+    found in, where it has none: inside a jit of jnp's own (`jnp.where`),
+    traced once and cached, an equation has no line of the user's."""
+    if " at " in found:
+        return found
+    at = line(eqn)
+    return f"{found} at {at}" if at else found
+
+
 def leaf_flags(args: Sequence[Any], flags: Sequence[bool]) -> list[bool]:
     """Each argument's flag, once per leaf: the jaxpr's inputs."""
     return [flag for arg, flag in zip(args, flags) for _ in jax.tree.leaves(arg)]

@@ -65,29 +65,32 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
     per_device = {}
     if asks.own_random or asks.average_state:
         per_device = _state_per_device(forward, args, jaxpr, axis, size, asks)
-    size = math.prod(size) if isinstance(size, tuple) else size  # the devices, for messages
-    # With sync_batchnorm off the user asked for per-device batch statistics.
+    devices = math.prod(size) if isinstance(size, tuple) else size  # for messages
+    # With sync_batchnorm off the user asked for per-device batch statistics:
+    # a mean over a device's rows mixes them and divides by their number.
+    if not asks.sync_batchnorm:
+        return per_device
     if kinds is None:
         kinds = mixing(jaxpr, leaf_flags(args, ON_ROWS))
-    mixed = asks.sync_batchnorm and first_mixed(kinds)
+    mixed = first_mixed(kinds)
     if mixed:
         raise MixesExamples(
             f"an example's loss depends on the other examples in its batch ({mixed.where}), "
-            f"so {size} devices, each holding only its own rows, would not train what one "
+            f"so {devices} devices, each holding only its own rows, would not train what one "
             "device trains: compute each example's loss from that example alone; for batch "
             "statistics use nnx.BatchNorm or Linen's nn.BatchNorm (dpax synchronizes them); "
             "for a loss over the whole batch (contrastive) take the other examples from "
             "dpax.models.layers.global_rows", mixed.where)
-    counted = asks.sync_batchnorm and uses_rows_count(forward, args, ON_ROWS, axis, size)
+    counted = uses_rows_count(forward, args, ON_ROWS, axis, size)
     if counted:
         raise ReadsBatchSize(
             f"the loss or the model computes with the number of rows a device holds or a "
-            f"row's position among them ({counted}: e.g. / x.shape[0], jnp.arange(x.shape[0]), "
-            "noise[:x.shape[0]]), "
-            f"which on {size} devices is a device's share of the batch, so they would not "
-            "train what one device trains: return each example's own loss (dpax takes the "
-            "mean over the global batch; weights go in loss_fn's third output), and take an "
-            "example's position in the batch from batch['index']", counted)
+            f"row's position among them, at {counted} (e.g. / x.shape[0], "
+            f"jnp.arange(x.shape[0]), noise[:x.shape[0]]); on {devices} devices that is a "
+            "device's share of the batch, so they would not train what one device trains: "
+            "return each example's own loss (dpax takes the mean over the global batch; "
+            "weights go in loss_fn's third output), and take an example's position in the "
+            "batch from batch['index']", counted)
     return per_device
 
 

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend import core as jcore
 
-from dpax.analysis.propagate import Domain, line, propagate, where
+from dpax.analysis.propagate import Domain, at_call, propagate, where
 
 CONST, SUMMARY, UNKNOWN = "const", "summary", "unknown"
 
@@ -120,9 +120,7 @@ _KINDS = Kinds()
 
 def _located(kinds: list, eqn) -> list:
     """A call's mixing, at the caller's line where jnp's own jit hid it."""
-    at = line(eqn)
-    return [Mixed(f"{k.where} at {at}") if isinstance(k, Mixed) and " at " not in k.where
-            and at else k for k in kinds]
+    return [Mixed(at_call(k.where, eqn)) if isinstance(k, Mixed) else k for k in kinds]
 
 
 def _shape(atom) -> tuple:

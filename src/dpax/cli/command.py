@@ -6,13 +6,10 @@ and the libraries' log records in a file (`dpax.cli.failures`)."""
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import platform
 import sys
 import typing
 import warnings
 
-from dpax import __version__
 from dpax.cli import (
     bench,
     check,
@@ -37,6 +34,7 @@ from dpax.errors import (
     TooManyBadSteps,
     summary,
 )
+from dpax.machine import versions
 
 COMMANDS = (train, evaluate, predict, sample, export, check, estimate, bench, plot, prepare,
             launch, devices)
@@ -61,18 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Version(argparse.Action):
-    """dpax's version and its stack's on one line, as a bug report wants them
-    (read from the installed packages: JAX is not started for it). argparse's
-    own version action wraps the line at the terminal's width."""
+    """`dpax.machine.versions()`; argparse's own version action wraps the
+    line at the terminal's width."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        stack = []
-        for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain"):
-            try:
-                stack.append(f"{name} {importlib.metadata.version(name)}")
-            except importlib.metadata.PackageNotFoundError:
-                pass
-        print(f"dpax {__version__} ({', '.join(stack)}, Python {platform.python_version()})")
+        print(versions())
         parser.exit(0)
 
 

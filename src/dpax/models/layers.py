@@ -27,6 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import export
 
 from dpax.collectives import exact_sums
 
@@ -112,7 +113,7 @@ def _global_sums(values: tuple, axis: str, most: int) -> tuple[tuple, tuple]:
     s1, s2, count = values
     # A symbolic batch (`dpax.analysis.batch_size`'s trace) has no size to
     # compare: that trace is read, not run, and the exact count serves any.
-    if not isinstance(most, int) or most >= EXACT_INTEGERS:
+    if export.is_symbolic_dim(most) or most >= EXACT_INTEGERS:
         return exact_sums(values, axis)
     (both,), (both_per_device,) = exact_sums((jnp.stack([s1, s2], 1),), axis)
     total = jax.lax.psum(jnp.sum(count, 0), axis)  # per feature where a mask counts

@@ -437,8 +437,8 @@ class Trainer:
         Raises:
           DpaxError: arguments or examples no step can train on (`BadArgument`,
             `BadExamples`), or a model that would not train on N devices as on
-            one (`PerDeviceState`, `PerDeviceRandom`, `MixesExamples`), all
-            before the first step.
+            one (`PerDeviceState`, `PerDeviceRandom`, `MixesExamples`,
+            `ReadsBatchSize`), all before the first step.
           TooManyBadSteps: `max_bad_steps` non-finite steps in a row.
           Preempted: a preemption hook saved and stopped the run.
           RunFailed: a checkpoint hook could not save or read a step.
