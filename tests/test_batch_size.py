@@ -39,6 +39,8 @@ def found(fn):
      lambda w, x, y: x.sum(1) + jnp.linspace(0, 1, 32)[jnp.arange(x.shape[0])]),
     ("a table's entry at the rows' number",
      lambda w, x, y: x.sum(1) * jax.lax.dynamic_slice_in_dim(jnp.ones(32), x.shape[0], 1)),
+    ("a branch picked by the size",
+     lambda w, x, y: jax.lax.switch(x.shape[0] % 2, [lambda v: v, lambda v: 2 * v], x.sum(1))),
     ("every other row", lambda w, x, y: jnp.where(jnp.arange(x.shape[0]) % 2 == 0, x.sum(1), 0.)),
 ])
 def test_a_value_from_the_number_of_rows_is_found(name, fn):
@@ -245,3 +247,55 @@ def test_dpax_check_names_the_line_of_a_loss_over_the_batch_size(tmp_path, capsy
     out = capsys.readouterr().out
     assert "NOT equivalent: the loss or the model computes with the number of rows" in out
     assert "batchlosses.py:7" in out
+
+
+class Towers(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(8, 16, rngs=rngs)
+        self.b = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.a(x), self.b(x)
+
+
+def _global_logits(model, batch):
+    from dpax.models.layers import global_rows
+
+    za, zb = model(batch["x"])
+    others, real = global_rows(zb)  # every device's rows: N * rows, the global order
+    return jnp.where(real, za @ others.T, -1e9), others.shape[0]
+
+
+def clip_one_hot(model, batch):
+    logits, g = _global_logits(model, batch)
+    return optax.softmax_cross_entropy(logits, jax.nn.one_hot(batch["index"], g))
+
+
+def clip_eye(model, batch):
+    logits, g = _global_logits(model, batch)
+    return optax.softmax_cross_entropy(logits, jnp.eye(g)[batch["index"]])
+
+
+def not_self(model, batch):
+    logits, g = _global_logits(model, batch)
+    others = batch["index"][:, None] != jnp.arange(g)[None, :]
+    return jax.nn.logsumexp(jnp.where(others, logits, -1e9), -1) - jnp.take_along_axis(
+        logits, batch["index"][:, None], 1)[:, 0]
+
+
+@pytest.mark.parametrize("loss", [clip_one_hot, clip_eye, not_self])
+def test_positions_along_the_global_batch_are_not_refused(loss):
+    """A position along `global_rows`' rows (`N * rows` of them, in the
+    global batch's order) is the example's own in the batch: such losses
+    train on 2 devices what they train on one (15 rows, one padded)."""
+    x, _ = data(0)
+
+    def params_of(n):
+        t = dpax.Trainer(Towers(nnx.Rngs(0)), loss, optax.sgd(0.5), devices=n)
+        t.fit(x, np.zeros(30, np.int32), batch_size=15, until_step=2, log_every=10**9)
+        return t.params
+
+    one, two = params_of(1), params_of(2)
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)))
+    assert diff < 2e-6, diff

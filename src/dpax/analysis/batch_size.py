@@ -50,14 +50,17 @@ class FromRowsCount(Domain):
 
     bottom = False
 
-    def __init__(self):
+    def __init__(self, count):
+        self.count = count  # the symbol: a device's number of rows
         self.found: str | None = None
 
     def first(self, eqn, facts: list) -> list | None:
         name = eqn.primitive.name
+        # A position along the device's own rows, not along the global batch
+        # (`dpax.models.layers.global_rows`: `N * rows` long, in its order).
         if (name == "dim_as_value"
-                or name == "iota" and _symbolic(eqn.params["shape"][eqn.params["dimension"]])
-                or name in ("slice", "dynamic_slice", "gather") and _by_rows(eqn)):
+                or name == "iota" and eqn.params["shape"][eqn.params["dimension"]] == self.count
+                or name in ("slice", "dynamic_slice", "gather") and _by_rows(eqn, self.count)):
             self._found(eqn)  # a slice's values are floats already
             return [True] * len(eqn.outvars)
         if name == "while":
@@ -85,6 +88,13 @@ class FromRowsCount(Domain):
 
     def join(self, facts: list) -> bool:
         return any(facts)
+
+    def control(self, eqn, facts: list) -> None:
+        # A branch picked by the number (`lax.switch(x.shape[0] % 3, ...)`):
+        # the user's line is the cond's; the walk then opens it.
+        if eqn.primitive.name == "cond" and facts[0]:
+            self._found(eqn)
+        return None
 
     def primitive(self, eqn, facts: list) -> list:
         name = eqn.primitive.name
@@ -126,27 +136,23 @@ def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
         jaxpr = trace(fn, symbolic, axis, size)
     except Exception:  # not traceable with a symbolic batch: not judged
         return None
-    domain = FromRowsCount()
+    domain = FromRowsCount(count)
     propagate(jaxpr, [False] * len(jaxpr.invars), domain)
     return domain.found
 
 
-def _symbolic(dim) -> bool:
-    return export.is_symbolic_dim(dim)
-
-
 def _has_rows(atom) -> bool:
-    return any(_symbolic(d) for d in getattr(atom.aval, "shape", ()))
+    return any(export.is_symbolic_dim(d) for d in getattr(atom.aval, "shape", ()))
 
 
-def _by_rows(eqn) -> bool:
+def _by_rows(eqn, count) -> bool:
     """A slice of an array that holds no rows, as many as there are rows
     (`table[:x.shape[0]]`, noise drawn in a fixed shape and cut to the
     batch): row i gets the slice's i-th entry, by position. (A gather
     slices by the rows' number only so; a lookup by ids slices a fixed size.)"""
     sliced = (eqn.params["slice_sizes"] if eqn.primitive.name == "gather"
               else eqn.outvars[0].aval.shape)
-    return any(_symbolic(d) for d in sliced) and not _has_rows(eqn.invars[0])
+    return any(d == count for d in sliced) and not _has_rows(eqn.invars[0])
 
 
 def _with_rows(a, count) -> jax.ShapeDtypeStruct:
