@@ -10,6 +10,8 @@ its facts settle.
 
 from __future__ import annotations
 
+import os
+import sysconfig
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -181,12 +183,25 @@ def trace(fn: Callable, args: Sequence[Any], axis: str | tuple[str, ...],
 
 
 def line(eqn) -> str:
-    """The user's line that made `eqn`, or "" where JAX does not say."""
+    """The user's line that made `eqn`, or "" where JAX does not say: the
+    innermost frame outside JAX, installed libraries (optax's loss that
+    `jnp.arange(B)` labels reach) and dpax itself, else JAX's own pick."""
     try:  # a private module: the line is a courtesy, the verdict does not need it
         from jax._src import source_info_util
-        return source_info_util.summarize(eqn.source_info)
+        frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+        own = [f for f in frames if not f.file_name.startswith(_LIBRARIES)]
+        if not own:
+            return source_info_util.summarize(eqn.source_info)
+        f = own[0]
+        return f"{f.file_name}:{f.start_line}:{f.start_column} ({f.function_name})"
     except Exception:
         return ""
+
+
+# Where libraries live (site-packages, dist-packages, dpax's own package).
+_LIBRARIES = tuple(os.path.join(path, "") for path in (
+    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def where(eqn) -> str:
