@@ -39,6 +39,10 @@ def found(fn):
      lambda w, x, y: x.sum(1) + jnp.linspace(0, 1, 32)[jnp.arange(x.shape[0])]),
     ("a table's entry at the rows' number",
      lambda w, x, y: x.sum(1) * jax.lax.dynamic_slice_in_dim(jnp.ones(32), x.shape[0], 1)),
+    ("labels by position", lambda w, x, y: optax.softmax_cross_entropy_with_integer_labels(
+        x @ w, jnp.arange(x.shape[0]) % 3)),
+    ("jnp.take by position", lambda w, x, y: x.sum(1) * jnp.take(jnp.ones(9), jnp.arange(
+        x.shape[0]))),
     ("a branch picked by the size",
      lambda w, x, y: jax.lax.switch(x.shape[0] % 2, [lambda v: v, lambda v: 2 * v], x.sum(1))),
     ("every other row", lambda w, x, y: jnp.where(jnp.arange(x.shape[0]) % 2 == 0, x.sum(1), 0.)),
@@ -299,3 +303,27 @@ def test_positions_along_the_global_batch_are_not_refused(loss):
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)))
     assert diff < 2e-6, diff
+
+
+def clip_by_position(model, batch):
+    """CLIP as often written for one device: labels jnp.arange(rows), which
+    over `global_rows`' columns are the first rows of the global batch."""
+    logits, _ = _global_logits(model, batch)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.arange(logits.shape[0]))
+
+
+def test_labels_by_position_over_the_global_batch_are_refused(monkeypatch):
+    x, _ = data(0)
+
+    def params_of(n):
+        t = dpax.Trainer(Towers(nnx.Rngs(0)), clip_by_position, optax.sgd(0.5), devices=n)
+        t.fit(x, np.zeros(30, np.int32), batch_size=15, until_step=2, log_every=10**9)
+        return t.params
+
+    one = params_of(1)
+    with pytest.raises(ReadsBatchSize, match="clip_by_position"):
+        params_of(2)
+    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a: None)
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(params_of(2))))
+    assert diff > 1e-3, diff

@@ -37,32 +37,38 @@ from jax import export
 
 from dpax.analysis.propagate import Domain, at_call, propagate, trace, where
 
-# Operands that only index into the first: (primitive, how many operands
-# before the indices carry values).
-_INDEXED = {"gather": 1, "dynamic_slice": 1, "dynamic_update_slice": 2}
 _SCATTERS = ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
              "scatter-max")
 
 
-class FromRowsCount(Domain):
-    """A fact per value: is it computed from the number of rows? `found`:
-    where the first equation that makes a floating-point value from it is."""
+POSITION = "position"  # a source: a row's position among the device's rows
 
-    bottom = False
+
+class FromRowsCount(Domain):
+    """A fact per value: the sources it is computed from, a frozenset of
+    `POSITION` and the symbolic sizes made numbers (`dim_as_value`), by
+    their text. `found`: where the first equation that makes a
+    floating-point value from any is."""
+
+    bottom = frozenset()
 
     def __init__(self, count):
         self.count = count  # the symbol: a device's number of rows
         self.found: str | None = None
+        # Index arrays made by a concatenation along their last axis (jnp's
+        # `x[i, j]`): each column's fact, for the operand axis it indexes.
+        self.columns: dict = {}
 
     def first(self, eqn, facts: list) -> list | None:
         name = eqn.primitive.name
         # A position along the device's own rows, not along the global batch
         # (`dpax.models.layers.global_rows`: `N * rows` long, in its order).
-        if (name == "dim_as_value"
-                or name == "iota" and eqn.params["shape"][eqn.params["dimension"]] == self.count
+        if name == "dim_as_value":
+            return [frozenset({str(eqn.params["dim"])})]
+        if (name == "iota" and eqn.params["shape"][eqn.params["dimension"]] == self.count
                 or name in ("slice", "dynamic_slice", "gather") and _by_rows(eqn, self.count)):
             self._found(eqn)  # a slice's values are floats already
-            return [True] * len(eqn.outvars)
+            return [frozenset({POSITION})] * len(eqn.outvars)
         if name == "while":
             return self._while(eqn, facts)
         return None
@@ -81,13 +87,13 @@ class FromRowsCount(Domain):
         carry = facts[p["cond_nconsts"] + p["body_nconsts"]:]
         while True:
             out = propagate(p["body_jaxpr"].jaxpr, consts + carry, self)
-            joined = [a or b for a, b in zip(carry, out)]
+            joined = [a | b for a, b in zip(carry, out)]
             if joined == carry:
                 return carry
             carry = joined
 
-    def join(self, facts: list) -> bool:
-        return any(facts)
+    def join(self, facts: list) -> frozenset:
+        return frozenset().union(*facts)
 
     def control(self, eqn, facts: list) -> None:
         # A branch picked by the number (`lax.switch(x.shape[0] % 3, ...)`):
@@ -98,15 +104,40 @@ class FromRowsCount(Domain):
 
     def primitive(self, eqn, facts: list) -> list:
         name = eqn.primitive.name
-        # An index into the rows picks rows (the rows analysis's to judge);
-        # into an array without rows, a value by the rows' number or position.
-        if (name in _INDEXED or name in _SCATTERS) and _has_rows(eqn.invars[0]):
-            facts = (facts[:_INDEXED[name]] if name in _INDEXED
-                     else facts[:1] + facts[2:])  # a scatter's operand, indices, updates
-        out = any(facts)
+        if name == "concatenate" and eqn.params["dimension"] == eqn.outvars[0].aval.ndim - 1:
+            self.columns[eqn.outvars[0]] = [
+                f for v, f in zip(eqn.invars, facts) for _ in range(_last(v))]
+        if name in ("gather", "dynamic_slice", "dynamic_update_slice") or name in _SCATTERS:
+            facts = self._read(eqn, facts)
+        out = self.join(facts)
         if out:
             self._found(eqn)
         return [out] * len(eqn.outvars)
+
+    def _read(self, eqn, facts: list) -> list:
+        """The facts an indexing equation's result takes: its values', and
+        its indices' but what indexing does with them. An index along the
+        rows (`x[-1]`, `logits[jnp.arange(B), y]`) picks rows, which the
+        rows analysis judges; along any axis JAX adds the axis's own size to
+        a negative index. Otherwise (`table[jnp.arange(B)]`, labels
+        `jnp.arange(B)` over `global_rows`' columns) an index by the rows'
+        number or position is a value by it."""
+        name, shape = eqn.primitive.name, eqn.invars[0].aval.shape
+
+        def along(axis, fact):
+            return frozenset() if shape[axis] == self.count else fact - {str(shape[axis])}
+
+        if name in ("dynamic_slice", "dynamic_update_slice"):
+            first = 1 if name == "dynamic_slice" else 2  # operand(, update), then an index per axis
+            return facts[:first] + [along(a, f) for a, f in enumerate(facts[first:])]
+        numbers = eqn.params["dimension_numbers"]
+        axes = (numbers.start_index_map if name == "gather"
+                else numbers.scatter_dims_to_operand_dims)
+        columns = self.columns.get(eqn.invars[1], [])
+        if len(columns) != len(axes):  # not one column per axis: the indices as a whole
+            columns = [facts[1]] * len(axes)
+        indexed = self.join([along(a, f) for a, f in zip(axes, columns)])
+        return [facts[0], indexed] + facts[2:]  # a scatter's updates too
 
     def call(self, eqn, outs: list) -> list:
         if self.found is not None:
@@ -114,7 +145,7 @@ class FromRowsCount(Domain):
         return outs
 
     def opaque(self, eqn) -> list:
-        return [True] * len(eqn.outvars)
+        return [frozenset({POSITION})] * len(eqn.outvars)
 
 
 def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
@@ -137,12 +168,18 @@ def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
     except Exception:  # not traceable with a symbolic batch: not judged
         return None
     domain = FromRowsCount(count)
-    propagate(jaxpr, [False] * len(jaxpr.invars), domain)
+    propagate(jaxpr, [frozenset()] * len(jaxpr.invars), domain)
     return domain.found
 
 
 def _has_rows(atom) -> bool:
     return any(export.is_symbolic_dim(d) for d in getattr(atom.aval, "shape", ()))
+
+
+def _last(atom) -> int:
+    """The length of an index array's last axis (1 for a scalar)."""
+    shape = getattr(atom.aval, "shape", ())
+    return shape[-1] if shape and isinstance(shape[-1], int) else 1
 
 
 def _by_rows(eqn, count) -> bool:
