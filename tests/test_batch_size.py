@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import dpax
+from conftest import max_diff
 from dpax.analysis.batch_size import uses_rows_count
 from dpax.errors import ReadsBatchSize
 
@@ -83,6 +84,18 @@ def test_what_cannot_be_traced_with_a_symbolic_size_is_not_judged(name, fn):
     assert found(fn) is None, name
 
 
+def refused_where_unrefused_differs(params_of, where: str, monkeypatch):
+    """`params_of(2)` is refused naming `where`; with the analysis off, it
+    trains other params than `params_of(1)`: the refusal guards a real
+    difference."""
+    one = params_of(1)
+    with pytest.raises(ReadsBatchSize, match=where):
+        params_of(2)
+    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a: None)
+    diff = max_diff(one, params_of(2))
+    assert diff > 1e-3, diff
+
+
 class Net(nnx.Module):
     def __init__(self, rngs):
         self.l = nnx.Linear(8, 3, rngs=rngs)
@@ -127,8 +140,7 @@ def test_a_loss_over_the_batch_size_is_refused_on_several_devices(seed, monkeypa
 
     monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a: None)
     unrefused = params_after(2, seed)
-    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-               for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(unrefused)))
+    diff = max_diff(one, unrefused)
     assert diff > 1e-3, diff
 
 
@@ -162,13 +174,7 @@ def test_noise_cut_to_the_batch_is_refused(seed, monkeypatch):
         t.fit(x, y, batch_size=15, until_step=2, log_every=10**9)
         return t.params
 
-    one = params_of(1)
-    with pytest.raises(ReadsBatchSize, match="test_batch_size.py"):
-        params_of(2)
-    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a: None)
-    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-               for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(params_of(2))))
-    assert diff > 1e-3, diff
+    refused_where_unrefused_differs(params_of, "test_batch_size.py", monkeypatch)
 
 
 class NormNet(nnx.Module):
@@ -222,9 +228,7 @@ def test_the_fix_the_refusal_names_trains_as_one_device(seed):
 
     one = params_after(1, seed, weighted)
     for n in (2, 4):
-        diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                   for a, b in zip(jax.tree.leaves(one),
-                                   jax.tree.leaves(params_after(n, seed, weighted))))
+        diff = max_diff(one, params_after(n, seed, weighted))
         assert diff < 1e-6, (n, diff)
 
 
@@ -300,8 +304,7 @@ def test_positions_along_the_global_batch_are_not_refused(loss):
         return t.params
 
     one, two = params_of(1), params_of(2)
-    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-               for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)))
+    diff = max_diff(one, two)
     assert diff < 2e-6, diff
 
 
@@ -320,10 +323,4 @@ def test_labels_by_position_over_the_global_batch_are_refused(monkeypatch):
         t.fit(x, np.zeros(30, np.int32), batch_size=15, until_step=2, log_every=10**9)
         return t.params
 
-    one = params_of(1)
-    with pytest.raises(ReadsBatchSize, match="clip_by_position"):
-        params_of(2)
-    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a: None)
-    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-               for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(params_of(2))))
-    assert diff > 1e-3, diff
+    refused_where_unrefused_differs(params_of, "clip_by_position", monkeypatch)
