@@ -12,18 +12,20 @@ sees nothing; a jaxpr holds the size as a plain constant.
 
 `uses_rows_count` traces the forward once more with the number of rows as a
 symbol (`jax.export.symbolic_shape`): shapes stay symbolic, and a shape
-becomes a number only through a `dim_as_value` equation, an `iota` along
-the rows, or a slice as long as the rows of an array that holds none
+becomes a number only through a `dim_as_value` equation, an `iota` exactly
+as long as the rows, or a slice that long of an array that holds none
 (`table[:B]`, noise drawn in a fixed shape and cut to the batch: row i gets
-entry i). What such a number flows into is followed: as an index into the
-rows (`x[-1]`, `logits[jnp.arange(B), y]`: JAX adds the size to negative
-indices) it only picks rows, which the rows analysis judges; as an index
-into an array without rows (`table[jnp.arange(B)]`) or into a
-floating-point value it changes what is computed. A `while` loop is read
-by its carry: how many rounds run (a loop over the rows, one row a round)
-is not judged. A forward that cannot be traced with a symbolic
-size (`len(x)`, a Python `if` on it, NumPy on a shape) is not judged: the
-analysis refuses only what it reads.
+entry i). A position along `global_rows`' `N * rows` is the global batch's:
+not a source. What such a number flows into is followed: as an index along
+the rows (`x[-1]`, `logits[jnp.arange(B), y]`) it only picks rows, which
+the rows analysis judges, and JAX adds an axis's own size to a negative
+index; as an index along another axis (`table[jnp.arange(B)]`, labels
+`jnp.arange(B)` over `global_rows`' columns) or into a floating-point
+value it changes what is computed. A `while` loop is read by its carry:
+how many rounds run (a loop over the rows, one row a round) is not judged.
+A forward that cannot be traced with a symbolic size (`len(x)`, a Python
+`if` on it, NumPy on a shape) is not judged: the analysis refuses only what
+it reads.
 """
 
 from __future__ import annotations
