@@ -56,13 +56,13 @@ def test_a_checkpoint_save_that_fails_is_one_line_fast_and_keeps_the_params(
         assert all(np.all(np.isfinite(p[k])) for k in p.files)
 
 
-@pytest.mark.slow
-@pytest.mark.processes  # starts dpax processes
 def _file_sizes(step_dir) -> dict:
     return {os.path.relpath(os.path.join(root, f), step_dir): os.path.getsize(
         os.path.join(root, f)) for root, _, names in os.walk(step_dir) for f in names}
 
 
+@pytest.mark.slow
+@pytest.mark.processes  # starts dpax processes
 def test_a_background_write_that_fails_names_its_own_step_and_what_is_kept(tmp_path, capsys):
     """Files capped below the state's largest array (RLIMIT_FSIZE: a write past
     it fails with EFBIG, as a full disk fails with ENOSPC): the resumed run's
