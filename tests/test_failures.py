@@ -73,12 +73,13 @@ def test_a_background_write_that_fails_names_its_own_step_and_what_is_kept(tmp_p
     flags = [*RUN, "--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--keep", "2"]
     assert main(["train", *flags, "--steps", "10"]) == 0
     # Half the largest array, not half the largest file: how many files
-    # Orbax's store writes the arrays into varies from save to save (one
-    # file at one step, two at another), an array is never split.
+    # Orbax's store writes a step's arrays into varies from save to save
+    # (one at one step, three at another), so the largest file is no bound;
+    # the file that holds the largest array (compressed by a few percent)
+    # is still well above half of it.
     ds = data.digits()
     model = models.make_model("mlp", ds.input_shape, ds.n_out, 0)
     largest = max(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    assert max(_file_sizes(ck / "10").values()) >= largest  # it is written whole
 
     # SIGXFSZ would kill the process; ignored, the write fails with EFBIG.
     capped = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, "
