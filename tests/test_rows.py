@@ -10,6 +10,8 @@ import pytest
 from flax import nnx
 
 import dpax
+import dpax.analysis.refusals
+from conftest import max_diff
 from dpax.analysis.rows import CONST, SUMMARY, UNKNOWN, Mixed, Row, mixing
 from dpax.errors import MixesExamples
 from dpax.models.layers import global_rows
@@ -32,6 +34,10 @@ def kinds(fn, *shapes, rows=None, axis_size=2):
     ("sort over the rows", lambda x: jnp.sort(x, 0)),
     ("reversed rows", lambda x: x[::-1]),
     ("scaled by the batch's loss", lambda x: x.sum(1) * x.sum()),
+    ("rolled rows", lambda x: x * jnp.roll(x, 1, axis=0)),
+    ("halves swapped", lambda x: x - jnp.concatenate(jnp.split(x, 2)[::-1])),
+    ("a row picked by every row", lambda x: x - x[jnp.argmax(x[:, 0])]),
+    ("a column picked by every row", lambda x: x[:, jnp.argmax(x.sum(0))] * x[:, 0]),
 ])
 def test_mixing_ops_are_found(name, fn):
     (kind, *_) = kinds(fn, (R, 4))
@@ -48,6 +54,18 @@ def test_mixing_ops_are_found(name, fn):
      lambda x, w: jnp.tanh(x.reshape(R * 2, 2) @ w[:2]).reshape(R, 2, -1).sum((1, 2)), Row(0)),
     ("transposed twice", lambda x, w: jnp.transpose(x.T * 2), Row(0)),
     ("broadcast by a size-1 axis", lambda x, w: x + w.T[:1], Row(0)),
+    ("halves computed apart, back in order",
+     lambda x, w: jnp.concatenate([jnp.tanh(x[:2] @ w), jnp.exp(x[2:] @ w)]), Row(0)),
+    ("split and put back", lambda x, w: jnp.concatenate(jnp.split(x, 3)) @ w, Row(0)),
+    ("some rows", lambda x, w: (x[1:4] @ w).sum(1), Row(0, span=(1, 4, R))),
+    ("the same rows paired", lambda x, w: jnp.einsum("bi,bi->b", x[:3], x[:3]),
+     Row(0, span=(0, 3, R))),
+    ("some rows flattened", lambda x, w: x[:3].reshape(3, 2, 2).sum((1, 2)),
+     Row(0, span=(0, 3, R))),
+    ("a choice over the rows on a whole axis (not read)",
+     lambda x, w: jax.lax.dynamic_slice(x, (jnp.argmax(x[:, 0]), 0), (R, 4)), UNKNOWN),
+    ("some rows' sum (not read)", lambda x, w: x[1:].sum(0), UNKNOWN),
+    ("rows paired with others by position (not read)", lambda x, w: x[1:] * x[:-1], UNKNOWN),
     ("a while loop (not read)", lambda x, w: jax.lax.while_loop(
         lambda c: c[1] < 3, lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0], UNKNOWN),
 ])
@@ -194,6 +212,57 @@ def test_a_loss_over_the_batch_is_refused_on_several_devices():
     assert "global_rows" in str(e.value)
     assert int(t.state.step) == 0  # nothing trained, nothing changed
     jax.tree.map(np.testing.assert_array_equal, before, t.params)
+
+
+def rolled_negatives(model, batch):
+    """Each example's negative is the example before it in the batch
+    (`jnp.roll`): on N devices, the one before it on its own device."""
+    za, zb = model(batch["x"])
+    return jax.nn.softplus(jnp.sum(za * jnp.roll(zb, 1, axis=0), -1) - jnp.sum(za * zb, -1))
+
+
+def towards_the_hardest(model, batch):
+    """Each example pulled towards the batch's hardest one, picked by index."""
+    za, zb = model(batch["x"])
+    hardest = zb[jnp.argmax(jnp.sum(za * zb, -1))]
+    return jnp.sum((za - jax.lax.stop_gradient(hardest)) ** 2, -1)
+
+
+@pytest.mark.parametrize("loss", [rolled_negatives, towards_the_hardest])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rows_moved_or_picked_by_position_are_refused(loss, seed, monkeypatch):
+    """Refused on 2 devices, naming the user's line, before anything changes;
+    with the refusal switched off the 2 devices train other params than one."""
+    one = train(loss, 1, seed).params
+    x, y = data(seed)
+    t = dpax.Trainer(Towers(nnx.Rngs(seed)), loss, optax.adam(1e-2), devices=2)
+    before = t.params
+    with pytest.raises(MixesExamples, match="depends on the other examples") as e:
+        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
+    assert "test_rows.py" in e.value.where, e.value.where
+    jax.tree.map(np.testing.assert_array_equal, before, t.params)
+
+    monkeypatch.setattr(dpax.analysis.refusals, "first_mixed", lambda kinds: None)
+    diff = max_diff(one, train(loss, 2, seed).params)
+    assert diff > 1e-3, diff
+
+
+def in_halves(model, batch):
+    """The towers run on each half of the batch apart, the halves put back
+    in order: every example's loss is still its own."""
+    x = batch["x"]
+    half = x.shape[0] // 2
+    (a1, b1), (a2, b2) = model(x[:half]), model(x[half:])
+    za, zb = jnp.concatenate([a1, a2]), jnp.concatenate([b1, b2])
+    return jnp.sum((za - zb) ** 2, -1)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rows_computed_in_parts_and_put_back_in_order_train_as_one_device(seed):
+    one = train(in_halves, 1, seed).params
+    for n in (2, 4):
+        diff = max_diff(one, train(in_halves, n, seed).params)
+        assert diff < 2e-6, (n, diff)
 
 
 def test_a_loss_with_a_running_max_over_the_batch_is_refused():

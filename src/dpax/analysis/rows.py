@@ -12,7 +12,9 @@ on N devices something one device does not, silently.
 - `CONST`: depends on no row (the params, constants, a collective's result);
 - `Row(axis, group)`: slice i along `axis` (or the i-th run of `group`
   slices, after a reshape that merges the rows with another axis) depends on
-  row i alone;
+  row i alone; `Row(axis, span=(start, stop, rows))`: the rows
+  [start, stop) of the `rows` there are, in order (a slice of them), read
+  by the ops that keep rows apart and by `concatenate`;
 - `SUMMARY`: depends on all of the device's rows together (a sum over them);
 - `Mixed(where)`: an example's value depends on other examples; `where` names
   the first operation that mixed them;
@@ -20,7 +22,9 @@ on N devices something one device does not, silently.
 
 Only what is certain mixes: an elementwise combination of a row's value with
 a summary of the rows, a product of two values' row axes that are not paired,
-a cumulative sum, sort or reversal along the rows. What it cannot read it
+a cumulative sum, sort or reversal along the rows, rows put back together
+in another order (`jnp.roll`), and rows picked by a choice over all of them
+(`x[jnp.argmax(score)]`). What it cannot read it
 does not judge (`UNKNOWN`), so it never refuses a model it does not
 understand. A collective over the devices (`psum`, `all_gather`) makes its
 operand `CONST`: it combines every device's rows, as one device would.
@@ -43,6 +47,9 @@ CONST, SUMMARY, UNKNOWN = "const", "summary", "unknown"
 class Row:
     axis: int
     group: int = 1  # consecutive indices along `axis` that hold one row
+    # (start, stop, rows): these are rows [start, stop) of `rows`, in order
+    # (a slice of them); None: every row.
+    span: tuple[int, int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,11 +109,11 @@ class Kinds(Domain):
 
     def sliced(self, k):  # the body sees one slice along axis 0
         if isinstance(k, Row):
-            return UNKNOWN if k.axis == 0 else Row(k.axis - 1, k.group)
+            return UNKNOWN if k.axis == 0 else dataclasses.replace(k, axis=k.axis - 1)
         return k
 
     def stacked(self, k):
-        return Row(k.axis + 1, k.group) if isinstance(k, Row) else k
+        return dataclasses.replace(k, axis=k.axis + 1) if isinstance(k, Row) else k
 
     def carried(self, settled, out):
         return settled
@@ -127,11 +134,22 @@ def _shape(atom) -> tuple:
     return tuple(getattr(atom.aval, "shape", ()))
 
 
+def _part(k) -> bool:
+    """Is `k` a slice of the rows (`Row.span`)?"""
+    return isinstance(k, Row) and k.span is not None
+
+
+def _moved(k: Row, axis: int) -> Row:
+    return dataclasses.replace(k, axis=axis)
+
+
 def _eqn(eqn, kinds: list) -> list:
     """An equation the walk does not open, read by its rule."""
     if UNKNOWN in kinds:
         return [UNKNOWN] * len(eqn.outvars)
     rule = _RULES.get(eqn.primitive.name)
+    if any(_part(k) for k in kinds) and rule is not None and rule not in _READ_PARTS:
+        return [UNKNOWN] * len(eqn.outvars)
     if rule is not None:
         out = rule(eqn, kinds)
     else:
@@ -183,12 +201,12 @@ def _broadcast_in_dim(eqn, kinds):
     dims, shape = eqn.params["broadcast_dimensions"], eqn.params["shape"]
     if _shape(eqn.invars[0])[k.axis] != shape[dims[k.axis]]:
         return UNKNOWN
-    return Row(dims[k.axis], k.group)
+    return _moved(k, dims[k.axis])
 
 
 def _transpose(eqn, kinds):
     k = kinds[0]
-    return Row(list(eqn.params["permutation"]).index(k.axis), k.group) if isinstance(k, Row) \
+    return _moved(k, list(eqn.params["permutation"]).index(k.axis)) if isinstance(k, Row) \
         else k
 
 
@@ -199,7 +217,7 @@ def _squeeze(eqn, kinds):
     dims = [d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"]]
     if k.axis in dims:
         return UNKNOWN
-    return Row(k.axis - sum(d < k.axis for d in dims), k.group)
+    return _moved(k, k.axis - sum(d < k.axis for d in dims))
 
 
 def _reshape(eqn, kinds):
@@ -211,6 +229,8 @@ def _reshape(eqn, kinds):
         return UNKNOWN
     if old[:k.axis + 1] == new[:k.axis + 1]:  # the axes up to the rows' unchanged
         return k
+    if _part(k):
+        return UNKNOWN
     if int(np.prod(old[:k.axis])) != 1:  # rows interleaved with an outer axis
         return UNKNOWN
     # Each row is a contiguous run of `per_row` elements, in row-major order.
@@ -231,8 +251,8 @@ def _reduce(eqn, kinds):
     axes = eqn.params.get("axes", eqn.params.get("dimensions", ()))
     axes = [a % len(_shape(eqn.invars[0])) for a in axes]
     if k.axis in axes:
-        return SUMMARY
-    return Row(k.axis - sum(a < k.axis for a in axes), k.group)
+        return UNKNOWN if _part(k) else SUMMARY  # a sum over some rows: not read
+    return _moved(k, k.axis - sum(a < k.axis for a in axes))
 
 
 def _along_axis(eqn, kinds):
@@ -269,8 +289,11 @@ def _dot_general(eqn, kinds):
         paired = (lhs.axis in lb and rhs.axis in rb and lb.index(lhs.axis) == rb.index(rhs.axis))
         paired_contract = (lhs.axis in lc and rhs.axis in rc
                            and lc.index(lhs.axis) == rc.index(rhs.axis))
+        if (paired and lhs.span != rhs.span) or (paired_contract and (
+                lhs.span != rhs.span or _part(lhs))):
+            return UNKNOWN  # rows paired with other rows by position, or some rows' sum
         if paired:
-            return Row(lb.index(lhs.axis), lhs.group)
+            return _moved(lhs, lb.index(lhs.axis))
         if paired_contract:
             return SUMMARY  # e.g. x.T @ y over the rows: a sum over them
         return "mix"  # e.g. x @ y.T: every row with every other (a contrastive loss)
@@ -279,7 +302,9 @@ def _dot_general(eqn, kinds):
         return "mix" if isinstance(other, Row) else SUMMARY
     side, k = (0, lhs) if isinstance(lhs, Row) else (1, rhs)
     lands = out_axis(side, k)
-    return SUMMARY if lands == SUMMARY else Row(lands, k.group)
+    if lands == SUMMARY:
+        return UNKNOWN if _part(k) else SUMMARY
+    return _moved(k, lands)
 
 
 def _conv(eqn, kinds):
@@ -289,7 +314,7 @@ def _conv(eqn, kinds):
     dn = eqn.params["dimension_numbers"]
     if lhs.axis != dn.lhs_spec[0]:
         return UNKNOWN
-    return Row(dn.out_spec[0], lhs.group)
+    return _moved(lhs, dn.out_spec[0])
 
 
 def _keeps_rows(full_on_rows):
@@ -303,15 +328,56 @@ def _keeps_rows(full_on_rows):
     return rule
 
 
-def _slice_full(eqn, axis):
+def _slice(eqn, kinds):
+    """A slice: of the rows' axis, whole or a run of rows in order (`Row.span`)."""
+    k = kinds[0]
+    if not isinstance(k, Row):
+        return k
     p, shape = eqn.params, _shape(eqn.invars[0])
-    strides = p.get("strides") or (1,) * len(shape)
-    return p["start_indices"][axis] == 0 and p["limit_indices"][axis] == shape[axis] \
-        and strides[axis] == 1
+    start, stop = p["start_indices"][k.axis], p["limit_indices"][k.axis]
+    if (p.get("strides") or (1,) * len(shape))[k.axis] != 1:
+        return UNKNOWN
+    if (start, stop) == (0, shape[k.axis]):
+        return k
+    if k.group != 1:
+        return UNKNOWN
+    first, _, rows = k.span or (0, shape[k.axis], shape[k.axis])
+    return dataclasses.replace(k, span=(first + start, first + stop, rows))
+
+
+def _split(eqn, kinds):
+    """`jnp.split`: runs of the rows in order, where it splits along them."""
+    k = kinds[0]
+    if not isinstance(k, Row) or k.axis != eqn.params["axis"]:
+        return [k] * len(eqn.outvars)
+    if k.group != 1:
+        return [UNKNOWN] * len(eqn.outvars)
+    first, _, rows = k.span or (0, _shape(eqn.invars[0])[k.axis], _shape(eqn.invars[0])[k.axis])
+    out, start = [], first
+    for size in eqn.params["sizes"]:
+        out.append(dataclasses.replace(k, span=(start, start + int(size), rows)))
+        start += int(size)
+    return out
 
 
 def _dynamic_slice_full(eqn, axis):
     return eqn.params["slice_sizes"][axis] == _shape(eqn.invars[0])[axis]
+
+
+def _dynamic_slice(eqn, kinds):
+    """Where a start comes from every row (`x[jnp.argmax(score)]`): the rows
+    picked by it are the batch's choice (a summary), and each row read at a
+    place chosen by every row mixes them."""
+    operand, *starts = kinds
+    if isinstance(operand, Row) and not _part(operand):
+        # The axes read at a place every row chose (a whole axis reads all of it).
+        chosen = [i for i, s in enumerate(starts)
+                  if s == SUMMARY and not _dynamic_slice_full(eqn, i)]
+        if operand.axis in chosen:
+            return SUMMARY
+        if chosen:
+            return "mix"
+    return _keeps_rows(_dynamic_slice_full)(eqn, kinds)
 
 
 def _pad_full(eqn, axis):
@@ -326,10 +392,29 @@ def _window_one(eqn, axis):
 
 
 def _concatenate(eqn, kinds):
-    out = _combine(kinds)
-    if isinstance(out, Row) and out.axis == eqn.params["dimension"]:
+    """Along the rows: runs of them back in order are the rows; all of them
+    in another order (`jnp.roll`, halves swapped) put rows where others
+    were, which mixes them."""
+    axis = eqn.params["dimension"]
+    if not any(isinstance(k, Row) and k.axis == axis for k in kinds):
+        out = _combine(kinds)
+        return out if out != "mix" else UNKNOWN
+    spans, at = [], 0
+    for a, k in zip(eqn.invars, kinds):
+        if not isinstance(k, Row) or k.axis != axis or k.group != 1:
+            return UNKNOWN
+        size = _shape(a)[axis]
+        spans.append((at, k.span or (0, size, size)))
+        at += size
+    rows = {span[2] for _, span in spans}
+    if len(rows) != 1 or at != rows.pop():
         return UNKNOWN
-    return out if out != "mix" else UNKNOWN
+    if all(offset == span[0] for offset, span in spans):
+        return Row(axis)  # every row back where it was
+    covered = sorted(span[:2] for _, span in spans)
+    if covered[0][0] == 0 and all(a[1] == b[0] for a, b in zip(covered, covered[1:])):
+        return "mix"  # every row once, some where others were
+    return UNKNOWN
 
 
 def _stack(eqn, kinds):  # a new axis at `axis`
@@ -338,14 +423,7 @@ def _stack(eqn, kinds):  # a new axis at `axis`
         return out if out != "mix" else UNKNOWN
     if any(isinstance(k, Row) and k != out for k in kinds):
         return UNKNOWN
-    return Row(out.axis + (eqn.params["axis"] <= out.axis), out.group)
-
-
-def _split(eqn, kinds):
-    k = kinds[0]
-    if isinstance(k, Row) and k.axis == eqn.params["axis"]:
-        return UNKNOWN
-    return k
+    return _moved(out, out.axis + (eqn.params["axis"] <= out.axis))
 
 
 def _dynamic_update_slice(eqn, kinds):
@@ -368,13 +446,15 @@ def _gather(eqn, kinds):
     def from_indices(k):  # a row axis of the indices (not the index vector)
         if k.axis == len(_shape(eqn.invars[1])) - 1:
             return UNKNOWN
-        return Row(batch_out[k.axis], k.group)
+        return _moved(k, batch_out[k.axis])
 
     if operand == SUMMARY or indices == SUMMARY:
         other = indices if operand == SUMMARY else operand
         return "mix" if isinstance(other, Row) else SUMMARY
     if operand == CONST:  # an embedding table looked up by each row's ids
         return from_indices(indices)
+    if _part(operand):
+        return UNKNOWN
     # The operand holds rows: kept only where each row gathers from itself.
     if operand.axis in dn.operand_batching_dims:
         j = dn.operand_batching_dims.index(operand.axis)
@@ -423,7 +503,7 @@ def _while(eqn, kinds):
 _RULES = {
     "broadcast_in_dim": _broadcast_in_dim, "transpose": _transpose, "squeeze": _squeeze,
     "reshape": _reshape, "dot_general": _dot_general, "conv_general_dilated": _conv,
-    "slice": _keeps_rows(_slice_full), "dynamic_slice": _keeps_rows(_dynamic_slice_full),
+    "slice": _slice, "dynamic_slice": _dynamic_slice,
     "pad": _keeps_rows(_pad_full), "concatenate": _concatenate, "stack": _stack, "split": _split,
     "dynamic_update_slice": _dynamic_update_slice, "gather": _gather,
     "random_bits": _first, "pcast": _first, "pvary": _first, "random_fold_in": _key_scalar_ok,
@@ -434,3 +514,8 @@ _RULES = {
     **{n: _keeps_rows(_window_one) for n in ("reduce_window_sum", "reduce_window_max",
                                               "reduce_window_min", "reduce_window")},
 }
+# The rules that read a slice of the rows (`Row.span`); any other rule's
+# inputs that hold one give `UNKNOWN`.
+_READ_PARTS = {_broadcast_in_dim, _transpose, _squeeze, _reshape, _reduce, _along_axis,
+               _dot_general, _conv, _slice, _split, _concatenate, _stack, _gather, _first,
+               _key_scalar_ok}
