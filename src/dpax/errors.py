@@ -139,6 +139,16 @@ def summary(error: BaseException, limit: int = 300) -> str:
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
+class FailsOnExamples(DpaxError):
+    """The user's loss or model raised on a batch of the examples, as the
+    training step was first traced; `where` names the user's line, and the
+    error it raised is the `__cause__`."""
+
+    def __init__(self, message: str, where: str):
+        super().__init__(message)
+        self.where = where
+
+
 class NotPerExample(DpaxError):
     """`loss_fn` returned a value that is not one per example (a mean over the
     batch breaks exactness); `name` says which: "loss" or "weight"."""

@@ -189,7 +189,7 @@ def line(eqn) -> str:
     try:  # a private module: the line is a courtesy, the verdict does not need it
         from jax._src import source_info_util
         frames = list(source_info_util.user_frames(eqn.source_info.traceback))
-        own = [f for f in frames if not f.file_name.startswith(_LIBRARIES)]
+        own = [f for f in frames if not f.file_name.startswith(LIBRARIES)]
         if not own:
             return source_info_util.summarize(eqn.source_info)
         f = own[0]
@@ -198,10 +198,10 @@ def line(eqn) -> str:
         return ""
 
 
-# Where libraries live (site-packages, dist-packages, dpax's own package).
-_LIBRARIES = tuple(os.path.join(path, "") for path in (
-    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# dpax's own package, and where libraries live (site-packages, dist-packages, dpax).
+DPAX = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+LIBRARIES = tuple(os.path.join(path, "") for path in (
+    sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])) + (DPAX,)
 
 
 def where(eqn) -> str:

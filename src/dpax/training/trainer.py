@@ -42,7 +42,7 @@ from dpax.parallel.arrays import all_finite, is_key
 from dpax.parallel.backends import DEFAULT_BACKEND, check_backend, make_backend
 from dpax.parallel.layout import check_sharding, make_layout
 from dpax.parallel.mesh import MAX_SIMULATED_DEVICES, replica_count, select_devices
-from dpax.training import loop, metrics, optim
+from dpax.training import blame, loop, metrics, optim
 from dpax.training.compiled import CompiledSteps
 from dpax.training.compute import cast_floats
 from dpax.training.handback import ModelHandback
@@ -436,8 +436,9 @@ class Trainer:
 
         Raises:
           DpaxError: arguments or examples no step can train on (`BadArgument`,
-            `BadExamples`), or a model that would not train on N devices as on
-            one (`PerDeviceState`, `PerDeviceRandom`, `MixesExamples`,
+            `BadExamples`; `FailsOnExamples` where the loss or the model
+            raises on them), or a model that would not train on N devices as
+            on one (`PerDeviceState`, `PerDeviceRandom`, `MixesExamples`,
             `ReadsBatchSize`), all before the first step.
           TooManyBadSteps: `max_bad_steps` non-finite steps in a row.
           Preempted: a preemption hook saved and stopped the run.
@@ -597,7 +598,9 @@ class Trainer:
         return sums
 
     def _zero_sums(self, size: int | None, host_batch: dict) -> dict:
-        return self._steps.zero_sums(self._leaves, self._input(host_batch, size))
+        # The step's first trace: the user's code meets the examples here.
+        with blame.on_examples(host_batch):
+            return self._steps.zero_sums(self._leaves, self._input(host_batch, size))
 
     # -- checks of the examples, before the first step (`dpax.data.checks`) -------------
     def _checked(self, data: Any, y: Any, batch_size: Any,
@@ -730,14 +733,15 @@ class Trainer:
           {name: mean} of the loss and the loss function's metrics.
 
         Raises:
-          DpaxError: examples the loss cannot read (`BadExamples`).
+          DpaxError: examples the loss cannot read (`BadExamples`), or that
+            the loss or the model raises on (`FailsOnExamples`).
         """
         data, given = self._checked(data, y, batch_size)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
         sums, queue, compiled = [], loop.InFlight(self._in_flight()), set()
         for b in self._rest_checked(eval_batches(data, batch_size, rows), given):
-            with watchdog.calling(compiled, self._steps.eval):
+            with watchdog.calling(compiled, self._steps.eval), blame.on_examples(b):
                 sums.append(self._steps.eval(self._leaves, self._input(b, size)))
             queue.add(sums[-1])
         return metrics.summarize(self.backend.host(sums))  # sync point (timed)
@@ -755,7 +759,8 @@ class Trainer:
 
         Raises:
           DpaxError: the Trainer has no `predict_fn`, or `data` holds no
-            examples a step can read.
+            examples a step can read (`FailsOnExamples`: `predict_fn` or the
+            model raises on them).
         """
         if self._steps.predict is None:
             raise DpaxError("this Trainer was built without `predict_fn`; pass one to Trainer, "
@@ -766,7 +771,7 @@ class Trainer:
         rows = self.backend.local_rows(size)
         outs, queue, compiled = [], loop.InFlight(self._in_flight()), set()
         for b in self._rest_checked(eval_batches(data, batch_size, rows), given, rule=False):
-            with watchdog.calling(compiled, self._steps.predict):
+            with watchdog.calling(compiled, self._steps.predict), blame.on_examples(b):
                 outs.append(self._steps.predict(self._leaves, self._input(b, size)))
             queue.add(outs[-1])
         with watchdog.waiting():

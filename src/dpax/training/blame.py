@@ -1,0 +1,57 @@
+"""An error of the user's own code (the loss, the model) on a batch, said in
+one line with the user's line: the training step's first trace runs that
+code on the examples' shapes, so a model made for other features, or a loss
+that reads a key the examples do not hold, fails there."""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Iterator
+
+import numpy as np
+
+from dpax.analysis.propagate import DPAX, LIBRARIES
+from dpax.errors import DpaxError, FailsOnExamples
+
+
+def user_line(error: BaseException) -> str | None:
+    """The user's line that `error` came from: the innermost frame of its
+    traceback outside installed libraries, where no frame of dpax's own is
+    more inward (dpax's own failure is no error of the user's). None where
+    there is none."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.filename.startswith(DPAX):
+            return None
+        if not frame.filename.startswith(LIBRARIES):
+            return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    return None
+
+
+@contextlib.contextmanager
+def on_examples(batch: dict) -> Iterator[None]:
+    """Raise an error of the user's code inside as `FailsOnExamples`, which
+    names the batch's arrays (one example's shape and dtype) and the line.
+    `batch`: a host batch as the step takes it, less its `index`."""
+    try:
+        yield
+    except DpaxError:
+        raise
+    except Exception as error:
+        where = user_line(error)
+        if where is None:
+            raise
+        held = ", ".join([f"{k} {_example(v)}" for k, v in batch.items()] + ["index () int32"])
+        if isinstance(error, KeyError):
+            found = (f"looks up {error.args[0]!r}, a key the batch does not hold (it holds "
+                     f"{held}), at {where}: give the examples that key, or read one it holds")
+        else:
+            text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            found = (f"fails on a batch of the examples ({held}) with {type(error).__name__}: "
+                     f"{text} (at {where}): fix that line or the examples")
+        raise FailsOnExamples(f"the loss or the model {found}", where) from error
+
+
+def _example(array) -> str:
+    a = np.asarray(array) if not hasattr(array, "shape") else array
+    return f"{tuple(a.shape[1:])} {np.dtype(a.dtype).name}"
