@@ -570,3 +570,24 @@ def test_version_names_dpax_and_its_stack_on_one_line(capsys):
     assert e.value.code == 0 and out.count("\n") == 1
     assert out.startswith(f"dpax {dpax.__version__} (jax {jax.__version__},")
     assert f"flax {flax.__version__}" in out
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--steps", "2", "--bogus-flag", "3"], "unrecognized arguments: --bogus-flag 3"),
+    (["--steps", "-2"], "--steps must be >= 1, got -2"),
+])
+def test_launch_refuses_bad_train_flags_once_before_any_rank_starts(flags, needle, capsys,
+                                                                     monkeypatch):
+    """Every rank printed the same error after starting JAX; the launcher
+    says it once, as `dpax train` would, and starts nothing."""
+    def no_rank(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(subprocess, "Popen", no_rank)
+    try:
+        code = main(["launch", "--nprocs", "2", "--", *flags])
+    except SystemExit as e:  # argparse's own exit, as for `dpax train`
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and needle in err and "[rank" not in err, err

@@ -22,7 +22,11 @@ import threading
 import time
 import typing
 
+from dpax import config as cfg
+from dpax.cli import outputs
 from dpax.cli.exits import EXIT_BAD_STEPS, EXIT_PREEMPTED, EXIT_STALLED, EXIT_USAGE
+from dpax.cli.flags import config_from_args
+from dpax.cli.job import TrainConfig
 from dpax.errors import DpaxError
 
 NAME = "launch"
@@ -160,6 +164,7 @@ def launch(train_args: list[str], nprocs: int, devices_per_process: int | None =
     if clash:
         raise DpaxError(f"dpax launch sets {', '.join(sorted(clash))} itself; "
                         "use --devices-per-process for the device count")
+    _check_train_flags(train_args, nprocs, devices_per_process)
     args = train_args
     for attempt in range(max_restarts + 1):
         code = _launch_once(args, nprocs, devices_per_process, port or free_port(), verbose,
@@ -171,6 +176,25 @@ def launch(train_args: list[str], nprocs: int, devices_per_process: int | None =
         out.flush()
         args, port = resuming(train_args), None  # a fresh port: the old one may linger
     return code
+
+
+def _check_train_flags(train_args: list[str], nprocs: int,
+                       devices_per_process: int | None) -> None:
+    """Refuse here, once, the train flags every rank would refuse (each rank
+    printed the same line, after starting JAX): those no parser takes (exit
+    2, as `dpax train` does), values `dpax train` refuses, and an `--out`
+    that holds another run."""
+    from dpax.cli.command import build_parser  # the command module imports this one
+
+    own = ["--coordinator", "localhost:1", "--num-processes", str(nprocs), "--process-id", "0"]
+    if devices_per_process is not None:
+        own += ["--devices", str(devices_per_process)]
+    parser = build_parser()
+    args, extra = parser.parse_known_args(["train", *train_args, *own])
+    if extra:
+        parser.commands["train"].error(f"unrecognized arguments: {' '.join(extra)}")
+    config = cfg.validate(config_from_args(args, TrainConfig))
+    outputs.refuse_another_run(config.output, config.checkpoint)
 
 
 def _launch_once(train_args, nprocs, devices_per_process, port, verbose, out) -> int:
