@@ -71,7 +71,7 @@ def test_evaluate_and_predict_say_the_same():
     x, y = np.zeros((32, 10), np.float32), np.zeros(32, np.int32)
     with pytest.raises(FailsOnExamples, match="x \\(10,\\) float32"):
         t.evaluate(x, y, batch_size=16)
-    with pytest.raises(FailsOnExamples, match="test_blame.py:22"):
+    with pytest.raises(FailsOnExamples, match="`predict_fn` or the model .*test_blame.py:22"):
         t.predict(x, batch_size=16)
 
 
@@ -89,3 +89,14 @@ def test_through_the_cli_it_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "looks up 'image'" in err and "keylosses.py:5 (reads_image)" in err
+
+
+def test_dpax_predict_fn_checks_that_the_model_takes_the_examples():
+    """`dpax.classification_predict` declares what it reads, as the losses
+    do: a model made for other features is `BadExamples` before a step."""
+    t = dpax.Trainer(nnx.Linear(8, 3, rngs=nnx.Rngs(0)), dpax.classification_loss,
+                     optax.sgd(0.1), devices=2, predict_fn=dpax.classification_predict)
+    with pytest.raises(dpax.errors.BadExamples, match="the model cannot take `data`"):
+        t.predict(np.zeros((32, 10), np.float32), batch_size=16)
+    with pytest.raises(dpax.errors.BadExamples, match="reads the keys 'x'"):
+        t.predict({"image": np.zeros((32, 8), np.float32)}, batch_size=16)

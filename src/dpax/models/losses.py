@@ -90,6 +90,13 @@ def regression_loss(model, batch):
     return jnp.square(pred - batch["y"]), {}
 
 
+def check_inputs(ex: checks.Examples) -> None:
+    """The examples of dpax's `predict_fn`s: inputs `x` the model takes."""
+    checks.has_keys(ex, ("x",), "dpax's predict_fn")
+    ex.output_shape("x")
+
+
+@checks.declare(check_inputs)
 def classification_predict(model, batch):
     """The most likely class of each example.
 
@@ -105,6 +112,7 @@ def classification_predict(model, batch):
     return jnp.argmax(model(batch["x"]), -1)
 
 
+@checks.declare(check_inputs)
 def regression_predict(model, batch):
     """The model's output for each example, one number each.
 

@@ -29,10 +29,11 @@ def user_line(error: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
-def on_examples(batch: dict) -> Iterator[None]:
-    """Raise an error of the user's code inside as `FailsOnExamples`, which
-    names the batch's arrays (one example's shape and dtype) and the line.
-    `batch`: a host batch as the step takes it, less its `index`."""
+def on_examples(batch: dict, code: str = "the loss or the model") -> Iterator[None]:
+    """Raise an error of the user's code inside (`code` names it) as
+    `FailsOnExamples`, which names the batch's arrays (one example's shape
+    and dtype) and the line. `batch`: a host batch as the step takes it,
+    less its `index`."""
     try:
         yield
     except DpaxError:
@@ -46,10 +47,10 @@ def on_examples(batch: dict) -> Iterator[None]:
             found = (f"looks up {error.args[0]!r}, a key the batch does not hold (it holds "
                      f"{held}), at {where}: give the examples that key, or read one it holds")
         else:
-            text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            text = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else ""
             found = (f"fails on a batch of the examples ({held}) with {type(error).__name__}: "
-                     f"{text} (at {where}): fix that line or the examples")
-        raise FailsOnExamples(f"the loss or the model {found}", where) from error
+                     f"{text}, at {where}: fix that line or the examples")
+        raise FailsOnExamples(f"{code} {found}", where) from error
 
 
 def _example(array) -> str:

@@ -301,6 +301,7 @@ class Trainer:
         self._output_specs: dict = {}  # (example shape, dtype) -> the model's output
         self._warned_idle: set = set()  # the batches `_warn_idle` warned of: once each
         self._rule = checks.rule_of(loss_fn)
+        self._predict_rule = checks.rule_of(predict_fn) if predict_fn is not None else None
         self.layout = make_layout(config.sharding, self.backend, state, config.grad_accum)
         self._specs = layouts.specs(self.layout)
         self.state = self.backend.put_state(layouts.stored(self.layout, state), self._specs)
@@ -607,12 +608,13 @@ class Trainer:
                  rule: bool = True) -> tuple[dict, checks.Examples]:
         """The examples of `data` (and `y`) as `examples` makes them, and how
         they were given, after the checks of `batch_size` and of every array
-        read here (in memory); `rule`: the loss's rule too."""
+        read here (in memory); `rule`: the loss's rule too (False: the
+        `predict_fn`'s, to predict)."""
         checks.batch_size(batch_size)
         positional = not isinstance(data, Mapping)
         data = examples(data, y)
         given = self._examples(data, positional=positional)
-        checks.check(given, self._rule if rule else None)
+        checks.check(given, self._rule if rule else self._predict_rule)
         return data, given
 
     def _examples(self, data: dict, argument: str = "data", positional: bool = False,
@@ -630,8 +632,9 @@ class Trainer:
                        rule: bool = True) -> Iterator[dict]:
         """`batches` (this process's padded host batches) with the real rows
         of the first one checked whole, its arrays named as `named` names
-        them; `rule`: the loss's too. Each process checks its own rows, and
-        all of them refuse when one does (`distributed.refuse_together`)."""
+        them; `rule`: the loss's too (False: the `predict_fn`'s). Each
+        process checks its own rows, and all of them refuse when one does
+        (`distributed.refuse_together`)."""
         def check_first(batch):
             mask = np.asarray(batch[MASK])
             arrays = {k: v for k, v in batch.items() if k != MASK}
@@ -639,7 +642,7 @@ class Trainer:
                 arrays = jax.tree.map(lambda a: a[mask], arrays)
             first = dataclasses.replace(named, arrays=arrays, first_batch=True)
             distributed.refuse_together(
-                lambda: checks.check(first, self._rule if rule else None),
+                lambda: checks.check(first, self._rule if rule else self._predict_rule),
                 lambda process: _found_elsewhere(first, process))
 
         return checks.first_checked(batches, check_first)
@@ -765,13 +768,14 @@ class Trainer:
         if self._steps.predict is None:
             raise DpaxError("this Trainer was built without `predict_fn`; pass one to Trainer, "
                             "e.g. `predict_fn=dpax.classification_predict`")
-        # No loss runs: `predict_fn` reads what it reads.
+        # No loss runs: `predict_fn` reads what it reads (dpax's declare it).
         data, given = self._checked(data, None, batch_size, rule=False)
         size = self.padded(batch_size)
         rows = self.backend.local_rows(size)
         outs, queue, compiled = [], loop.InFlight(self._in_flight()), set()
         for b in self._rest_checked(eval_batches(data, batch_size, rows), given, rule=False):
-            with watchdog.calling(compiled, self._steps.predict), blame.on_examples(b):
+            with (watchdog.calling(compiled, self._steps.predict),
+                  blame.on_examples(b, "`predict_fn` or the model")):
                 outs.append(self._steps.predict(self._leaves, self._input(b, size)))
             queue.add(outs[-1])
         with watchdog.waiting():
