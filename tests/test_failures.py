@@ -285,6 +285,20 @@ def test_check_names_the_model_or_the_loss_that_mixes_examples(bad):
     assert result.cause == ("model-mixes" if bad == "sum" else "loss-mean"), report
 
 
+def test_check_says_a_loss_of_another_shape_is_bad_input():
+    """One loss per class per example is no mean over the batch: the check
+    raises what `fit` raises (the CLI exits 2), not "averages per device"."""
+    ds = data.digits()
+
+    def per_class(model, batch):
+        return jax.nn.log_softmax(model(batch["x"]))
+
+    with pytest.raises(dpax.errors.NotPerExample, match=r"got \(\d+, 10\)"):
+        dpax.check_equivalence(lambda: models.Linear(ds.input_shape, ds.n_out,
+                                                     rngs=nnx.Rngs(0)),
+                               per_class, ds.x_train, ds.y_train, devices=2, steps=1)
+
+
 def test_check_finds_values_not_finite_on_n_devices_only(monkeypatch):
     """Params NaN on N devices and finite on one are no match: `max` of a
     NaN kept the earlier 0.0, and the check said "equivalent". The default

@@ -250,9 +250,9 @@ def _refused(e: Exception, tn, t1, loss_fn, data, before, sync_batchnorm
         return cause, f"{detail} ({e.where})"
     if isinstance(e, ReadsBatchSize):
         return "batch-size", f"{CAUSES['batch-size']} ({e.where})"
-    if e.name == "loss":  # a mean over the batch, not one loss per example
+    if e.name == "loss" and e.shape == ():  # a mean over the batch, not one loss per example
         return "loss-mean", ""
-    raise e
+    raise e  # a loss of another shape: bad input, as `fit` says
 
 
 def _diagnose(model, trainer, loss_fn, data, rest_before, sync_batchnorm) -> tuple[str, str]:

@@ -59,7 +59,7 @@ def shard_sums(loss_fn: LossFn, model, batch, differentiated: bool = True):
             raise NotPerExample(
                 f"loss_fn must return one {name} per example (shape {mask.shape} for a "
                 f"device's rows), got {jnp.shape(v)}; return per-example values before "
-                "taking the mean", name)
+                "taking the mean", name, jnp.shape(v))
     if differentiated and not jnp.issubdtype(jnp.result_type(losses), jnp.floating):
         # Cast to float32 for the sums, an integer loss would train with a gradient of 0.
         raise DpaxError(
