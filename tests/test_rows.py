@@ -65,6 +65,19 @@ def test_mixing_ops_are_found(name, fn):
     ("a choice over the rows on a whole axis (not read)",
      lambda x, w: jax.lax.dynamic_slice(x, (jnp.argmax(x[:, 0]), 0), (R, 4)), UNKNOWN),
     ("some rows' sum (not read)", lambda x, w: x[1:].sum(0), UNKNOWN),
+    ("rolled by nothing", lambda x, w: jnp.roll(x, 0, axis=0) @ w, Row(0)),
+    ("a row at a time, each with itself, back in order", lambda x, w: jnp.concatenate(
+        [jnp.sum(c @ c.T, 1) + jnp.cumsum(c, 0)[:, 0] for c in jnp.split(x, R)]), Row(0)),
+    ("some rows twice (not read)", lambda x, w: jnp.concatenate([x[:3], x[:3]]), UNKNOWN),
+    ("two runs of rows paired (not read)", lambda x, w: jnp.einsum("bi,bi->b", x[:3], x[3:]),
+     UNKNOWN),
+    ("some rows contracted (not read)", lambda x, w: x[:3].T @ x[:3], UNKNOWN),
+    ("some rows' features picked (not read)", lambda x, w: jnp.take_along_axis(
+        x[:3], jnp.zeros((3, 1), jnp.int32), axis=1), UNKNOWN),
+    ("some rows merged (not read)", lambda x, w: x[:4].reshape(2, -1), UNKNOWN),
+    ("some rows scanned along their features", lambda x, w: jax.lax.scan(
+        lambda c, col: (c + col, c * col), jnp.zeros(3), x[:3].T)[1].T.sum(1),
+     Row(0, span=(0, 3, R))),
     ("rows paired with others by position (not read)", lambda x, w: x[1:] * x[:-1], UNKNOWN),
     ("a while loop (not read)", lambda x, w: jax.lax.while_loop(
         lambda c: c[1] < 3, lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0], UNKNOWN),

@@ -23,8 +23,8 @@ on N devices something one device does not, silently.
 Only what is certain mixes: an elementwise combination of a row's value with
 a summary of the rows, a product of two values' row axes that are not paired,
 a cumulative sum, sort or reversal along the rows, rows put back together
-in another order (`jnp.roll`), and rows picked by a choice over all of them
-(`x[jnp.argmax(score)]`). What it cannot read it
+in another order (`jnp.roll`), and a row picked by a choice over all of
+them (`x[jnp.argmax(score)]`, a summary) meeting the rows. What it cannot read it
 does not judge (`UNKNOWN`), so it never refuses a model it does not
 understand. A collective over the devices (`psum`, `all_gather`) makes its
 operand `CONST`: it combines every device's rows, as one device would.
@@ -137,6 +137,16 @@ def _shape(atom) -> tuple:
 def _part(k) -> bool:
     """Is `k` a slice of the rows (`Row.span`)?"""
     return isinstance(k, Row) and k.span is not None
+
+
+def _one_row(k) -> bool:
+    """Is `k` a slice of one row (`x[i:i + 1]`)? Along it nothing mixes."""
+    return _part(k) and k.span[1] - k.span[0] == 1
+
+
+def _span(k: Row, size: int) -> tuple[int, int, int]:
+    """`k`'s rows, of the `size` its axis has where it holds every row."""
+    return k.span or (0, size, size)
 
 
 def _moved(k: Row, axis: int) -> Row:
@@ -262,7 +272,7 @@ def _along_axis(eqn, kinds):
     rank = len(_shape(eqn.invars[0]))
     axes = {a % rank for a in axes}
     out = _combine(kinds)
-    if isinstance(out, Row) and out.axis in axes:
+    if isinstance(out, Row) and out.axis in axes and not _one_row(out):
         return "mix"
     return out
 
@@ -290,12 +300,14 @@ def _dot_general(eqn, kinds):
         paired_contract = (lhs.axis in lc and rhs.axis in rc
                            and lc.index(lhs.axis) == rc.index(rhs.axis))
         if (paired and lhs.span != rhs.span) or (paired_contract and (
-                lhs.span != rhs.span or _part(lhs))):
+                _part(lhs) or _part(rhs))):
             return UNKNOWN  # rows paired with other rows by position, or some rows' sum
         if paired:
             return _moved(lhs, lb.index(lhs.axis))
         if paired_contract:
             return SUMMARY  # e.g. x.T @ y over the rows: a sum over them
+        if _one_row(lhs) and lhs.span == rhs.span:  # one row with itself (c @ c.T)
+            return _moved(lhs, out_axis(0, lhs))
         return "mix"  # e.g. x @ y.T: every row with every other (a contrastive loss)
     if SUMMARY in kinds:
         other = rhs if lhs == SUMMARY else lhs
@@ -341,7 +353,7 @@ def _slice(eqn, kinds):
         return k
     if k.group != 1:
         return UNKNOWN
-    first, _, rows = k.span or (0, shape[k.axis], shape[k.axis])
+    first, _, rows = _span(k, shape[k.axis])
     return dataclasses.replace(k, span=(first + start, first + stop, rows))
 
 
@@ -352,7 +364,7 @@ def _split(eqn, kinds):
         return [k] * len(eqn.outvars)
     if k.group != 1:
         return [UNKNOWN] * len(eqn.outvars)
-    first, _, rows = k.span or (0, _shape(eqn.invars[0])[k.axis], _shape(eqn.invars[0])[k.axis])
+    first, _, rows = _span(k, _shape(eqn.invars[0])[k.axis])
     out, start = [], first
     for size in eqn.params["sizes"]:
         out.append(dataclasses.replace(k, span=(start, start + int(size), rows)))
@@ -369,7 +381,7 @@ def _dynamic_slice(eqn, kinds):
     picked by it are the batch's choice (a summary), and each row read at a
     place chosen by every row mixes them."""
     operand, *starts = kinds
-    if isinstance(operand, Row) and not _part(operand):
+    if isinstance(operand, Row):  # a run of rows (`_part`) never gets here: `_eqn`
         # The axes read at a place every row chose (a whole axis reads all of it).
         chosen = [i for i, s in enumerate(starts)
                   if s == SUMMARY and not _dynamic_slice_full(eqn, i)]
@@ -401,10 +413,12 @@ def _concatenate(eqn, kinds):
         return out if out != "mix" else UNKNOWN
     spans, at = [], 0
     for a, k in zip(eqn.invars, kinds):
+        size = _shape(a)[axis]
+        if not size:  # an empty piece (`jnp.roll` by 0 writes one) holds no row
+            continue
         if not isinstance(k, Row) or k.axis != axis or k.group != 1:
             return UNKNOWN
-        size = _shape(a)[axis]
-        spans.append((at, k.span or (0, size, size)))
+        spans.append((at, _span(k, size)))
         at += size
     rows = {span[2] for _, span in spans}
     if len(rows) != 1 or at != rows.pop():
