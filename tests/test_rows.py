@@ -342,3 +342,35 @@ def test_per_device_statistics_asked_for_are_not_refused():
                      sync_batchnorm=False)
     t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
     assert int(t.state.step) == 1
+
+
+def centred_prediction(model, batch):
+    za, _ = model(batch["x"])
+    return za - za.mean(0)
+
+
+def test_evaluation_and_prediction_refuse_what_training_refuses():
+    """A loss or `predict_fn` that mixes the rows gives other numbers on N
+    devices in `evaluate` and `predict` too: refused there, not on one device."""
+    x, y = data(0)
+    for n in (1, 2):
+        t = dpax.Trainer(Towers(nnx.Rngs(0)), rolled_negatives, optax.adam(1e-2), devices=n,
+                         predict_fn=centred_prediction)
+        if n == 1:
+            assert np.isfinite(t.evaluate(x, y, batch_size=15)["loss"])
+            assert t.predict(x, batch_size=15).shape == (45, 16)
+            continue
+        with pytest.raises(MixesExamples, match="concatenate at .*test_rows.py"):
+            t.evaluate(x, y, batch_size=15)
+        with pytest.raises(MixesExamples, match="sub at .*test_rows.py"):
+            t.predict(x, batch_size=15)
+
+
+def test_evaluation_in_parts_equals_one_device():
+    x, y = data(0)
+    one = dpax.Trainer(Towers(nnx.Rngs(0)), in_halves, optax.sgd(0.1), devices=1).evaluate(
+        x, y, batch_size=15)
+    for n in (2, 4):
+        got = dpax.Trainer(Towers(nnx.Rngs(0)), in_halves, optax.sgd(0.1),
+                           devices=n).evaluate(x, y, batch_size=15)
+        assert abs(got["loss"] - one["loss"]) < 1e-6 * abs(one["loss"]), (n, got, one)

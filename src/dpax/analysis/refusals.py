@@ -75,7 +75,8 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
     mixed = first_mixed(kinds)
     if mixed:
         raise MixesExamples(
-            f"an example's loss depends on the other examples in its batch ({mixed.where}), "
+            f"an example's loss or prediction depends on the other examples in its batch "
+            f"({mixed.where}), "
             f"so {devices} devices, each holding only its own rows, would not train what one "
             "device trains: compute each example's loss from that example alone; for batch "
             "statistics use nnx.BatchNorm or Linen's nn.BatchNorm (dpax synchronizes them); "

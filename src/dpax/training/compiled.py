@@ -85,7 +85,7 @@ class CompiledSteps:
         self.eval = backend.reduce(self._flat("eval", eval_step), leaf_specs)
         self.predict = None
         if predict_fn is not None:
-            predict_step = make_predict_step(graphdef, predict_fn, layout)
+            predict_step = make_predict_step(graphdef, predict_fn, layout, options)
             self.predict = backend.per_example(self._flat("predict", predict_step), leaf_specs)
 
     def _flat(self, kind: str, fn: Callable, returns_state: bool = False) -> Callable:

@@ -165,14 +165,20 @@ def preflight(forward: Callable, params, model_state, batch: dict, axis,
         lambda v: jax.ShapeDtypeStruct((v.shape[0] // n_micro,) + v.shape[1:], v.dtype), batch)
     asks = Asks(own_random=options.own_random, average_state=options.average_state,
                 sync_batchnorm=options.sync_batchnorm)
-    names = axis if isinstance(axis, tuple) else (axis,)
-    sizes = tuple(jax.lax.axis_size(a) for a in names)
+    names, sizes = _axis_sizes(axis)
     jaxpr = None
     # Effects (a callback, a write to a ref) are not outputs: only the
     # forward's own trace is sure to hold them.
     if traced is not None and not options.own_random and not traced.jaxpr.effects:
         jaxpr = _value_part(traced.jaxpr, len(jax.tree.leaves(params)))
     return refuse(forward, (params, model_state, micro), names, sizes, asks, jaxpr=jaxpr)
+
+
+def _axis_sizes(axis) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The mesh axes of the devices and the devices along each, as a
+    backend's per-device function sees them."""
+    names = axis if isinstance(axis, tuple) else (axis,)
+    return names, tuple(jax.lax.axis_size(a) for a in names)
 
 
 def _value_part(jaxpr: Jaxpr, n_grads: int) -> Jaxpr:
@@ -382,24 +388,46 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn, layout: Layout,
     """The per-device eval step: `(state, shard) -> metrics` of the global
     batch, with `eval_params`."""
 
-    def eval_step(state: TrainState, batch: dict):
-        model = nnx.merge(graphdef, layout.full_params(eval_params(state)), state.model_state)
+    def forward(params, model_state, batch: dict):
+        model = nnx.merge(graphdef, params, model_state)
         model.eval()  # running averages, no dropout
-        batch = _with_index(batch, layout.axis)
         with batch_context(_context(batch, None, layout.axis, options)):
-            loss_sum, count, sums = shard_sums(loss_fn, model, batch, differentiated=False)
+            return shard_sums(loss_fn, model, batch, differentiated=False)
+
+    def eval_step(state: TrainState, batch: dict):
+        args = (layout.full_params(eval_params(state)), state.model_state,
+                _with_index(batch, layout.axis))
+        loss_sum, count, sums = _refused_or_run(forward, args, layout.axis, options)
         return example_metrics(*psum_tree((loss_sum, count, sums), layout.axis, options.pack))
 
     return eval_step
 
 
-def make_predict_step(graphdef: nnx.GraphDef, predict_fn: Callable, layout: Layout):
+def _refused_or_run(forward: Callable, args: tuple, axis, options: StepOptions):
+    """`forward(params, model_state, rows)` in the trace of an evaluation or
+    prediction step, after the refusals of what N devices would compute
+    differently from one (`refuse`: examples mixed, the number of rows read),
+    read from its own trace, which the step then runs."""
+    closed, shape = jax.make_jaxpr(forward, return_shape=True)(*args)
+    names, sizes = _axis_sizes(axis)
+    refuse(forward, args, names, sizes, Asks(sync_batchnorm=options.sync_batchnorm),
+           jaxpr=closed.jaxpr)
+    return jax.tree.unflatten(jax.tree.structure(shape),
+                              jaxpr_as_fun(closed)(*jax.tree.leaves(args)))
+
+
+def make_predict_step(graphdef: nnx.GraphDef, predict_fn: Callable, layout: Layout,
+                      options: StepOptions = StepOptions()):
     """The per-device predict step: one output per example of the shard, with
     `eval_params`."""
 
-    def predict_step(state: TrainState, batch: dict):
-        model = nnx.merge(graphdef, layout.full_params(eval_params(state)), state.model_state)
+    def forward(params, model_state, batch: dict):
+        model = nnx.merge(graphdef, params, model_state)
         model.eval()
         return predict_fn(model, batch)
+
+    def predict_step(state: TrainState, batch: dict):
+        args = (layout.full_params(eval_params(state)), state.model_state, batch)
+        return _refused_or_run(forward, args, layout.axis, options)
 
     return predict_step
