@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import typing
 import warnings
 
 from dpax.cli import (
@@ -25,7 +24,14 @@ from dpax.cli import (
     sample,
     train,
 )
-from dpax.cli.exits import EXIT_BAD_STEPS, EXIT_FAILED, EXIT_PREEMPTED, EXIT_USAGE, as_flags
+from dpax.cli.exits import (
+    EXIT_BAD_STEPS,
+    EXIT_FAILED,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    OneLineParser,
+    as_flags,
+)
 from dpax.errors import (
     DpaxError,
     DpaxWarning,
@@ -41,17 +47,11 @@ COMMANDS = (train, evaluate, predict, sample, export, check, estimate, bench, pl
 
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:
-        # argparse prints the whole usage block; one line that names the fix is kinder.
-        self.exit(EXIT_USAGE, f"dpax: error: {message} (see '{self.prog} -h')\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dpax", description="Data-parallel training on JAX.")
+    parser = OneLineParser(prog="dpax", description="Data-parallel training on JAX.")
     parser.add_argument("--version", action=_Version, nargs=0,
                         help="print dpax's version and its stack's, and exit")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     for command in COMMANDS:
         command.add_parser(sub)
     parser.commands = sub.choices  # name -> subparser, for errors that name the command

@@ -10,7 +10,9 @@ any other (bad input) 2; anything else is a bug and keeps its traceback (in a fi
 
 from __future__ import annotations
 
+import argparse
 import re
+import typing
 
 # docs/cli.md lists them.
 EXIT_FAILED = 1  # the run started and could not go on; what was kept is said
@@ -35,3 +37,9 @@ def as_flags(message: str) -> str:
         return f"--{name} {value.strip(chr(39))}"
 
     return _ARG.sub(flag, message)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        # argparse prints the whole usage block; one line that names the fix is kinder.
+        self.exit(EXIT_USAGE, f"dpax: error: {message} (see '{self.prog} -h')\n")

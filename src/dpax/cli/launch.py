@@ -23,8 +23,14 @@ import time
 import typing
 
 from dpax import config as cfg
-from dpax.cli import outputs
-from dpax.cli.exits import EXIT_BAD_STEPS, EXIT_PREEMPTED, EXIT_STALLED, EXIT_USAGE
+from dpax.cli import outputs, train
+from dpax.cli.exits import (
+    EXIT_BAD_STEPS,
+    EXIT_PREEMPTED,
+    EXIT_STALLED,
+    EXIT_USAGE,
+    OneLineParser,
+)
 from dpax.cli.flags import config_from_args
 from dpax.cli.job import TrainConfig
 from dpax.errors import DpaxError
@@ -184,15 +190,15 @@ def _check_train_flags(train_args: list[str], nprocs: int,
     printed the same line, after starting JAX): those no parser takes (exit
     2, as `dpax train` does), values `dpax train` refuses, and an `--out`
     that holds another run."""
-    from dpax.cli.command import build_parser  # the command module imports this one
-
     own = ["--coordinator", "localhost:1", "--num-processes", str(nprocs), "--process-id", "0"]
     if devices_per_process is not None:
         own += ["--devices", str(devices_per_process)]
-    parser = build_parser()
+    parser = OneLineParser(prog="dpax")
+    commands = parser.add_subparsers(dest="command", parser_class=OneLineParser)
+    train.add_parser(commands)
     args, extra = parser.parse_known_args(["train", *train_args, *own])
     if extra:
-        parser.commands["train"].error(f"unrecognized arguments: {' '.join(extra)}")
+        commands.choices["train"].error(f"unrecognized arguments: {' '.join(extra)}")
     config = cfg.validate(config_from_args(args, TrainConfig))
     outputs.refuse_another_run(config.output, config.checkpoint)
 
