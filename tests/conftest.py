@@ -110,6 +110,18 @@ def max_diff(a, b) -> float:
                 for x, y in zip(la, lb)), default=0.0)
 
 
+def check_loss_cli(tmp_path, monkeypatch, module: str, source: str) -> int:
+    """`dpax check --model linear --loss MODULE:FN --devices 2 --steps 1`'s
+    exit code, `module` ("name:fn") written from `source` into `tmp_path`."""
+    from dpax.cli import main
+
+    name = module.split(":")[0]
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return main(["check", "--model", "linear", "--loss", module, "--devices", "2",
+                 "--steps", "1"])
+
+
 def forward(model, *args):
     """`model(*args)` as one compiled program: called op by op, a GPT's forward
     pass compiled some 80 small programs, one per op and shape."""

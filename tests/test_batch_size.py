@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import dpax
-from conftest import max_diff
+from conftest import check_loss_cli, max_diff
 from dpax.analysis.batch_size import uses_rows_count
 from dpax.errors import ReadsBatchSize
 
@@ -241,17 +241,12 @@ def test_check_names_the_batch_size():
 
 def test_dpax_check_names_the_line_of_a_loss_over_the_batch_size(tmp_path, capsys, monkeypatch):
     """Through the CLI: `dpax check --loss MODULE:FN` exits 1 and says why."""
-    from dpax.cli import main
-
-    (tmp_path / "batchlosses.py").write_text(
+    assert check_loss_cli(tmp_path, monkeypatch, "batchlosses:per_batch", (
         "import optax\n\n\n"
         "def per_batch(model, batch):\n"
         "    logits = model(batch['x'])\n"
         "    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch['y'])\n"
-        "    return ce / batch['x'].shape[0]\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert main(["check", "--model", "linear", "--loss", "batchlosses:per_batch",
-                 "--devices", "2", "--steps", "1"]) == 1
+        "    return ce / batch['x'].shape[0]\n")) == 1
     out = capsys.readouterr().out
     assert "NOT equivalent: the loss or the model computes with the number of rows" in out
     assert "batchlosses.py:7" in out

@@ -11,6 +11,7 @@ from flax import nnx
 
 import dpax
 import dpax.training.step
+from conftest import check_loss_cli
 from dpax.errors import FailsOnExamples
 
 
@@ -76,16 +77,11 @@ def test_evaluate_and_predict_say_the_same():
 
 
 def test_through_the_cli_it_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
-    from dpax.cli import main
-
-    (tmp_path / "keylosses.py").write_text(
+    assert check_loss_cli(tmp_path, monkeypatch, "keylosses:reads_image", (
         "import optax\n\n\n"
         "def reads_image(model, batch):\n"
         "    logits = model(batch['image'])\n"
-        "    return optax.softmax_cross_entropy_with_integer_labels(logits, batch['y'])\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert main(["check", "--model", "linear", "--loss", "keylosses:reads_image",
-                 "--devices", "2", "--steps", "1"]) == 2
+        "    return optax.softmax_cross_entropy_with_integer_labels(logits, batch['y'])\n")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "looks up 'image'" in err and "keylosses.py:5 (reads_image)" in err
