@@ -3,6 +3,8 @@ features, a loss that reads a key the examples do not hold) is one line that
 names the user's line, before the first step, through the Python API and the
 CLI; an error of dpax's own is not put on the user."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -20,7 +22,11 @@ class Net(nnx.Module):
         self.l = nnx.Linear(8, 3, rngs=rngs)
 
     def __call__(self, x):
-        return self.l(x)  # the line a batch of other features fails at
+        return self.l(x)
+
+
+# Where a batch of other features fails: the line of `Net.__call__`'s body.
+MODEL_LINE = f"test_blame.py:{Net.__call__.__code__.co_firstlineno + 1} (__call__)"
 
 
 def ce(model, batch):
@@ -46,7 +52,7 @@ def fit(loss, features=8, n=2):
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_model_made_for_other_features_names_its_line_and_the_batch(n):
     error = fit(ce, features=10, n=n)
-    assert "test_blame.py:22 (__call__)" in error.where
+    assert MODEL_LINE in error.where
     assert "x (10,) float32, y () int32" in str(error)
     assert isinstance(error.__cause__, TypeError)  # JAX's own error, with its traceback
 
@@ -72,7 +78,8 @@ def test_evaluate_and_predict_say_the_same():
     x, y = np.zeros((32, 10), np.float32), np.zeros(32, np.int32)
     with pytest.raises(FailsOnExamples, match="x \\(10,\\) float32"):
         t.evaluate(x, y, batch_size=16)
-    with pytest.raises(FailsOnExamples, match="`predict_fn` or the model .*test_blame.py:22"):
+    named = f"`predict_fn` or the model .*{re.escape(MODEL_LINE)}"
+    with pytest.raises(FailsOnExamples, match=named):
         t.predict(x, batch_size=16)
 
 
