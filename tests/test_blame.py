@@ -60,7 +60,19 @@ def test_a_model_made_for_other_features_names_its_line_and_the_batch(n):
 def test_a_loss_that_reads_a_key_the_examples_do_not_hold_names_it():
     error = fit(reads_image)
     assert "looks up 'image'" in str(error) and "(reads_image)" in error.where
-    assert "x (8,) float32" in str(error) and "index () int32" in str(error)
+    assert "they hold x (8,) float32, y () int32; dpax adds mask and index" in str(error)
+
+
+def test_what_jax_cannot_trace_keeps_jax_own_error():
+    """A Python `if` on a traced value: the code is the cause, not the
+    examples, and JAX's message explains it in more than one line."""
+    def branches(model, batch):
+        return ce(model, batch) if batch["x"].sum() > 0 else ce(model, batch) * 2
+
+    t = dpax.Trainer(Net(nnx.Rngs(0)), branches, optax.sgd(0.1), devices=2)
+    with pytest.raises(jax.errors.TracerBoolConversionError):
+        t.fit(np.zeros((32, 8), np.float32), np.zeros(32, np.int32), batch_size=16,
+              until_step=1, log_every=10**9)
 
 
 def test_an_error_of_dpax_own_is_not_put_on_the_user(monkeypatch):
@@ -81,6 +93,11 @@ def test_evaluate_and_predict_say_the_same():
     named = f"`predict_fn` or the model .*{re.escape(MODEL_LINE)}"
     with pytest.raises(FailsOnExamples, match=named):
         t.predict(x, batch_size=16)
+    # A predict step's batch holds no index: the message does not say it does.
+    t = dpax.Trainer(Net(nnx.Rngs(0)), ce, optax.sgd(0.1), devices=2,
+                     predict_fn=lambda model, batch: model(batch["x"])[:, 0] + batch["index"])
+    with pytest.raises(FailsOnExamples, match="looks up 'index'.*; dpax adds mask\\)"):
+        t.predict(np.zeros((32, 8), np.float32), batch_size=16)
 
 
 def test_through_the_cli_it_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):

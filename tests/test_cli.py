@@ -575,6 +575,8 @@ def test_version_names_dpax_and_its_stack_on_one_line(capsys):
 @pytest.mark.parametrize("flags,needle", [
     (["--steps", "2", "--bogus-flag", "3"], "unrecognized arguments: --bogus-flag 3"),
     (["--steps", "-2"], "--steps must be >= 1, got -2"),
+    (["--devices-per-process", "2"], "--devices-per-process is dpax launch's own: give it "
+                                     "before `--`"),
 ])
 def test_launch_refuses_bad_train_flags_once_before_any_rank_starts(flags, needle, capsys,
                                                                      monkeypatch):

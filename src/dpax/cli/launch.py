@@ -36,6 +36,7 @@ from dpax.cli.job import TrainConfig
 from dpax.errors import DpaxError
 
 NAME = "launch"
+_LAUNCH_FLAGS = ("--nprocs", "--devices-per-process", "--port", "--max-restarts", "--verbose")
 GRACE_S = 5  # SIGTERM, then SIGKILL after this long
 LAST_WORDS_S = 2  # how long a failed rank's output may take to drain
 # Exit codes of a run that stopped on purpose: starting it again changes nothing.
@@ -197,6 +198,9 @@ def _check_train_flags(train_args: list[str], nprocs: int,
     commands = parser.add_subparsers(dest="command", parser_class=OneLineParser)
     train.add_parser(commands)
     args, extra = parser.parse_known_args(["train", *train_args, *own])
+    mine = [a for a in extra if a.split("=")[0] in _LAUNCH_FLAGS]
+    if mine:
+        raise DpaxError(f"{', '.join(mine)} is dpax launch's own: give it before `--`")
     if extra:
         commands.choices["train"].error(f"unrecognized arguments: {' '.join(extra)}")
     config = cfg.validate(config_from_args(args, TrainConfig))

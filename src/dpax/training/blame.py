@@ -9,10 +9,17 @@ import contextlib
 import traceback
 from collections.abc import Iterator
 
+import jax
 import numpy as np
 
 from dpax.analysis.propagate import DPAX, LIBRARIES
+from dpax.data.batches import MASK
 from dpax.errors import DpaxError, FailsOnExamples
+
+# JAX's errors about the code it traces (a Python `if` on a traced value, a
+# leaked tracer): the examples are not their cause, and JAX's own message,
+# with its explanation, says more than one line could.
+_TRACING = (jax.errors.JAXTypeError, jax.errors.JAXIndexError)
 
 
 def user_line(error: BaseException) -> str | None:
@@ -29,23 +36,26 @@ def user_line(error: BaseException) -> str | None:
 
 
 @contextlib.contextmanager
-def on_examples(batch: dict, code: str = "the loss or the model") -> Iterator[None]:
+def on_examples(batch: dict, code: str = "the loss or the model",
+                added: str = "mask and index") -> Iterator[None]:
     """Raise an error of the user's code inside (`code` names it) as
-    `FailsOnExamples`, which names the batch's arrays (one example's shape
+    `FailsOnExamples`, which names the examples' arrays (one example's shape
     and dtype) and the line. `batch`: a host batch as the step takes it,
-    less its `index`."""
+    before dpax adds its `added` keys. Errors at run time, not the trace's,
+    come from no line of the user's and pass as they are."""
     try:
         yield
-    except DpaxError:
+    except (DpaxError, *_TRACING):
         raise
     except Exception as error:
         where = user_line(error)
         if where is None:
             raise
-        held = ", ".join([f"{k} {_example(v)}" for k, v in batch.items()] + ["index () int32"])
+        held = ", ".join(f"{k} {_example(v)}" for k, v in batch.items() if k != MASK)
         if isinstance(error, KeyError):
-            found = (f"looks up {error.args[0]!r}, a key the batch does not hold (it holds "
-                     f"{held}), at {where}: give the examples that key, or read one it holds")
+            found = (f"looks up {error.args[0]!r}, a key the examples do not hold (they hold "
+                     f"{held}; dpax adds {added}), at {where}: give the examples that key, "
+                     "or read one they hold")
         else:
             text = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else ""
             found = (f"fails on a batch of the examples ({held}) with {type(error).__name__}: "

@@ -775,7 +775,7 @@ class Trainer:
         outs, queue, compiled = [], loop.InFlight(self._in_flight()), set()
         for b in self._rest_checked(eval_batches(data, batch_size, rows), given, rule=False):
             with (watchdog.calling(compiled, self._steps.predict),
-                  blame.on_examples(b, "`predict_fn` or the model")):
+                  blame.on_examples(b, "`predict_fn` or the model", added="mask")):
                 outs.append(self._steps.predict(self._leaves, self._input(b, size)))
             queue.add(outs[-1])
         with watchdog.waiting():
