@@ -35,6 +35,8 @@ def kinds(fn, *shapes, rows=None, axis_size=2):
     ("reversed rows", lambda x: x[::-1]),
     ("scaled by the batch's loss", lambda x: x.sum(1) * x.sum()),
     ("rolled rows", lambda x: x * jnp.roll(x, 1, axis=0)),
+    ("each row times the next", lambda x: x[1:] * x[:-1]),
+    ("a product of the halves", lambda x: jnp.maximum(x[:3], x[3:])),
     ("halves swapped", lambda x: x - jnp.concatenate(jnp.split(x, 2)[::-1])),
     ("a row picked by every row", lambda x: x - x[jnp.argmax(x[:, 0])]),
     ("a column picked by every row", lambda x: x[:, jnp.argmax(x.sum(0))] * x[:, 0]),
@@ -78,7 +80,7 @@ def test_mixing_ops_are_found(name, fn):
     ("some rows scanned along their features", lambda x, w: jax.lax.scan(
         lambda c, col: (c + col, c * col), jnp.zeros(3), x[:3].T)[1].T.sum(1),
      Row(0, span=(0, 3, R))),
-    ("rows paired with others by position (not read)", lambda x, w: x[1:] * x[:-1], UNKNOWN),
+    ("the halves added (a pairwise sum, not read)", lambda x, w: x[:3] + x[3:], UNKNOWN),
     ("a while loop (not read)", lambda x, w: jax.lax.while_loop(
         lambda c: c[1] < 3, lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0], UNKNOWN),
 ])
@@ -100,6 +102,8 @@ _custom_centred.defvjp(lambda x: (_centred(x), None), lambda _, g: (g,))
     ("cumsum over the rows", lambda x: jnp.cumsum(x, 0), True),
     ("sort over the rows", lambda x: jnp.sort(x, 0), True),
     ("scaled by the batch's loss", lambda x: x.sum(1) * x.sum(), True),
+    # Its JVP multiplies runs of the rows paired by position.
+    ("scaled by a product over the rows", lambda x: x * jnp.prod(x, 0), True),
     ("centred under remat", jax.checkpoint(_centred), True),
     ("centred in a custom_vjp", _custom_centred, True),
     ("centred in a jit", jax.jit(_centred), True),
@@ -134,7 +138,6 @@ def test_the_step_reads_the_gradients_trace_as_the_forwards(name, fn, mixes):
 @pytest.mark.parametrize("name,fn", [
     ("cummax over the rows", lambda x: jax.lax.cummax(x, 0)),
     ("cumprod over the rows", lambda x: jnp.cumprod(x, 0)),
-    ("scaled by a product over the rows", lambda x: x * jnp.prod(x, 0)),
 ])
 def test_what_the_gradients_trace_hides_is_read_from_the_forward(name, fn):
     """JAX writes these ops' JVPs as slices, pads and scans that the analysis
@@ -241,7 +244,14 @@ def towards_the_hardest(model, batch):
     return jnp.sum((za - jax.lax.stop_gradient(hardest)) ** 2, -1)
 
 
-@pytest.mark.parametrize("loss", [rolled_negatives, towards_the_hardest])
+def next_in_the_batch(model, batch):
+    """Each example but the first also scored against the one before it."""
+    za, zb = model(batch["x"])
+    pairs = jax.nn.softplus(jnp.sum(za[1:] * zb[:-1], -1))
+    return jnp.sum((za - zb) ** 2, -1).at[1:].add(pairs)
+
+
+@pytest.mark.parametrize("loss", [rolled_negatives, towards_the_hardest, next_in_the_batch])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rows_moved_or_picked_by_position_are_refused(loss, seed, monkeypatch):
     """Refused on 2 devices, naming the user's line, before anything changes;

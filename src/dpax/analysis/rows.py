@@ -21,7 +21,8 @@ on N devices something one device does not, silently.
 - `UNKNOWN`: an operation this analysis does not read.
 
 Only what is certain mixes: an elementwise combination of a row's value with
-a summary of the rows, a product of two values' row axes that are not paired,
+a summary of the rows or, but for a sum, with another row's (`x[1:] * x[:-1]`),
+a product of two values' row axes that are not paired,
 a cumulative sum, sort or reversal along the rows, rows put back together
 in another order (`jnp.roll`), and a row picked by a choice over all of
 them (`x[jnp.argmax(score)]`, a summary) meeting the rows. What it cannot read it
@@ -187,7 +188,22 @@ def _elementwise(eqn, kinds: list):
     axis_params = [eqn.params.get(p) for p in ("axis", "axes", "dimension", "dimensions")]
     if any(p is not None for p in axis_params):  # works along an axis: not elementwise
         return UNKNOWN
+    if eqn.primitive.name not in _ADDITIVE and _paired_runs(kinds):
+        return "mix"  # row j with row j + k: x[1:] * x[:-1], a product of the halves
     return _combine(kinds)
+
+
+# Additions of runs paired by position are not read: a sum over the rows
+# written pairwise (a synchronized BatchNorm's exact sum) adds its halves so.
+_ADDITIVE = {"add", "sub", "add_any"}
+
+
+def _paired_runs(kinds: list) -> bool:
+    """Are these runs of the same rows' axis, as long, from other positions?"""
+    runs = {k for k in kinds if isinstance(k, Row)}
+    return (len(runs) > 1 and all(_part(k) and k.group == 1 for k in runs)
+            and len({k.axis for k in runs}) == 1
+            and len({k.span[1] - k.span[0] for k in runs}) == 1)
 
 
 def _combine(kinds: list):
