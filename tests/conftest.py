@@ -22,6 +22,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import dpax
 from dpax.data.pipeline import BatchPlan
@@ -108,6 +109,19 @@ def max_diff(a, b) -> float:
     assert len(la) == len(lb), (len(la), len(lb))
     return max((float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
                 for x, y in zip(la, lb)), default=0.0)
+
+
+class Towers(nnx.Module):
+    """Two embeddings of one input, as a contrastive model has. No bias on the
+    second: the loss cannot see it (a softmax over one row is shift-free), so
+    its gradient is rounding that Adam would blow up."""
+
+    def __init__(self, rngs):
+        self.a = nnx.Linear(8, 16, rngs=rngs)
+        self.b = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.a(x), self.b(x)
 
 
 def check_loss_cli(tmp_path, monkeypatch, module: str, source: str) -> int:

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import dpax
-from conftest import check_loss_cli, max_diff
+from conftest import Towers, check_loss_cli, max_diff
 from dpax.analysis.batch_size import uses_rows_count
 from dpax.errors import ReadsBatchSize
 
@@ -250,15 +250,6 @@ def test_dpax_check_names_the_line_of_a_loss_over_the_batch_size(tmp_path, capsy
     out = capsys.readouterr().out
     assert "NOT equivalent: the loss or the model computes with the number of rows" in out
     assert "batchlosses.py:7" in out
-
-
-class Towers(nnx.Module):
-    def __init__(self, rngs):
-        self.a = nnx.Linear(8, 16, rngs=rngs)
-        self.b = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
-
-    def __call__(self, x):
-        return self.a(x), self.b(x)
 
 
 def _global_logits(model, batch):

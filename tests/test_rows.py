@@ -11,7 +11,7 @@ from flax import nnx
 
 import dpax
 import dpax.analysis.refusals
-from conftest import max_diff
+from conftest import Towers, max_diff
 from dpax.analysis.rows import CONST, SUMMARY, UNKNOWN, Mixed, Row, mixing
 from dpax.errors import MixesExamples
 from dpax.models.layers import global_rows
@@ -176,19 +176,6 @@ def test_lookups_convolutions_and_scans_keep_rows():
 
 
 # -- in the Trainer ------------------------------------------------------------------------
-class Towers(nnx.Module):
-    """Two embeddings of one input, as a contrastive model has. No bias on the
-    second: the loss cannot see it (a softmax over one row is shift-free), so
-    its gradient is rounding that Adam would blow up."""
-
-    def __init__(self, rngs):
-        self.a = nnx.Linear(8, 16, rngs=rngs)
-        self.b = nnx.Linear(8, 16, use_bias=False, rngs=rngs)
-
-    def __call__(self, x):
-        return self.a(x), self.b(x)
-
-
 def in_batch(model, batch):
     """A contrastive loss as written for one device: every other example of
     the batch is a negative."""
