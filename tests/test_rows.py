@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.extend.core import ClosedJaxpr
 
 import dpax
 import dpax.analysis.refusals
@@ -23,8 +24,8 @@ def kinds(fn, *shapes, rows=None, axis_size=2):
     """The kinds of fn's outputs; the first argument holds rows unless `rows` says."""
     rows = rows or [True] + [False] * (len(shapes) - 1)
     args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-    jaxpr = jax.make_jaxpr(fn, axis_env=[("d", axis_size)])(*args).jaxpr
-    return mixing(jaxpr, rows)
+    closed = jax.make_jaxpr(fn, axis_env=[("d", axis_size)])(*args)
+    return mixing(closed.jaxpr, rows, closed.consts)
 
 
 @pytest.mark.parametrize("name,fn", [
@@ -40,6 +41,15 @@ def kinds(fn, *shapes, rows=None, axis_size=2):
     ("halves swapped", lambda x: x - jnp.concatenate(jnp.split(x, 2)[::-1])),
     ("a row picked by every row", lambda x: x - x[jnp.argmax(x[:, 0])]),
     ("a column picked by every row", lambda x: x[:, jnp.argmax(x.sum(0))] * x[:, 0]),
+    ("rows in a random order (mixup)",
+     lambda x: x + x[jax.random.permutation(jax.random.key(0), R)]),
+    ("rows shuffled as an array", lambda x: jax.random.permutation(jax.random.key(0), x)),
+    ("rows drawn at random", lambda x: jnp.take(x, jax.random.randint(
+        jax.random.key(0), (R,), 0, R), axis=0)),
+    ("two rows swapped by a fixed index", lambda x: jnp.take(x, jnp.array([1, 0, 2, 3, 4, 5]),
+                                                              axis=0)),
+    ("every row's features from the first row",
+     lambda x: jnp.take_along_axis(x, jnp.zeros((R, 4), jnp.int32), axis=0)),
 ])
 def test_mixing_ops_are_found(name, fn):
     (kind, *_) = kinds(fn, (R, 4))
@@ -81,6 +91,14 @@ def test_mixing_ops_are_found(name, fn):
         lambda c, col: (c + col, c * col), jnp.zeros(3), x[:3].T)[1].T.sum(1),
      Row(0, span=(0, 3, R))),
     ("the halves added (a pairwise sum, not read)", lambda x, w: x[:3] + x[3:], UNKNOWN),
+    ("rows gathered in order", lambda x, w: x[jnp.arange(R)] @ w, Row(0)),
+    ("rows gathered in order by a NumPy index", lambda x, w: x[np.arange(R)] @ w, Row(0)),
+    ("rows gathered in order from the end", lambda x, w: x[jnp.arange(-R, 0)] @ w, Row(0)),
+    ("a run of rows gathered", lambda x, w: x[jnp.arange(1, 4)] @ w, Row(0, span=(1, 4, R))),
+    ("each row gathered twice in place", lambda x, w: x[jnp.arange(2 * R) // 2] @ w,
+     Row(0, group=2)),
+    ("a feature per row", lambda x, w: jnp.take_along_axis(
+        x, jnp.zeros((R, 1), jnp.int32), axis=1), Row(0)),
     ("a while loop (not read)", lambda x, w: jax.lax.while_loop(
         lambda c: c[1] < 3, lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0], UNKNOWN),
 ])
@@ -157,7 +175,7 @@ def test_what_the_gradients_trace_hides_is_read_from_the_forward(name, fn):
     part = _value_part(grad.jaxpr, 1)
     assert UNKNOWN in mixing(part, [False, True])
     with pytest.raises(MixesExamples, match=name.split()[0].replace("scaled", "mul")):
-        refuse(forward, args, "d", 2, Asks(), jaxpr=part)
+        refuse(forward, args, "d", 2, Asks(), jaxpr=ClosedJaxpr(part, grad.consts))
 
 
 def test_lookups_convolutions_and_scans_keep_rows():
@@ -231,6 +249,14 @@ def towards_the_hardest(model, batch):
     return jnp.sum((za - jax.lax.stop_gradient(hardest)) ** 2, -1)
 
 
+def mixup(model, batch):
+    """Mixup: each example blended with another, by a permutation of the batch."""
+    x = batch["x"]
+    mixed = 0.7 * x + 0.3 * jax.random.permutation(jax.random.key(0), x)
+    za, zb = model(mixed)
+    return jnp.sum((za - zb) ** 2, -1)
+
+
 def next_in_the_batch(model, batch):
     """Each example but the first also scored against the one before it."""
     za, zb = model(batch["x"])
@@ -238,7 +264,8 @@ def next_in_the_batch(model, batch):
     return jnp.sum((za - zb) ** 2, -1).at[1:].add(pairs)
 
 
-@pytest.mark.parametrize("loss", [rolled_negatives, towards_the_hardest, next_in_the_batch])
+@pytest.mark.parametrize("loss", [rolled_negatives, towards_the_hardest, next_in_the_batch,
+                                  mixup])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rows_moved_or_picked_by_position_are_refused(loss, seed, monkeypatch):
     """Refused on 2 devices, naming the user's line, before anything changes;

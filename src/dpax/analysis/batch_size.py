@@ -166,7 +166,7 @@ def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
     symbolic = [jax.tree.map(lambda a: _with_rows(a, count), arg) if flag else arg
                 for arg, flag in zip(args, rows)]
     try:
-        jaxpr = trace(fn, symbolic, axis, size)
+        jaxpr = trace(fn, symbolic, axis, size).jaxpr
     except Exception:  # not traceable with a symbolic batch: not judged
         return None
     domain = FromRowsCount(count)

@@ -38,6 +38,10 @@ class Domain:
     axis: str | tuple[str, ...] | None = None
     scan_rounds: int | None = None
 
+    def literal(self, atom) -> Any:
+        """A literal's fact (the default: `bottom`)."""
+        return self.bottom
+
     def first(self, eqn, facts: list) -> list | None:
         """A verdict before the equation is read (None: read it)."""
         return None
@@ -83,14 +87,17 @@ Observer = Callable[[Any, list], None]
 
 
 def propagate(jaxpr: jcore.Jaxpr, ins: Sequence, domain: Domain,
-              observe: Observer | None = None) -> list:
+              observe: Observer | None = None, consts: Sequence = ()) -> list:
     """The facts of `jaxpr`'s outputs from its inputs'. `observe(eqn, facts)`
     sees every equation the walk reaches with its operands' facts, in
-    program order (a scan's body once, with the carry's settled facts)."""
-    env = dict(zip(jaxpr.invars, ins))
+    program order (a scan's body once, with the carry's settled facts).
+    `consts`: the facts of `jaxpr.constvars` (otherwise `domain.bottom`)."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, ins))
 
     def fact(atom):
-        return domain.bottom if isinstance(atom, jcore.Literal) else env.get(atom, domain.bottom)
+        return domain.literal(atom) if isinstance(atom, jcore.Literal) \
+            else env.get(atom, domain.bottom)
 
     for eqn in jaxpr.eqns:
         facts = [fact(a) for a in eqn.invars]
@@ -175,11 +182,11 @@ def shapes(args: Sequence[Any]) -> list:
 
 
 def trace(fn: Callable, args: Sequence[Any], axis: str | tuple[str, ...],
-          size: int | tuple[int, ...]) -> jcore.Jaxpr:
+          size: int | tuple[int, ...]) -> jcore.ClosedJaxpr:
     """`fn`'s jaxpr on the shapes of `args`, inside `size` devices of `axis`
-    (or, for several axes, `size[i]` along `axis[i]`)."""
+    (or, for several axes, `size[i]` along `axis[i]`), with its constants."""
     env = list(zip(names(axis), size if isinstance(size, tuple) else (size,)))
-    return jax.make_jaxpr(fn, axis_env=env)(*shapes(args)).jaxpr
+    return jax.make_jaxpr(fn, axis_env=env)(*shapes(args))
 
 
 def line(eqn) -> str:

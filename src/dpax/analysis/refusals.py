@@ -43,16 +43,17 @@ class Asks:
 
 def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
            size: int | tuple[int, ...], asks: Asks,
-           jaxpr: jcore.Jaxpr | None = None) -> dict[int, str]:
+           jaxpr: jcore.ClosedJaxpr | None = None) -> dict[int, str]:
     """{leaf index: path} of the numeric model state (`args[1]`) that a step
     leaves different on each of `size` devices of `axis` (several axes:
     `size[i]` along each), which is averaged; raises what no average mends.
     The new state's leaves are the last of `forward`'s outputs. `jaxpr`:
-    `forward`'s on `args`, where the caller traced it already (its inputs
-    the leaves of `args`; the random draws' check traces `forward` again)."""
+    `forward`'s on `args` with its constants, where the caller traced it
+    already (its inputs the leaves of `args`; the random draws' check
+    traces `forward` again)."""
     if math.prod(size if isinstance(size, tuple) else (size,)) == 1:
         return {}
-    kinds = None if jaxpr is None else mixing(jaxpr, leaf_flags(args, ON_ROWS))
+    kinds = None if jaxpr is None else _mixing(jaxpr, args)
     if kinds is not None and UNKNOWN in kinds:
         # The caller's trace (a gradient's forward part) holds derivative
         # forms the analysis cannot read (cummax's or a product's JVP): read
@@ -61,17 +62,17 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
     if jaxpr is None:
         jaxpr = trace(forward, args, axis, size)
     if isinstance(axis, tuple):
-        _refuse_partial_sums(jaxpr, args, axis)
+        _refuse_partial_sums(jaxpr.jaxpr, args, axis)
     per_device = {}
     if asks.own_random or asks.average_state:
-        per_device = _state_per_device(forward, args, jaxpr, axis, size, asks)
+        per_device = _state_per_device(forward, args, jaxpr.jaxpr, axis, size, asks)
     devices = math.prod(size) if isinstance(size, tuple) else size  # for messages
     # With sync_batchnorm off the user asked for per-device batch statistics:
     # a mean over a device's rows mixes them and divides by their number.
     if not asks.sync_batchnorm:
         return per_device
     if kinds is None:
-        kinds = mixing(jaxpr, leaf_flags(args, ON_ROWS))
+        kinds = _mixing(jaxpr, args)
     mixed = first_mixed(kinds)
     if mixed:
         raise MixesExamples(
@@ -93,6 +94,10 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
             "weights go in loss_fn's third output), and take an example's position in the "
             "batch from batch['index']", counted)
     return per_device
+
+
+def _mixing(closed: jcore.ClosedJaxpr, args: tuple) -> list:
+    return mixing(closed.jaxpr, leaf_flags(args, ON_ROWS), closed.consts)
 
 
 # Primitives that name mesh axes: what they compute over a part of the

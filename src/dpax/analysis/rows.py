@@ -20,6 +20,14 @@ on N devices something one device does not, silently.
   the first operation that mixed them;
 - `UNKNOWN`: an operation this analysis does not read.
 
+A value that depends on no row and is computed from constants alone (an
+index array: `jnp.arange`, a NumPy array) is also known by its value
+(`dpax.analysis.known`), so a gather along the rows reads which rows it
+picks: each back at its place keeps them apart (`x[jnp.arange(n)]`), any
+other choice mixes them (`x[perm]`, mixup), and so do indices that every
+device computes alike but whose values are not known here (a random
+permutation): only the rows in order keep them apart.
+
 Only what is certain mixes: an elementwise combination of a row's value with
 a summary of the rows or, but for a sum, with another row's (`x[1:] * x[:-1]`),
 a product of two values' row axes that are not paired,
@@ -39,7 +47,8 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend import core as jcore
 
-from dpax.analysis.propagate import Domain, at_call, propagate, where
+from dpax.analysis.known import Known, evaluated, known
+from dpax.analysis.propagate import Domain, at_call, call_body, propagate, where
 
 CONST, SUMMARY, UNKNOWN = "const", "summary", "unknown"
 
@@ -64,12 +73,25 @@ _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_
                "reduce_or", "reduce_xor", "argmax", "argmin", "reduce"}
 
 
-def mixing(jaxpr: jcore.Jaxpr, rows: Sequence[bool]) -> list:
+def mixing(jaxpr: jcore.Jaxpr, rows: Sequence[bool], consts: Sequence = ()) -> list:
     """The kind of each output of `jaxpr` when the inputs marked in `rows`
-    hold one row each along their leading axis (all others `CONST`)."""
+    hold one row each along their leading axis (all others `CONST`).
+    `consts`: the values of `jaxpr.constvars`, where the caller has them."""
     ins = [Row(0) if r and len(getattr(v.aval, "shape", ())) else CONST
            for v, r in zip(jaxpr.invars, rows)]
-    return propagate(jaxpr, ins, _KINDS)
+    facts = [known(c) or CONST for c in consts]
+    return [CONST if isinstance(k, Known) else k
+            for k in propagate(jaxpr, ins, _KINDS, consts=facts)]
+
+
+def _alike(k) -> bool:
+    """Does `k` depend on no row (`CONST`, or a `Known` value)?"""
+    return k == CONST or isinstance(k, Known)
+
+
+def _unknown_values(kinds: list) -> list:
+    """`Known` values as `CONST`: what every rule but the gather's reads."""
+    return [CONST if isinstance(k, Known) else k for k in kinds]
 
 
 def first_mixed(kinds: Sequence) -> Mixed | None:
@@ -82,12 +104,17 @@ class Kinds(Domain):
     bottom = CONST
     scan_rounds = 8  # the carry's kinds settle in a step or two
 
+    def literal(self, atom):
+        return known(atom.val) or CONST
+
     def first(self, eqn, kinds):
         mixed = first_mixed(kinds)
         if mixed is not None:
             return [mixed] * len(eqn.outvars)
-        if all(k == CONST for k in kinds):  # nothing from a row, whatever the op
-            return [CONST] * len(eqn.outvars)
+        if all(_alike(k) for k in kinds):  # nothing from a row, whatever the op
+            if any(isinstance(k, Known) for k in kinds) and call_body(eqn) is not None:
+                return None  # a call (jnp's own jit) computes known values inside
+            return evaluated(eqn, kinds) or [CONST] * len(eqn.outvars)
         return None
 
     def collective(self, eqn, kinds, over_axis):
@@ -98,22 +125,29 @@ class Kinds(Domain):
         return _located(outs, eqn)
 
     def control(self, eqn, kinds):
+        kinds = _unknown_values(kinds)
         if UNKNOWN in kinds or (eqn.primitive.name == "cond" and kinds[0] != CONST):
             return [UNKNOWN] * len(eqn.outvars)
         return None
 
     def join(self, kinds):
-        return _join(kinds)
+        return _join(_unknown_values(kinds))
 
     def primitive(self, eqn, kinds):
-        return _eqn(eqn, kinds)
+        if eqn.primitive.name == "gather":  # reads its indices' values
+            return _eqn(eqn, kinds[:1] + _unknown_values(kinds[1:]), kinds[1])
+        return _eqn(eqn, _unknown_values(kinds))
 
     def sliced(self, k):  # the body sees one slice along axis 0
+        if isinstance(k, Known):
+            return CONST
         if isinstance(k, Row):
             return UNKNOWN if k.axis == 0 else dataclasses.replace(k, axis=k.axis - 1)
         return k
 
     def stacked(self, k):
+        if isinstance(k, Known):
+            return CONST
         return dataclasses.replace(k, axis=k.axis + 1) if isinstance(k, Row) else k
 
     def carried(self, settled, out):
@@ -154,14 +188,17 @@ def _moved(k: Row, axis: int) -> Row:
     return dataclasses.replace(k, axis=axis)
 
 
-def _eqn(eqn, kinds: list) -> list:
-    """An equation the walk does not open, read by its rule."""
+def _eqn(eqn, kinds: list, indices=None) -> list:
+    """An equation the walk does not open, read by its rule (`indices`: a
+    gather's, `Known` where their values are)."""
     if UNKNOWN in kinds:
         return [UNKNOWN] * len(eqn.outvars)
     rule = _RULES.get(eqn.primitive.name)
     if any(_part(k) for k in kinds) and rule is not None and rule not in _READ_PARTS:
         return [UNKNOWN] * len(eqn.outvars)
-    if rule is not None:
+    if rule is _gather:
+        out = _gather(eqn, kinds, indices)
+    elif rule is not None:
         out = rule(eqn, kinds)
     else:
         out = _elementwise(eqn, kinds)
@@ -467,7 +504,7 @@ def _dynamic_update_slice(eqn, kinds):
     return _combine([operand, update])
 
 
-def _gather(eqn, kinds):
+def _gather(eqn, kinds, known_indices=None):
     operand, indices = kinds[0], kinds[1]
     dn = eqn.params["dimension_numbers"]
     out_rank = len(_shape(eqn.outvars[0]))
@@ -492,13 +529,44 @@ def _gather(eqn, kinds):
         if indices != CONST and indices != Row(paired, operand.group):
             return UNKNOWN
         return from_indices(Row(paired, operand.group))
+    if indices == CONST and operand.axis in dn.start_index_map \
+            and operand.axis in dn.collapsed_slice_dims:
+        return _picked(eqn, operand, known_indices, batch_out)
     if indices != CONST or operand.axis in dn.start_index_map \
             or operand.axis in dn.collapsed_slice_dims \
             or eqn.params["slice_sizes"][operand.axis] != _shape(eqn.invars[0])[operand.axis]:
-        return UNKNOWN  # rows picked by index: not read (mixup would mix them)
+        return UNKNOWN
     kept = [d for d in range(len(_shape(eqn.invars[0])))
             if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
     return Row(dn.offset_dims[kept.index(operand.axis)], operand.group)
+
+
+def _picked(eqn, operand: Row, indices, batch_out: list):
+    """Rows picked one by one, by indices that depend on no row: the rows
+    in order (`x[jnp.arange(n)]`), a run of them in order, or each repeated
+    in place keep them apart; any other choice puts rows where others were.
+    Indices of values not known here (a random permutation: mixup) mix."""
+    if not isinstance(indices, Known):
+        return "mix"
+    dn = eqn.params["dimension_numbers"]
+    size = _shape(eqn.invars[0])[operand.axis]
+    picked = indices.value[..., list(dn.start_index_map).index(operand.axis)]
+    if picked.ndim == 0:
+        return UNKNOWN  # one row, its axis dropped: as `x[i]`, not read
+    if picked.size == 0 or picked.min() < 0 or picked.max() >= size:
+        return UNKNOWN  # out of bounds: clamped, filled or dropped, as the mode says
+    for i in range(picked.ndim):  # the axis the rows land on, alike along the others
+        lines = np.moveaxis(picked, i, 0).reshape(picked.shape[i], -1)
+        if not (lines == lines[:, :1]).all():
+            continue
+        line = lines[:, 0]
+        if (np.diff(line) == 1).all() and (len(line) == size or operand.group == 1):
+            span = None if len(line) == size else (int(line[0]), int(line[0]) + len(line), size)
+            return Row(batch_out[i], operand.group, span)
+        group = len(line) // size
+        if operand.group == 1 and np.array_equal(line, np.repeat(np.arange(size), group)):
+            return Row(batch_out[i], group)
+    return "mix"
 
 
 def _first(eqn, kinds):

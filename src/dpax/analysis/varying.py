@@ -85,7 +85,7 @@ def analyze(fn: Callable, args: Sequence[Any], per_device: Sequence[bool], axis:
     or ShapeDtypeStructs; nothing is computed. `jaxpr`: `trace(fn, args,
     axis, size)`, where the caller has it already."""
     found: list = []
-    jaxpr = trace(fn, args, axis, size) if jaxpr is None else jaxpr
+    jaxpr = trace(fn, args, axis, size).jaxpr if jaxpr is None else jaxpr
     flags = varying(jaxpr, leaf_flags(args, per_device), axis, found)
     if not draws or all(keyed for _, keyed in found):
         return flags, []
@@ -93,7 +93,7 @@ def analyze(fn: Callable, args: Sequence[Any], per_device: Sequence[bool], axis:
                          if a.ndim else a, arg) if flag else arg
             for arg, flag in zip(shapes(args), per_device)]
     try:
-        doubled = trace(fn, more, axis, size)
+        doubled = trace(fn, more, axis, size).jaxpr
     except Exception:  # e.g. a reshape to a fixed batch size: no answer either way
         return flags, []
     found_more: list = []

@@ -170,7 +170,8 @@ def preflight(forward: Callable, params, model_state, batch: dict, axis,
     # Effects (a callback, a write to a ref) are not outputs: only the
     # forward's own trace is sure to hold them.
     if traced is not None and not options.own_random and not traced.jaxpr.effects:
-        jaxpr = _value_part(traced.jaxpr, len(jax.tree.leaves(params)))
+        jaxpr = ClosedJaxpr(_value_part(traced.jaxpr, len(jax.tree.leaves(params))),
+                            traced.consts)
     return refuse(forward, (params, model_state, micro), names, sizes, asks, jaxpr=jaxpr)
 
 
@@ -411,7 +412,7 @@ def _refused_or_run(forward: Callable, args: tuple, axis, options: StepOptions):
     closed, shape = jax.make_jaxpr(forward, return_shape=True)(*args)
     names, sizes = _axis_sizes(axis)
     refuse(forward, args, names, sizes, Asks(sync_batchnorm=options.sync_batchnorm),
-           jaxpr=closed.jaxpr)
+           jaxpr=closed)
     return jax.tree.unflatten(jax.tree.structure(shape),
                               jaxpr_as_fun(closed)(*jax.tree.leaves(args)))
 
