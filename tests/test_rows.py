@@ -13,7 +13,7 @@ from jax.extend.core import ClosedJaxpr
 import dpax
 import dpax.analysis.refusals
 from conftest import Towers, max_diff
-from dpax.analysis.rows import CONST, SUMMARY, UNKNOWN, Mixed, Row, mixing
+from dpax.analysis.rows import CONST, SUMMARY, UNKNOWN, Mixed, OneRow, Row, mixing
 from dpax.errors import MixesExamples
 from dpax.models.layers import global_rows
 
@@ -48,6 +48,12 @@ def kinds(fn, *shapes, rows=None, axis_size=2):
         jax.random.key(0), (R,), 0, R), axis=0)),
     ("two rows swapped by a fixed index", lambda x: jnp.take(x, jnp.array([1, 0, 2, 3, 4, 5]),
                                                               axis=0)),
+    ("every row less the first", lambda x: x - x[0]),
+    ("every row scaled by the last one's sum", lambda x: x * x[-1].sum()),
+    ("every row against the first", lambda x: x @ x[0]),
+    ("kept where the first row is positive", lambda x: jnp.where(x[0] > 0, x, 0.0)),
+    ("rows one by one, stacked in another order",
+     lambda x: jnp.stack([jnp.tanh(x[i]) for i in reversed(range(R))])),
     ("every row's features from the first row",
      lambda x: jnp.take_along_axis(x, jnp.zeros((R, 4), jnp.int32), axis=0)),
 ])
@@ -99,6 +105,17 @@ def test_mixing_ops_are_found(name, fn):
      Row(0, group=2)),
     ("a feature per row", lambda x, w: jnp.take_along_axis(
         x, jnp.zeros((R, 1), jnp.int32), axis=1), Row(0)),
+    ("rows one by one, stacked back in order",
+     lambda x, w: jnp.stack([(x[i] - x[i].mean()) / x[i].std() for i in range(R)]) @ w, Row(0)),
+    ("rows one by one, put back in order",
+     lambda x, w: jnp.concatenate([x[i][None] * x[i].sum() for i in range(R)]) @ w, Row(0)),
+    ("some rows one by one, stacked", lambda x, w: jnp.stack([x[i] for i in range(2, 4)]) @ w,
+     Row(0, span=(2, 4, R))),
+    ("a row with itself", lambda x, w: x[2:3] * x[2], Row(0, span=(2, 3, R))),
+    ("the first row alone", lambda x, w: x[0] @ w, OneRow(0, R)),
+    ("two rows together", lambda x, w: x[0] * x[1], SUMMARY),
+    ("the first row written back in place (not read)", lambda x, w: x.at[0].set(x[0] * 2),
+     UNKNOWN),
     ("a while loop (not read)", lambda x, w: jax.lax.while_loop(
         lambda c: c[1] < 3, lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0], UNKNOWN),
 ])
@@ -257,6 +274,12 @@ def mixup(model, batch):
     return jnp.sum((za - zb) ** 2, -1)
 
 
+def from_the_first(model, batch):
+    """Each example measured from the batch's first one."""
+    za, zb = model(batch["x"])
+    return jnp.sum((za - zb[0]) ** 2, -1)
+
+
 def next_in_the_batch(model, batch):
     """Each example but the first also scored against the one before it."""
     za, zb = model(batch["x"])
@@ -265,7 +288,7 @@ def next_in_the_batch(model, batch):
 
 
 @pytest.mark.parametrize("loss", [rolled_negatives, towards_the_hardest, next_in_the_batch,
-                                  mixup])
+                                  mixup, from_the_first])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_rows_moved_or_picked_by_position_are_refused(loss, seed, monkeypatch):
     """Refused on 2 devices, naming the user's line, before anything changes;

@@ -15,6 +15,7 @@ on N devices something one device does not, silently.
   row i alone; `Row(axis, span=(start, stop, rows))`: the rows
   [start, stop) of the `rows` there are, in order (a slice of them), read
   by the ops that keep rows apart and by `concatenate`;
+- `OneRow(i, rows)`: row i's value, the rows' axis dropped (`x[0]`);
 - `SUMMARY`: depends on all of the device's rows together (a sum over them);
 - `Mixed(where)`: an example's value depends on other examples; `where` names
   the first operation that mixed them;
@@ -32,10 +33,11 @@ Only what is certain mixes: an elementwise combination of a row's value with
 a summary of the rows or, but for a sum, with another row's (`x[1:] * x[:-1]`),
 a product of two values' row axes that are not paired,
 a cumulative sum, sort or reversal along the rows, rows put back together
-in another order (`jnp.roll`), and a row picked by a choice over all of
-them (`x[jnp.argmax(score)]`, a summary) meeting the rows. What it cannot read it
-does not judge (`UNKNOWN`), so it never refuses a model it does not
-understand. A collective over the devices (`psum`, `all_gather`) makes its
+in another order (`jnp.roll`), a row picked by a choice over all of
+them (`x[jnp.argmax(score)]`, a summary) or one row's value (`x[0]`)
+meeting the rows, and rows picked by an index that is not them in order.
+What it cannot read it does not judge (`UNKNOWN`), so it never refuses a
+model it does not understand. A collective over the devices (`psum`, `all_gather`) makes its
 operand `CONST`: it combines every device's rows, as one device would.
 """
 
@@ -60,6 +62,15 @@ class Row:
     # (start, stop, rows): these are rows [start, stop) of `rows`, in order
     # (a slice of them); None: every row.
     span: tuple[int, int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OneRow:
+    """The value of one row, `index` of the `rows` there are, its axis
+    dropped (`x[0]`): every op on it alone gives that row's value."""
+
+    index: int
+    rows: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +205,11 @@ def _eqn(eqn, kinds: list, indices=None) -> list:
     if UNKNOWN in kinds:
         return [UNKNOWN] * len(eqn.outvars)
     rule = _RULES.get(eqn.primitive.name)
+    if any(isinstance(k, OneRow) for k in kinds):
+        out = _with_one_row(eqn, kinds, rule)
+        if out == "mix":
+            out = Mixed(where(eqn))
+        return out if isinstance(out, list) else [out] * len(eqn.outvars)
     if any(_part(k) for k in kinds) and rule is not None and rule not in _READ_PARTS:
         return [UNKNOWN] * len(eqn.outvars)
     if rule is _gather:
@@ -212,22 +228,73 @@ def _elementwise(eqn, kinds: list):
     along an axis), one element from the same element of each: rows stay
     rows, a summary added to a row mixes. Ops that work along an axis are
     read by their own rules."""
-    out_shapes = {_shape(v) for v in eqn.outvars}
-    if len(out_shapes) != 1:
+    if not _is_elementwise(eqn):
         return UNKNOWN
-    (shape,) = out_shapes
-    for a, k in zip(eqn.invars, kinds):  # an operand's size-1 axes are broadcast
-        s = _shape(a)
-        if s and (len(s) != len(shape) or any(d not in (1, o) for d, o in zip(s, shape))):
-            return UNKNOWN
-        if isinstance(k, Row) and s[k.axis] != shape[k.axis]:
+    shape = _shape(eqn.outvars[0])
+    for a, k in zip(eqn.invars, kinds):
+        if isinstance(k, Row) and _shape(a)[k.axis] != shape[k.axis]:
             return UNKNOWN  # one row's value for every row
-    axis_params = [eqn.params.get(p) for p in ("axis", "axes", "dimension", "dimensions")]
-    if any(p is not None for p in axis_params):  # works along an axis: not elementwise
-        return UNKNOWN
     if eqn.primitive.name not in _ADDITIVE and _paired_runs(kinds):
         return "mix"  # row j with row j + k: x[1:] * x[:-1], a product of the halves
     return _combine(kinds)
+
+
+def _with_one_row(eqn, kinds: list, rule):
+    """An op on one row's value (`OneRow`): with nothing else from the rows
+    it is that row's value; met elementwise or in a product with the rows it
+    puts row i's value into every row's (`x - x[0]`), which mixes them, but
+    for row i itself; one-row values put back in order are the rows again
+    (`jnp.stack([f(x[i]) for i in ...])`)."""
+    ones = {k for k in kinds if isinstance(k, OneRow)}
+    rows = [k for k in kinds if isinstance(k, Row)]
+    if rule is _concatenate:
+        return _concatenate(eqn, [_as_run(k, a, eqn.params["dimension"])
+                                  for a, k in zip(eqn.invars, kinds)])
+    if rule is _stack:
+        return _stacked_rows(eqn, kinds)
+    if not rows:
+        if SUMMARY in kinds or len(ones) > 1:
+            return SUMMARY  # several rows' values: the batch's, as a sum is
+        return ones.pop()
+    if not (rule is _dot_general or (rule is None and _is_elementwise(eqn))):
+        return UNKNOWN  # a write back in place (`x.at[0].set(...)`), a gather: not read
+    if len(ones) == 1 and all(_one_row(k) and k.span[0] == next(iter(ones)).index
+                              for k in rows):
+        return UNKNOWN if rule is _dot_general else rows[0]  # row i with itself
+    return "mix"
+
+
+def _stacked_rows(eqn, kinds: list):
+    """`jnp.stack` of one-row values: rows in order (all of them, or a run)
+    are the rows again; all of them in another order mix."""
+    if not all(isinstance(k, OneRow) for k in kinds) or len({k.rows for k in kinds}) != 1:
+        return UNKNOWN
+    index, rows, axis = [k.index for k in kinds], kinds[0].rows, eqn.params["axis"]
+    if index == list(range(index[0], index[0] + len(index))):
+        return Row(axis, span=None if len(index) == rows else
+                   (index[0], index[0] + len(index), rows))
+    return "mix" if sorted(index) == list(range(rows)) else UNKNOWN
+
+
+def _as_run(k, atom, axis: int):
+    """One row's value, one long along `axis`, as that row's run there."""
+    if isinstance(k, OneRow) and _shape(atom)[axis] == 1:
+        return Row(axis, span=(k.index, k.index + 1, k.rows))
+    return k
+
+
+def _is_elementwise(eqn) -> bool:
+    """Are `eqn`'s operands its output's shape (or scalars, or size 1 along
+    an axis, broadcast), with no axis it works along?"""
+    out_shapes = {_shape(v) for v in eqn.outvars}
+    if len(out_shapes) != 1:
+        return False
+    (shape,) = out_shapes
+    for a in eqn.invars:
+        s = _shape(a)
+        if s and (len(s) != len(shape) or any(d not in (1, o) for d, o in zip(s, shape))):
+            return False
+    return all(eqn.params.get(p) is None for p in ("axis", "axes", "dimension", "dimensions"))
 
 
 # Additions of runs paired by position are not read: a sum over the rows
@@ -279,7 +346,7 @@ def _squeeze(eqn, kinds):
         return k
     dims = [d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"]]
     if k.axis in dims:
-        return UNKNOWN
+        return OneRow(k.span[0], k.span[2]) if _one_row(k) else UNKNOWN
     return _moved(k, k.axis - sum(d < k.axis for d in dims))
 
 
@@ -314,6 +381,8 @@ def _reduce(eqn, kinds):
     axes = eqn.params.get("axes", eqn.params.get("dimensions", ()))
     axes = [a % len(_shape(eqn.invars[0])) for a in axes]
     if k.axis in axes:
+        if _one_row(k):
+            return OneRow(k.span[0], k.span[2])
         return UNKNOWN if _part(k) else SUMMARY  # a sum over some rows: not read
     return _moved(k, k.axis - sum(a < k.axis for a in axes))
 
