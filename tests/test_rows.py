@@ -54,6 +54,12 @@ def kinds(fn, *shapes, rows=None, axis_size=2):
     ("kept where the first row is positive", lambda x: jnp.where(x[0] > 0, x, 0.0)),
     ("rows one by one, stacked in another order",
      lambda x: jnp.stack([jnp.tanh(x[i]) for i in reversed(range(R))])),
+    ("each row with the next, the last clamped",
+     lambda x: x * x.at[jnp.arange(R) + 1].get(mode="clip")),
+    ("rows picked one by one at random under vmap (mixup)", lambda x: x + jax.vmap(
+        lambda i: x[i])(jax.random.permutation(jax.random.key(0), R))),
+    ("rows written at random places (mixup)", lambda x: jnp.zeros_like(x).at[
+        jax.random.permutation(jax.random.key(0), R)].set(x)),
     ("every row's features from the first row",
      lambda x: jnp.take_along_axis(x, jnp.zeros((R, 4), jnp.int32), axis=0)),
 ])
@@ -103,6 +109,25 @@ def test_mixing_ops_are_found(name, fn):
     ("a run of rows gathered", lambda x, w: x[jnp.arange(1, 4)] @ w, Row(0, span=(1, 4, R))),
     ("each row gathered twice in place", lambda x, w: x[jnp.arange(2 * R) // 2] @ w,
      Row(0, group=2)),
+    ("labels looked up in a constant table", lambda x, w: jnp.asarray(
+        np.array([0, 0, 1, 1, 2, 2]))[jnp.argmax(x, 1)], Row(0)),
+    ("a random subset of the features, the same for every row (MAE)", lambda x, w: x[
+        jnp.arange(R)[:, None], jax.random.permutation(jax.random.key(0), 4)[None, :2]],
+     Row(0)),
+    ("each row's last entry, the rows flattened", lambda x, w: x.reshape(R * 4)[
+        jnp.arange(R) * 4 + 3], Row(0)),
+    ("rows picked one by one in order under vmap",
+     lambda x, w: jax.vmap(lambda i: x[i])(jnp.arange(R)) @ w, Row(0)),
+    ("rows gathered in order inside a jit", lambda x, w: jax.jit(
+        lambda z: z[np.arange(z.shape[0])])(x) @ w, Row(0)),
+    ("every other row by index (not read)", lambda x, w: x[jnp.arange(0, R, 2)], UNKNOWN),
+    ("the rows twice over by index (not read)", lambda x, w: x[jnp.tile(jnp.arange(R), 2)],
+     UNKNOWN),
+    ("rows picked by an index not evaluated (not read)",
+     lambda x, w: x[jnp.cumsum(jnp.ones(R, jnp.int32)) - 1], UNKNOWN),
+    ("a column written into the rows", lambda x, w: x.at[:, 0].set(x[:, 1] * 2), Row(0)),
+    ("a sum by segments of the rows (not read)", lambda x, w: jax.ops.segment_sum(
+        x, jnp.arange(R) // 2, num_segments=R), UNKNOWN),
     ("a feature per row", lambda x, w: jnp.take_along_axis(
         x, jnp.zeros((R, 1), jnp.int32), axis=1), Row(0)),
     ("rows one by one, stacked back in order",

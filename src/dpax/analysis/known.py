@@ -1,69 +1,126 @@
-"""Integer values a jaxpr computes from constants alone, evaluated with NumPy:
-the index arrays (`jnp.arange`, a NumPy array, what they compute) that a
-gather picks the rows by.
+"""Values a jaxpr computes from constants alone, and which of their entries
+come from random draws: the index arrays a gather picks the rows by.
 
 `dpax.analysis.rows` reads a gather along the rows by its indices: every
 row back at its place (`x[jnp.arange(n)]`, `logp[jnp.arange(n), y]`'s
-first part) keeps the rows apart, any other choice of rows mixes them. The
-values are small (an index per row or per token), and only integers and
-booleans are evaluated, so no rounding of XLA's can differ from NumPy's.
+first part) keeps the rows apart, another known choice of them puts rows
+where others were, and rows drawn at random (mixup's permutation) mix.
+
+A value is `Known` when an operand of what computes it is: its entries are
+evaluated with NumPy only where a gather asks (most are attention masks no
+gather reads), from integers and booleans only, so no rounding of XLA's
+can differ from NumPy's. Where an entry cannot be evaluated (an operand
+that depends on no row but is not known here, an op not evaluated here),
+it is not known, and it is drawn where a random draw reached it. A value
+with no known operand is `DRAWN` or, as before, `CONST`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-# Larger values are not evaluated: an index array has one entry per row
-# (or per token), and a walk must not copy activations.
-MOST = 1 << 16
+# A value with larger arrays on its way is not evaluated: an index array
+# has one entry per row or per token, and a walk must not copy activations.
+MOST = 1 << 20
+# Depends on no row, and comes from a random draw (a permutation of the rows).
+DRAWN = "drawn"
+_DRAWS = {"random_bits", "threefry2x32"}
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
 class Known:
-    """A value that depends on no input of the jaxpr, and what it is."""
+    """A value that depends on no row, some of whose entries are known;
+    `drawn`: a draw may reach some of them."""
 
-    value: np.ndarray
+    def __init__(self, make: Callable[[], tuple | None], drawn: bool = False):
+        self._make, self._done, self._entries = make, False, None
+        self.drawn = drawn
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(value, known, drawn): the value, where it is known, and where it
+        comes from a draw; None where it cannot be evaluated."""
+        if not self._done:
+            self._done = True
+            try:
+                self._entries = self._make()
+            except Exception:  # too large, a division by zero, a shape not read
+                self._entries = None
+            self._make = None  # the operands' entries are not kept alive
+        return self._entries
 
 
-def known(value) -> Known | None:
-    """`value` (a literal's, a constant's) as a `Known`, where it is a small
-    array of integers or booleans."""
+def constant(value) -> Known | None:
+    """`value` (a literal's, a constant's) as a `Known`, where it is an
+    array of integers or booleans (checked before it is read)."""
     try:
+        dtype = getattr(value, "dtype", None)
+        if np.dtype(np.asarray(value).dtype if dtype is None else dtype).kind not in "biu":
+            return None
+    except TypeError:  # a key, a token: not a number
+        return None
+    if int(np.size(value)) > MOST:
+        return None
+
+    def make():
         array = np.asarray(value)
-    except Exception:  # a key, a token: not a number
-        return None
-    if array.dtype.kind not in "biu" or array.size > MOST:
-        return None
-    return Known(array)
+        return array, np.ones(array.shape, bool), np.zeros(array.shape, bool)
+
+    return Known(make)
 
 
 def evaluated(eqn, facts: Sequence) -> list | None:
-    """`eqn`'s outputs as `Known`s, where its operands are literals or
-    `Known` facts and its primitive one evaluated here; otherwise None."""
-    rule = _RULES.get(eqn.primitive.name)
-    if rule is None or len(eqn.outvars) != 1:
-        return None
-    values = _values(eqn, facts)
-    if any(v is None for v in values):
-        return None
+    """`eqn`'s outputs where its operands depend on no row: `Known` where
+    one of them is and the primitive is one evaluated here, `DRAWN` where a
+    draw reaches it, otherwise None (`CONST`)."""
+    name = eqn.primitive.name
+    if name in _DRAWS:
+        return [DRAWN] * len(eqn.outvars)
+    rule = _RULES.get(name)
+    if rule is None or len(eqn.outvars) != 1 or (
+            facts and not any(isinstance(f, Known) for f in facts)):
+        return [DRAWN] * len(eqn.outvars) if _reached(facts) else None
     aval = eqn.outvars[0].aval
     try:
         dtype = np.dtype(aval.dtype)
-        if dtype.kind not in "biu" or int(np.prod(aval.shape)) > MOST:
-            return None
-        with np.errstate(all="raise"):  # a division by zero: not evaluated
-            out = np.asarray(rule(eqn.params, *values)).astype(dtype)
-    except Exception:
+    except TypeError:
         return None
-    return [Known(out)] if out.shape == tuple(aval.shape) else None
+    if dtype.kind not in "biu" or int(np.prod(aval.shape)) > MOST:
+        return [DRAWN] if _reached(facts) else None
+    shapes = [tuple(getattr(a.aval, "shape", ())) for a in eqn.invars]
+
+    def make():
+        operands = [_entries(f, s) for f, s in zip(facts, shapes)]
+        if any(o is None for o in operands):
+            return None
+        values, known, drawn = zip(*operands) if operands else ((), (True,), (False,))
+        with np.errstate(all="raise"):  # a division by zero: not evaluated
+            value = np.asarray(rule(eqn.params, *values)).astype(dtype)
+        if rule in _MOVES:  # entries moved: where they are known moves with them
+            known, drawn = rule(eqn.params, *known), rule(eqn.params, *drawn)
+        else:  # elementwise (iota: from nothing): known where every operand is
+            known = np.logical_and.reduce(np.broadcast_arrays(*known))
+            drawn = np.logical_or.reduce(np.broadcast_arrays(*drawn))
+        shape = tuple(aval.shape)
+        known, drawn = np.broadcast_to(known, shape), np.broadcast_to(drawn, shape)
+        return (value, known, drawn & ~known) if value.shape == shape else None
+
+    return [Known(make, _reached(facts))]
 
 
-def _values(eqn, facts: Sequence) -> list[np.ndarray | None]:
-    """Each operand's value: a `Known` fact's, else None."""
-    return [fact.value if isinstance(fact, Known) else None for fact in facts]
+def _reached(facts: Sequence) -> bool:
+    """May a draw reach any operand (wholly, or some of its entries)?"""
+    return any(f == DRAWN or (isinstance(f, Known) and f.drawn) for f in facts)
+
+
+def _entries(fact, shape: tuple) -> tuple | None:
+    """An operand's (value, known, drawn); one that is not `Known` is known
+    nowhere (its value a stand-in of ones, which divides by nothing)."""
+    if isinstance(fact, Known):
+        return fact.entries()
+    if int(np.prod(shape)) > MOST:
+        return None
+    return np.ones(shape, np.int64), np.zeros(shape, bool), np.full(shape, fact == DRAWN)
 
 
 def _iota(p):
@@ -91,7 +148,10 @@ def _slice(p, x):
                    zip(p["start_indices"], p["limit_indices"], strides))]
 
 
-def _div(p, a, b):  # C's: toward zero
+def _div(p, a, b):  # C's: toward zero, in 64 bits (|INT_MIN| does not fit its type)
+    if a.dtype.kind == "u":
+        return a // b
+    a, b = a.astype(np.int64), b.astype(np.int64)
     return np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))
 
 
@@ -103,13 +163,17 @@ def _same(p, x):
     return x
 
 
+_MOVES: set[Callable] = {
+    _broadcast_in_dim, _reshape, _slice, _same,
+    squeeze := lambda p, x: np.squeeze(x, tuple(p["dimensions"])),
+    transpose := lambda p, x: np.transpose(x, p["permutation"]),
+    concatenate := lambda p, *xs: np.concatenate(xs, p["dimension"]),
+    rev := lambda p, x: np.flip(x, tuple(p["dimensions"])),
+}
 _RULES: dict[str, Callable] = {
     "iota": _iota, "broadcast_in_dim": _broadcast_in_dim, "reshape": _reshape,
-    "slice": _slice, "squeeze": lambda p, x: np.squeeze(x, tuple(p["dimensions"])),
-    "transpose": lambda p, x: np.transpose(x, p["permutation"]),
-    "concatenate": lambda p, *xs: np.concatenate(xs, p["dimension"]),
-    "rev": lambda p, x: np.flip(x, tuple(p["dimensions"])),
-    "convert_element_type": _same, "copy": _same, "copy_p": _same, "pvary": _same,
+    "slice": _slice, "squeeze": squeeze, "transpose": transpose, "concatenate": concatenate,
+    "rev": rev, "convert_element_type": _same, "copy": _same, "copy_p": _same, "pvary": _same,
     "pcast": _same, "select_n": _select_n, "div": _div,
     "rem": lambda p, a, b: np.fmod(a, b), "clamp": lambda p, lo, x, hi: np.clip(x, lo, hi),
     "add": lambda p, a, b: a + b, "sub": lambda p, a, b: a - b, "mul": lambda p, a, b: a * b,

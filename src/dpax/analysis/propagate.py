@@ -42,6 +42,10 @@ class Domain:
         """A literal's fact (the default: `bottom`)."""
         return self.bottom
 
+    def constant(self, value) -> Any:
+        """A constant's fact (a closed jaxpr's; the default: `bottom`)."""
+        return self.bottom
+
     def first(self, eqn, facts: list) -> list | None:
         """A verdict before the equation is read (None: read it)."""
         return None
@@ -91,8 +95,8 @@ def propagate(jaxpr: jcore.Jaxpr, ins: Sequence, domain: Domain,
     """The facts of `jaxpr`'s outputs from its inputs'. `observe(eqn, facts)`
     sees every equation the walk reaches with its operands' facts, in
     program order (a scan's body once, with the carry's settled facts).
-    `consts`: the facts of `jaxpr.constvars` (otherwise `domain.bottom`)."""
-    env = dict(zip(jaxpr.constvars, consts))
+    `consts`: the values of `jaxpr.constvars`, where the caller has them."""
+    env = {v: domain.constant(c) for v, c in zip(jaxpr.constvars, consts)}
     env.update(zip(jaxpr.invars, ins))
 
     def fact(atom):
@@ -119,7 +123,7 @@ def _eqn(eqn, facts: list, domain: Domain, observe: Observer | None) -> list:
         return domain.collective(eqn, facts, over)
     body = call_body(eqn)
     if body is not None:
-        return domain.call(eqn, propagate(body, facts, domain, observe))
+        return domain.call(eqn, propagate(body, facts, domain, observe, _consts(eqn)))
     if name in ("cond", "scan"):
         outs = domain.control(eqn, facts)
         if outs is not None:
@@ -164,6 +168,12 @@ def call_body(eqn) -> jcore.Jaxpr | None:
     if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
         return None
     return body
+
+
+def _consts(eqn) -> list:
+    """The constants of a call's closed body, if it has them."""
+    inner = [p for p in eqn.params.values() if isinstance(p, jcore.ClosedJaxpr)]
+    return list(inner[0].consts) if len(inner) == 1 else []
 
 
 def axes(params: dict) -> tuple:

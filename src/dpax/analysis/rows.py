@@ -49,7 +49,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend import core as jcore
 
-from dpax.analysis.known import Known, evaluated, known
+from dpax.analysis.known import DRAWN, Known, constant, evaluated
 from dpax.analysis.propagate import Domain, at_call, call_body, propagate, where
 
 CONST, SUMMARY, UNKNOWN = "const", "summary", "unknown"
@@ -90,19 +90,18 @@ def mixing(jaxpr: jcore.Jaxpr, rows: Sequence[bool], consts: Sequence = ()) -> l
     `consts`: the values of `jaxpr.constvars`, where the caller has them."""
     ins = [Row(0) if r and len(getattr(v.aval, "shape", ())) else CONST
            for v, r in zip(jaxpr.invars, rows)]
-    facts = [known(c) or CONST for c in consts]
-    return [CONST if isinstance(k, Known) else k
-            for k in propagate(jaxpr, ins, _KINDS, consts=facts)]
+    return _unknown_values(propagate(jaxpr, ins, _KINDS, consts=consts))
 
 
 def _alike(k) -> bool:
-    """Does `k` depend on no row (`CONST`, or a `Known` value)?"""
-    return k == CONST or isinstance(k, Known)
+    """Does `k` depend on no row (`CONST`, `DRAWN`, a `Known` value)?"""
+    return k == CONST or k == DRAWN or isinstance(k, Known)
 
 
 def _unknown_values(kinds: list) -> list:
-    """`Known` values as `CONST`: what every rule but the gather's reads."""
-    return [CONST if isinstance(k, Known) else k for k in kinds]
+    """`Known` and `DRAWN` values as `CONST`: what every rule but the
+    gather's reads."""
+    return [CONST if _alike(k) else k for k in kinds]
 
 
 def first_mixed(kinds: Sequence) -> Mixed | None:
@@ -116,14 +115,17 @@ class Kinds(Domain):
     scan_rounds = 8  # the carry's kinds settle in a step or two
 
     def literal(self, atom):
-        return known(atom.val) or CONST
+        return constant(atom.val) or CONST
+
+    def constant(self, value):
+        return constant(value) or CONST
 
     def first(self, eqn, kinds):
         mixed = first_mixed(kinds)
         if mixed is not None:
             return [mixed] * len(eqn.outvars)
         if all(_alike(k) for k in kinds):  # nothing from a row, whatever the op
-            if any(isinstance(k, Known) for k in kinds) and call_body(eqn) is not None:
+            if any(k != CONST for k in kinds) and call_body(eqn) is not None:
                 return None  # a call (jnp's own jit) computes known values inside
             return evaluated(eqn, kinds) or [CONST] * len(eqn.outvars)
         return None
@@ -145,8 +147,8 @@ class Kinds(Domain):
         return _join(_unknown_values(kinds))
 
     def primitive(self, eqn, kinds):
-        if eqn.primitive.name == "gather":  # reads its indices' values
-            return _eqn(eqn, kinds[:1] + _unknown_values(kinds[1:]), kinds[1])
+        if eqn.primitive.name in _INDEXED:  # reads its indices' values
+            return _eqn(eqn, _unknown_values(kinds), kinds[1])
         return _eqn(eqn, _unknown_values(kinds))
 
     def sliced(self, k):  # the body sees one slice along axis 0
@@ -212,8 +214,8 @@ def _eqn(eqn, kinds: list, indices=None) -> list:
         return out if isinstance(out, list) else [out] * len(eqn.outvars)
     if any(_part(k) for k in kinds) and rule is not None and rule not in _READ_PARTS:
         return [UNKNOWN] * len(eqn.outvars)
-    if rule is _gather:
-        out = _gather(eqn, kinds, indices)
+    if rule in (_gather, _scatter):
+        out = rule(eqn, kinds, indices)
     elif rule is not None:
         out = rule(eqn, kinds)
     else:
@@ -598,8 +600,9 @@ def _gather(eqn, kinds, known_indices=None):
         if indices != CONST and indices != Row(paired, operand.group):
             return UNKNOWN
         return from_indices(Row(paired, operand.group))
-    if indices == CONST and operand.axis in dn.start_index_map \
-            and operand.axis in dn.collapsed_slice_dims:
+    if indices == CONST and operand.axis in dn.start_index_map and (
+            operand.axis in dn.collapsed_slice_dims  # x[idx]; vmap's x[i] keeps a size-1 axis
+            or eqn.params["slice_sizes"][operand.axis] == 1):
         return _picked(eqn, operand, known_indices, batch_out)
     if indices != CONST or operand.axis in dn.start_index_map \
             or operand.axis in dn.collapsed_slice_dims \
@@ -611,31 +614,85 @@ def _gather(eqn, kinds, known_indices=None):
 
 
 def _picked(eqn, operand: Row, indices, batch_out: list):
-    """Rows picked one by one, by indices that depend on no row: the rows
-    in order (`x[jnp.arange(n)]`), a run of them in order, or each repeated
-    in place keep them apart; any other choice puts rows where others were.
-    Indices of values not known here (a random permutation: mixup) mix."""
-    if not isinstance(indices, Known):
+    """Rows picked one by one, by indices that depend on no row. Each back
+    at its place (`x[jnp.arange(n)]`), a run of them in order, each repeated
+    in place, or one entry of each row in order (a row's last token) keep
+    them apart; rows picked at random (mixup's permutation), or by known
+    indices that put rows where others were along an axis as long as the
+    rows, mix them. Other picks (a subset, rows twice over) are not read."""
+    if indices == DRAWN:
         return "mix"
-    dn = eqn.params["dimension_numbers"]
+    if not isinstance(indices, Known):
+        return UNKNOWN  # alike on every device, but what they pick is not read
+    entries = indices.entries()
+    if entries is None:
+        return "mix" if indices.drawn else UNKNOWN
+    column = list(eqn.params["dimension_numbers"].start_index_map).index(operand.axis)
+    value, known, drawn = (a[..., column] for a in entries)
+    if not known.all():
+        return "mix" if drawn.any() else UNKNOWN
     size = _shape(eqn.invars[0])[operand.axis]
-    picked = indices.value[..., list(dn.start_index_map).index(operand.axis)]
-    if picked.ndim == 0:
-        return UNKNOWN  # one row, its axis dropped: as `x[i]`, not read
-    if picked.size == 0 or picked.min() < 0 or picked.max() >= size:
-        return UNKNOWN  # out of bounds: clamped, filled or dropped, as the mode says
-    for i in range(picked.ndim):  # the axis the rows land on, alike along the others
-        lines = np.moveaxis(picked, i, 0).reshape(picked.shape[i], -1)
+    if getattr(eqn.params.get("mode"), "name", "") in ("CLIP", "PROMISE_IN_BOUNDS"):
+        value = np.clip(value, 0, size - 1)  # XLA clamps the start into the operand
+    if value.ndim == 0 or value.min() < 0 or value.max() >= size:
+        return UNKNOWN  # one row, its axis dropped; or a row filled in (`mode="fill"`)
+    rows = size // operand.group
+    of_row = value // operand.group  # the row each picked entry is of
+    for i in range(value.ndim):  # the axis the rows land on, alike along the others
+        lines = np.moveaxis(of_row, i, 0).reshape(value.shape[i], -1)
         if not (lines == lines[:, :1]).all():
             continue
         line = lines[:, 0]
-        if (np.diff(line) == 1).all() and (len(line) == size or operand.group == 1):
-            span = None if len(line) == size else (int(line[0]), int(line[0]) + len(line), size)
-            return Row(batch_out[i], operand.group, span)
-        group = len(line) // size
-        if operand.group == 1 and np.array_equal(line, np.repeat(np.arange(size), group)):
-            return Row(batch_out[i], group)
-    return "mix"
+        if operand.group == 1 and len(line) < rows and (np.diff(line) == 1).all():
+            return Row(batch_out[i], span=(int(line[0]), int(line[0]) + len(line), rows))
+        if len(line) % rows == 0 and np.array_equal(
+                line, np.repeat(np.arange(rows), len(line) // rows)):
+            return Row(batch_out[i], len(line) // rows)
+    if any(n == rows for n in value.shape):
+        return "mix"  # along it, some place holds another row than its own
+    return UNKNOWN
+
+
+def _scatter(eqn, kinds, indices=None):
+    """`x.at[idx].set(u)` and its kin: where the rows are written whole
+    (`x.at[:, 0].set(u)`: the rows' axis a window), rows stay rows; rows
+    written at random places (`zeros.at[perm].set(x)`) mix; other writes
+    along the rows are not read."""
+    operand, _, updates = kinds[:3]
+    dn = eqn.params["dimension_numbers"]
+    placed = set(dn.scatter_dims_to_operand_dims) | set(dn.inserted_window_dims)
+    if _from_draw(indices) and ((isinstance(operand, Row) and operand.axis in placed) or (
+            isinstance(updates, Row) and updates.axis not in dn.update_window_dims)):
+        return "mix"  # rows written at places drawn at random
+    if kinds[1] != CONST or _part(operand) or _part(updates):
+        return UNKNOWN
+    # The operand's window axes, in order, are the updates' `update_window_dims`.
+    window = [d for d in range(len(_shape(eqn.invars[0])))
+              if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    rows = set()
+    if isinstance(operand, Row):
+        if operand.axis not in window or operand.axis in placed:
+            return UNKNOWN
+        rows.add((operand.axis, operand.group))
+    if isinstance(updates, Row):
+        if updates.axis not in dn.update_window_dims:
+            return UNKNOWN
+        rows.add((window[list(dn.update_window_dims).index(updates.axis)], updates.group))
+        axis = next(iter(rows))[0]
+        if _shape(eqn.invars[2])[updates.axis] != _shape(eqn.invars[0])[axis]:
+            return UNKNOWN  # some rows written, not all
+    if len(rows) != 1:
+        return UNKNOWN if rows else _combine(_unknown_values([operand, updates]))
+    (axis, group), = rows
+    return _combine([Row(axis, group) if isinstance(k, Row) else k for k in (operand, updates)])
+
+
+def _from_draw(indices) -> bool:
+    """Do some of these indices come from a random draw?"""
+    if isinstance(indices, Known):
+        entries = indices.entries()
+        return indices.drawn if entries is None else bool(entries[2].any())
+    return indices == DRAWN
 
 
 def _first(eqn, kinds):
@@ -673,6 +730,8 @@ _RULES = {
     "slice": _slice, "dynamic_slice": _dynamic_slice,
     "pad": _keeps_rows(_pad_full), "concatenate": _concatenate, "stack": _stack, "split": _split,
     "dynamic_update_slice": _dynamic_update_slice, "gather": _gather,
+    **{n: _scatter for n in ("scatter", "scatter-add", "scatter-mul", "scatter-min",
+                             "scatter-max", "scatter-sub")},
     "random_bits": _first, "pcast": _first, "pvary": _first, "random_fold_in": _key_scalar_ok,
     "random_split": _key_scalar_ok, "random_wrap": _key_scalar_ok,
     "random_unwrap": _key_scalar_ok, "while": _while,
@@ -681,6 +740,8 @@ _RULES = {
     **{n: _keeps_rows(_window_one) for n in ("reduce_window_sum", "reduce_window_max",
                                               "reduce_window_min", "reduce_window")},
 }
+_INDEXED = {"gather", "scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
+            "scatter-sub"}
 # The rules that read a slice of the rows (`Row.span`); any other rule's
 # inputs that hold one give `UNKNOWN`.
 _READ_PARTS = {_broadcast_in_dim, _transpose, _squeeze, _reshape, _reduce, _along_axis,
