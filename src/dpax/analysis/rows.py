@@ -49,40 +49,29 @@ from collections.abc import Sequence
 import numpy as np
 from jax.extend import core as jcore
 
+from dpax.analysis.indexing import gather, scatter
+from dpax.analysis.kinds import (
+    CONST,
+    SUMMARY,
+    UNKNOWN,
+    Mixed,
+    OneRow,
+    Row,
+    combine,
+    is_elementwise,
+    is_one_row,
+    is_part,
+    moved,
+    shape_of,
+    span_of,
+)
 from dpax.analysis.known import DRAWN, Known, constant, evaluated
 from dpax.analysis.propagate import Domain, at_call, call_body, propagate, where
-
-CONST, SUMMARY, UNKNOWN = "const", "summary", "unknown"
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    axis: int
-    group: int = 1  # consecutive indices along `axis` that hold one row
-    # (start, stop, rows): these are rows [start, stop) of `rows`, in order
-    # (a slice of them); None: every row.
-    span: tuple[int, int, int] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class OneRow:
-    """The value of one row, `index` of the `rows` there are, its axis
-    dropped (`x[0]`): every op on it alone gives that row's value."""
-
-    index: int
-    rows: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Mixed:
-    where: str  # the operation that first mixed rows, and its source line
-
 
 # Same shape in and out, but along an axis: on the rows' axis they mix them.
 _ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "rev"}
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                "reduce_or", "reduce_xor", "argmax", "argmin", "reduce"}
-
 
 def mixing(jaxpr: jcore.Jaxpr, rows: Sequence[bool], consts: Sequence = ()) -> list:
     """The kind of each output of `jaxpr` when the inputs marked in `rows`
@@ -178,29 +167,6 @@ def _located(kinds: list, eqn) -> list:
     return [Mixed(at_call(k.where, eqn)) if isinstance(k, Mixed) else k for k in kinds]
 
 
-def _shape(atom) -> tuple:
-    return tuple(getattr(atom.aval, "shape", ()))
-
-
-def _part(k) -> bool:
-    """Is `k` a slice of the rows (`Row.span`)?"""
-    return isinstance(k, Row) and k.span is not None
-
-
-def _one_row(k) -> bool:
-    """Is `k` a slice of one row (`x[i:i + 1]`)? Along it nothing mixes."""
-    return _part(k) and k.span[1] - k.span[0] == 1
-
-
-def _span(k: Row, size: int) -> tuple[int, int, int]:
-    """`k`'s rows, of the `size` its axis has where it holds every row."""
-    return k.span or (0, size, size)
-
-
-def _moved(k: Row, axis: int) -> Row:
-    return dataclasses.replace(k, axis=axis)
-
-
 def _eqn(eqn, kinds: list, indices=None) -> list:
     """An equation the walk does not open, read by its rule (`indices`: a
     gather's, `Known` where their values are)."""
@@ -212,9 +178,9 @@ def _eqn(eqn, kinds: list, indices=None) -> list:
         if out == "mix":
             out = Mixed(where(eqn))
         return out if isinstance(out, list) else [out] * len(eqn.outvars)
-    if any(_part(k) for k in kinds) and rule is not None and rule not in _READ_PARTS:
+    if any(is_part(k) for k in kinds) and rule is not None and rule not in _READ_PARTS:
         return [UNKNOWN] * len(eqn.outvars)
-    if rule in (_gather, _scatter):
+    if rule in (gather, scatter):
         out = rule(eqn, kinds, indices)
     elif rule is not None:
         out = rule(eqn, kinds)
@@ -230,15 +196,15 @@ def _elementwise(eqn, kinds: list):
     along an axis), one element from the same element of each: rows stay
     rows, a summary added to a row mixes. Ops that work along an axis are
     read by their own rules."""
-    if not _is_elementwise(eqn):
+    if not is_elementwise(eqn):
         return UNKNOWN
-    shape = _shape(eqn.outvars[0])
+    shape = shape_of(eqn.outvars[0])
     for a, k in zip(eqn.invars, kinds):
-        if isinstance(k, Row) and _shape(a)[k.axis] != shape[k.axis]:
+        if isinstance(k, Row) and shape_of(a)[k.axis] != shape[k.axis]:
             return UNKNOWN  # one row's value for every row
     if eqn.primitive.name not in _ADDITIVE and _paired_runs(kinds):
         return "mix"  # row j with row j + k: x[1:] * x[:-1], a product of the halves
-    return _combine(kinds)
+    return combine(kinds)
 
 
 def _with_one_row(eqn, kinds: list, rule):
@@ -258,9 +224,9 @@ def _with_one_row(eqn, kinds: list, rule):
         if SUMMARY in kinds or len(ones) > 1:
             return SUMMARY  # several rows' values: the batch's, as a sum is
         return ones.pop()
-    if not (rule is _dot_general or (rule is None and _is_elementwise(eqn))):
+    if not (rule is _dot_general or (rule is None and is_elementwise(eqn))):
         return UNKNOWN  # a write back in place (`x.at[0].set(...)`), a gather: not read
-    if len(ones) == 1 and all(_one_row(k) and k.span[0] == next(iter(ones)).index
+    if len(ones) == 1 and all(is_one_row(k) and k.span[0] == next(iter(ones)).index
                               for k in rows):
         return UNKNOWN if rule is _dot_general else rows[0]  # row i with itself
     return "mix"
@@ -280,23 +246,9 @@ def _stacked_rows(eqn, kinds: list):
 
 def _as_run(k, atom, axis: int):
     """One row's value, one long along `axis`, as that row's run there."""
-    if isinstance(k, OneRow) and _shape(atom)[axis] == 1:
+    if isinstance(k, OneRow) and shape_of(atom)[axis] == 1:
         return Row(axis, span=(k.index, k.index + 1, k.rows))
     return k
-
-
-def _is_elementwise(eqn) -> bool:
-    """Are `eqn`'s operands its output's shape (or scalars, or size 1 along
-    an axis, broadcast), with no axis it works along?"""
-    out_shapes = {_shape(v) for v in eqn.outvars}
-    if len(out_shapes) != 1:
-        return False
-    (shape,) = out_shapes
-    for a in eqn.invars:
-        s = _shape(a)
-        if s and (len(s) != len(shape) or any(d not in (1, o) for d, o in zip(s, shape))):
-            return False
-    return all(eqn.params.get(p) is None for p in ("axis", "axes", "dimension", "dimensions"))
 
 
 # Additions of runs paired by position are not read: a sum over the rows
@@ -307,38 +259,25 @@ _ADDITIVE = {"add", "sub", "add_any"}
 def _paired_runs(kinds: list) -> bool:
     """Are these runs of the same rows' axis, as long, from other positions?"""
     runs = {k for k in kinds if isinstance(k, Row)}
-    return (len(runs) > 1 and all(_part(k) and k.group == 1 for k in runs)
+    return (len(runs) > 1 and all(is_part(k) and k.group == 1 for k in runs)
             and len({k.axis for k in runs}) == 1
             and len({k.span[1] - k.span[0] for k in runs}) == 1)
-
-
-def _combine(kinds: list):
-    """The kind of elementwise f(a, b, ...) from the kinds of a, b, ..."""
-    rows = {k for k in kinds if isinstance(k, Row)}
-    if len(rows) > 1:
-        axes = {r.axis for r in rows}
-        return "mix" if len(axes) > 1 else UNKNOWN  # two row axes: pairs of examples
-    if rows and SUMMARY in kinds:
-        return "mix"  # a row's value with the batch's: e.g. x - mean(x)
-    if rows:
-        return rows.pop()
-    return SUMMARY if SUMMARY in kinds else CONST
 
 
 # -- ops that move, keep or remove axes -------------------------------------------------------
 def _broadcast_in_dim(eqn, kinds):
     k = kinds[0]
     if not isinstance(k, Row):
-        return _combine(kinds)
+        return combine(kinds)
     dims, shape = eqn.params["broadcast_dimensions"], eqn.params["shape"]
-    if _shape(eqn.invars[0])[k.axis] != shape[dims[k.axis]]:
+    if shape_of(eqn.invars[0])[k.axis] != shape[dims[k.axis]]:
         return UNKNOWN
-    return _moved(k, dims[k.axis])
+    return moved(k, dims[k.axis])
 
 
 def _transpose(eqn, kinds):
     k = kinds[0]
-    return _moved(k, list(eqn.params["permutation"]).index(k.axis)) if isinstance(k, Row) \
+    return moved(k, list(eqn.params["permutation"]).index(k.axis)) if isinstance(k, Row) \
         else k
 
 
@@ -346,22 +285,22 @@ def _squeeze(eqn, kinds):
     k = kinds[0]
     if not isinstance(k, Row):
         return k
-    dims = [d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"]]
+    dims = [d % len(shape_of(eqn.invars[0])) for d in eqn.params["dimensions"]]
     if k.axis in dims:
-        return OneRow(k.span[0], k.span[2]) if _one_row(k) else UNKNOWN
-    return _moved(k, k.axis - sum(d < k.axis for d in dims))
+        return OneRow(k.span[0], k.span[2]) if is_one_row(k) else UNKNOWN
+    return moved(k, k.axis - sum(d < k.axis for d in dims))
 
 
 def _reshape(eqn, kinds):
     k = kinds[0]
     if not isinstance(k, Row):
         return k
-    old, new = _shape(eqn.invars[0]), tuple(eqn.params["new_sizes"])
+    old, new = shape_of(eqn.invars[0]), tuple(eqn.params["new_sizes"])
     if eqn.params.get("dimensions") is not None:
         return UNKNOWN
     if old[:k.axis + 1] == new[:k.axis + 1]:  # the axes up to the rows' unchanged
         return k
-    if _part(k):
+    if is_part(k):
         return UNKNOWN
     if int(np.prod(old[:k.axis])) != 1:  # rows interleaved with an outer axis
         return UNKNOWN
@@ -377,26 +316,26 @@ def _reshape(eqn, kinds):
 
 
 def _reduce(eqn, kinds):
-    k = _combine(kinds[:len(eqn.outvars)])  # a variadic reduce: operands, then inits
+    k = combine(kinds[:len(eqn.outvars)])  # a variadic reduce: operands, then inits
     if not isinstance(k, Row):
         return k
     axes = eqn.params.get("axes", eqn.params.get("dimensions", ()))
-    axes = [a % len(_shape(eqn.invars[0])) for a in axes]
+    axes = [a % len(shape_of(eqn.invars[0])) for a in axes]
     if k.axis in axes:
-        if _one_row(k):
+        if is_one_row(k):
             return OneRow(k.span[0], k.span[2])
-        return UNKNOWN if _part(k) else SUMMARY  # a sum over some rows: not read
-    return _moved(k, k.axis - sum(a < k.axis for a in axes))
+        return UNKNOWN if is_part(k) else SUMMARY  # a sum over some rows: not read
+    return moved(k, k.axis - sum(a < k.axis for a in axes))
 
 
 def _along_axis(eqn, kinds):
     """cumsum & co., sort, rev: along their axis; on the rows' axis they mix."""
     p = eqn.params
     axes = p.get("dimensions", (p.get("axis", p.get("dimension")),))
-    rank = len(_shape(eqn.invars[0]))
+    rank = len(shape_of(eqn.invars[0]))
     axes = {a % rank for a in axes}
-    out = _combine(kinds)
-    if isinstance(out, Row) and out.axis in axes and not _one_row(out):
+    out = combine(kinds)
+    if isinstance(out, Row) and out.axis in axes and not is_one_row(out):
         return "mix"
     return out
 
@@ -404,7 +343,7 @@ def _along_axis(eqn, kinds):
 def _dot_general(eqn, kinds):
     lhs, rhs = kinds
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lrank, rrank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
+    lrank, rrank = len(shape_of(eqn.invars[0])), len(shape_of(eqn.invars[1]))
     lfree = [d for d in range(lrank) if d not in lc and d not in lb]
     rfree = [d for d in range(rrank) if d not in rc and d not in rb]
 
@@ -424,14 +363,14 @@ def _dot_general(eqn, kinds):
         paired_contract = (lhs.axis in lc and rhs.axis in rc
                            and lc.index(lhs.axis) == rc.index(rhs.axis))
         if (paired and lhs.span != rhs.span) or (paired_contract and (
-                _part(lhs) or _part(rhs))):
+                is_part(lhs) or is_part(rhs))):
             return UNKNOWN  # rows paired with other rows by position, or some rows' sum
         if paired:
-            return _moved(lhs, lb.index(lhs.axis))
+            return moved(lhs, lb.index(lhs.axis))
         if paired_contract:
             return SUMMARY  # e.g. x.T @ y over the rows: a sum over them
-        if _one_row(lhs) and lhs.span == rhs.span:  # one row with itself (c @ c.T)
-            return _moved(lhs, out_axis(0, lhs))
+        if is_one_row(lhs) and lhs.span == rhs.span:  # one row with itself (c @ c.T)
+            return moved(lhs, out_axis(0, lhs))
         return "mix"  # e.g. x @ y.T: every row with every other (a contrastive loss)
     if SUMMARY in kinds:
         other = rhs if lhs == SUMMARY else lhs
@@ -439,8 +378,8 @@ def _dot_general(eqn, kinds):
     side, k = (0, lhs) if isinstance(lhs, Row) else (1, rhs)
     lands = out_axis(side, k)
     if lands == SUMMARY:
-        return UNKNOWN if _part(k) else SUMMARY
-    return _moved(k, lands)
+        return UNKNOWN if is_part(k) else SUMMARY
+    return moved(k, lands)
 
 
 def _conv(eqn, kinds):
@@ -450,14 +389,14 @@ def _conv(eqn, kinds):
     dn = eqn.params["dimension_numbers"]
     if lhs.axis != dn.lhs_spec[0]:
         return UNKNOWN
-    return _moved(lhs, dn.out_spec[0])
+    return moved(lhs, dn.out_spec[0])
 
 
 def _keeps_rows(full_on_rows):
     """An op that keeps the rows' axis when `full_on_rows(eqn, axis)`: a
     slice, pad or window that spans it whole (otherwise not read)."""
     def rule(eqn, kinds):
-        out = _combine(kinds)
+        out = combine(kinds)
         if not isinstance(out, Row):
             return out if out != "mix" else UNKNOWN
         return out if full_on_rows(eqn, out.axis) else UNKNOWN
@@ -469,7 +408,7 @@ def _slice(eqn, kinds):
     k = kinds[0]
     if not isinstance(k, Row):
         return k
-    p, shape = eqn.params, _shape(eqn.invars[0])
+    p, shape = eqn.params, shape_of(eqn.invars[0])
     start, stop = p["start_indices"][k.axis], p["limit_indices"][k.axis]
     if (p.get("strides") or (1,) * len(shape))[k.axis] != 1:
         return UNKNOWN
@@ -477,7 +416,7 @@ def _slice(eqn, kinds):
         return k
     if k.group != 1:
         return UNKNOWN
-    first, _, rows = _span(k, shape[k.axis])
+    first, _, rows = span_of(k, shape[k.axis])
     return dataclasses.replace(k, span=(first + start, first + stop, rows))
 
 
@@ -488,7 +427,7 @@ def _split(eqn, kinds):
         return [k] * len(eqn.outvars)
     if k.group != 1:
         return [UNKNOWN] * len(eqn.outvars)
-    first, _, rows = _span(k, _shape(eqn.invars[0])[k.axis])
+    first, _, rows = span_of(k, shape_of(eqn.invars[0])[k.axis])
     out, start = [], first
     for size in eqn.params["sizes"]:
         out.append(dataclasses.replace(k, span=(start, start + int(size), rows)))
@@ -497,7 +436,7 @@ def _split(eqn, kinds):
 
 
 def _dynamic_slice_full(eqn, axis):
-    return eqn.params["slice_sizes"][axis] == _shape(eqn.invars[0])[axis]
+    return eqn.params["slice_sizes"][axis] == shape_of(eqn.invars[0])[axis]
 
 
 def _dynamic_slice(eqn, kinds):
@@ -533,16 +472,16 @@ def _concatenate(eqn, kinds):
     were, which mixes them."""
     axis = eqn.params["dimension"]
     if not any(isinstance(k, Row) and k.axis == axis for k in kinds):
-        out = _combine(kinds)
+        out = combine(kinds)
         return out if out != "mix" else UNKNOWN
     spans, at = [], 0
     for a, k in zip(eqn.invars, kinds):
-        size = _shape(a)[axis]
+        size = shape_of(a)[axis]
         if not size:  # an empty piece (`jnp.roll` by 0 writes one) holds no row
             continue
         if not isinstance(k, Row) or k.axis != axis or k.group != 1:
             return UNKNOWN
-        spans.append((at, _span(k, size)))
+        spans.append((at, span_of(k, size)))
         at += size
     rows = {span[2] for _, span in spans}
     if len(rows) != 1 or at != rows.pop():
@@ -556,12 +495,12 @@ def _concatenate(eqn, kinds):
 
 
 def _stack(eqn, kinds):  # a new axis at `axis`
-    out = _combine(kinds)
+    out = combine(kinds)
     if not isinstance(out, Row):
         return out if out != "mix" else UNKNOWN
     if any(isinstance(k, Row) and k != out for k in kinds):
         return UNKNOWN
-    return _moved(out, out.axis + (eqn.params["axis"] <= out.axis))
+    return moved(out, out.axis + (eqn.params["axis"] <= out.axis))
 
 
 def _dynamic_update_slice(eqn, kinds):
@@ -570,129 +509,9 @@ def _dynamic_update_slice(eqn, kinds):
         return UNKNOWN
     if isinstance(operand, Row) or isinstance(update, Row):
         k = operand if isinstance(operand, Row) else update
-        if _shape(eqn.invars[1])[k.axis] != _shape(eqn.invars[0])[k.axis]:
+        if shape_of(eqn.invars[1])[k.axis] != shape_of(eqn.invars[0])[k.axis]:
             return UNKNOWN
-    return _combine([operand, update])
-
-
-def _gather(eqn, kinds, known_indices=None):
-    operand, indices = kinds[0], kinds[1]
-    dn = eqn.params["dimension_numbers"]
-    out_rank = len(_shape(eqn.outvars[0]))
-    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]  # indices' dims
-
-    def from_indices(k):  # a row axis of the indices (not the index vector)
-        if k.axis == len(_shape(eqn.invars[1])) - 1:
-            return UNKNOWN
-        return _moved(k, batch_out[k.axis])
-
-    if operand == SUMMARY or indices == SUMMARY:
-        other = indices if operand == SUMMARY else operand
-        return "mix" if isinstance(other, Row) else SUMMARY
-    if operand == CONST:  # an embedding table looked up by each row's ids
-        return from_indices(indices)
-    if _part(operand):
-        return UNKNOWN
-    # The operand holds rows: kept only where each row gathers from itself.
-    if operand.axis in dn.operand_batching_dims:
-        j = dn.operand_batching_dims.index(operand.axis)
-        paired = dn.start_indices_batching_dims[j]
-        if indices != CONST and indices != Row(paired, operand.group):
-            return UNKNOWN
-        return from_indices(Row(paired, operand.group))
-    if indices == CONST and operand.axis in dn.start_index_map and (
-            operand.axis in dn.collapsed_slice_dims  # x[idx]; vmap's x[i] keeps a size-1 axis
-            or eqn.params["slice_sizes"][operand.axis] == 1):
-        return _picked(eqn, operand, known_indices, batch_out)
-    if indices != CONST or operand.axis in dn.start_index_map \
-            or operand.axis in dn.collapsed_slice_dims \
-            or eqn.params["slice_sizes"][operand.axis] != _shape(eqn.invars[0])[operand.axis]:
-        return UNKNOWN
-    kept = [d for d in range(len(_shape(eqn.invars[0])))
-            if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
-    return Row(dn.offset_dims[kept.index(operand.axis)], operand.group)
-
-
-def _picked(eqn, operand: Row, indices, batch_out: list):
-    """Rows picked one by one, by indices that depend on no row. Each back
-    at its place (`x[jnp.arange(n)]`), a run of them in order, each repeated
-    in place, or one entry of each row in order (a row's last token) keep
-    them apart; rows picked at random (mixup's permutation), or by known
-    indices that put rows where others were along an axis as long as the
-    rows, mix them. Other picks (a subset, rows twice over) are not read."""
-    if indices == DRAWN:
-        return "mix"
-    if not isinstance(indices, Known):
-        return UNKNOWN  # alike on every device, but what they pick is not read
-    entries = indices.entries()
-    if entries is None:
-        return "mix" if indices.drawn else UNKNOWN
-    column = list(eqn.params["dimension_numbers"].start_index_map).index(operand.axis)
-    value, known, drawn = (a[..., column] for a in entries)
-    if not known.all():
-        return "mix" if drawn.any() else UNKNOWN
-    size = _shape(eqn.invars[0])[operand.axis]
-    if getattr(eqn.params.get("mode"), "name", "") in ("CLIP", "PROMISE_IN_BOUNDS"):
-        value = np.clip(value, 0, size - 1)  # XLA clamps the start into the operand
-    if value.ndim == 0 or value.min() < 0 or value.max() >= size:
-        return UNKNOWN  # one row, its axis dropped; or a row filled in (`mode="fill"`)
-    rows = size // operand.group
-    of_row = value // operand.group  # the row each picked entry is of
-    for i in range(value.ndim):  # the axis the rows land on, alike along the others
-        lines = np.moveaxis(of_row, i, 0).reshape(value.shape[i], -1)
-        if not (lines == lines[:, :1]).all():
-            continue
-        line = lines[:, 0]
-        if operand.group == 1 and len(line) < rows and (np.diff(line) == 1).all():
-            return Row(batch_out[i], span=(int(line[0]), int(line[0]) + len(line), rows))
-        if len(line) % rows == 0 and np.array_equal(
-                line, np.repeat(np.arange(rows), len(line) // rows)):
-            return Row(batch_out[i], len(line) // rows)
-    if any(n == rows for n in value.shape):
-        return "mix"  # along it, some place holds another row than its own
-    return UNKNOWN
-
-
-def _scatter(eqn, kinds, indices=None):
-    """`x.at[idx].set(u)` and its kin: where the rows are written whole
-    (`x.at[:, 0].set(u)`: the rows' axis a window), rows stay rows; rows
-    written at random places (`zeros.at[perm].set(x)`) mix; other writes
-    along the rows are not read."""
-    operand, _, updates = kinds[:3]
-    dn = eqn.params["dimension_numbers"]
-    placed = set(dn.scatter_dims_to_operand_dims) | set(dn.inserted_window_dims)
-    if _from_draw(indices) and ((isinstance(operand, Row) and operand.axis in placed) or (
-            isinstance(updates, Row) and updates.axis not in dn.update_window_dims)):
-        return "mix"  # rows written at places drawn at random
-    if kinds[1] != CONST or _part(operand) or _part(updates):
-        return UNKNOWN
-    # The operand's window axes, in order, are the updates' `update_window_dims`.
-    window = [d for d in range(len(_shape(eqn.invars[0])))
-              if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
-    rows = set()
-    if isinstance(operand, Row):
-        if operand.axis not in window or operand.axis in placed:
-            return UNKNOWN
-        rows.add((operand.axis, operand.group))
-    if isinstance(updates, Row):
-        if updates.axis not in dn.update_window_dims:
-            return UNKNOWN
-        rows.add((window[list(dn.update_window_dims).index(updates.axis)], updates.group))
-        axis = next(iter(rows))[0]
-        if _shape(eqn.invars[2])[updates.axis] != _shape(eqn.invars[0])[axis]:
-            return UNKNOWN  # some rows written, not all
-    if len(rows) != 1:
-        return UNKNOWN if rows else _combine(_unknown_values([operand, updates]))
-    (axis, group), = rows
-    return _combine([Row(axis, group) if isinstance(k, Row) else k for k in (operand, updates)])
-
-
-def _from_draw(indices) -> bool:
-    """Do some of these indices come from a random draw?"""
-    if isinstance(indices, Known):
-        entries = indices.entries()
-        return indices.drawn if entries is None else bool(entries[2].any())
-    return indices == DRAWN
+    return combine([operand, update])
 
 
 def _first(eqn, kinds):
@@ -704,8 +523,8 @@ def _first(eqn, kinds):
 def _key_scalar_ok(eqn, kinds):
     """random_fold_in / random_split / random_wrap / unwrap: a key array's
     leading axes are its rows' (a trailing one added or removed)."""
-    out = _combine(kinds)
-    if isinstance(out, Row) and out.axis >= len(_shape(eqn.outvars[0])):
+    out = combine(kinds)
+    if isinstance(out, Row) and out.axis >= len(shape_of(eqn.outvars[0])):
         return UNKNOWN
     return out if out != "mix" else UNKNOWN
 
@@ -729,8 +548,8 @@ _RULES = {
     "reshape": _reshape, "dot_general": _dot_general, "conv_general_dilated": _conv,
     "slice": _slice, "dynamic_slice": _dynamic_slice,
     "pad": _keeps_rows(_pad_full), "concatenate": _concatenate, "stack": _stack, "split": _split,
-    "dynamic_update_slice": _dynamic_update_slice, "gather": _gather,
-    **{n: _scatter for n in ("scatter", "scatter-add", "scatter-mul", "scatter-min",
+    "dynamic_update_slice": _dynamic_update_slice, "gather": gather,
+    **{n: scatter for n in ("scatter", "scatter-add", "scatter-mul", "scatter-min",
                              "scatter-max", "scatter-sub")},
     "random_bits": _first, "pcast": _first, "pvary": _first, "random_fold_in": _key_scalar_ok,
     "random_split": _key_scalar_ok, "random_wrap": _key_scalar_ok,
@@ -745,5 +564,5 @@ _INDEXED = {"gather", "scatter", "scatter-add", "scatter-mul", "scatter-min", "s
 # The rules that read a slice of the rows (`Row.span`); any other rule's
 # inputs that hold one give `UNKNOWN`.
 _READ_PARTS = {_broadcast_in_dim, _transpose, _squeeze, _reshape, _reduce, _along_axis,
-               _dot_general, _conv, _slice, _split, _concatenate, _stack, _gather, _first,
+               _dot_general, _conv, _slice, _split, _concatenate, _stack, gather, _first,
                _key_scalar_ok}

@@ -1,0 +1,132 @@
+"""The rows analysis's rules for ops that read or write by an index array
+(`gather`, `scatter`): which rows each picks, from what its indices are
+(`dpax.analysis.known`): the rows in order keep them apart, rows put where
+others were or picked at random mix them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dpax.analysis.kinds import CONST, SUMMARY, UNKNOWN, Row, combine, is_part, moved, shape_of
+from dpax.analysis.known import DRAWN, Known
+
+
+def gather(eqn, kinds, known_indices=None):
+    operand, indices = kinds[0], kinds[1]
+    dn = eqn.params["dimension_numbers"]
+    out_rank = len(shape_of(eqn.outvars[0]))
+    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]  # indices' dims
+
+    def from_indices(k):  # a row axis of the indices (not the index vector)
+        if k.axis == len(shape_of(eqn.invars[1])) - 1:
+            return UNKNOWN
+        return moved(k, batch_out[k.axis])
+
+    if operand == SUMMARY or indices == SUMMARY:
+        other = indices if operand == SUMMARY else operand
+        return "mix" if isinstance(other, Row) else SUMMARY
+    if operand == CONST:  # an embedding table looked up by each row's ids
+        return from_indices(indices)
+    if is_part(operand):
+        return UNKNOWN
+    # The operand holds rows: kept only where each row gathers from itself.
+    if operand.axis in dn.operand_batching_dims:
+        j = dn.operand_batching_dims.index(operand.axis)
+        paired = dn.start_indices_batching_dims[j]
+        if indices != CONST and indices != Row(paired, operand.group):
+            return UNKNOWN
+        return from_indices(Row(paired, operand.group))
+    if indices == CONST and operand.axis in dn.start_index_map and (
+            operand.axis in dn.collapsed_slice_dims  # x[idx]; vmap's x[i] keeps a size-1 axis
+            or eqn.params["slice_sizes"][operand.axis] == 1):
+        return picked(eqn, operand, known_indices, batch_out)
+    if indices != CONST or operand.axis in dn.start_index_map \
+            or operand.axis in dn.collapsed_slice_dims \
+            or eqn.params["slice_sizes"][operand.axis] != shape_of(eqn.invars[0])[operand.axis]:
+        return UNKNOWN
+    kept = [d for d in range(len(shape_of(eqn.invars[0])))
+            if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    return Row(dn.offset_dims[kept.index(operand.axis)], operand.group)
+
+
+def picked(eqn, operand: Row, indices, batch_out: list):
+    """Rows picked one by one, by indices that depend on no row. Each back
+    at its place (`x[jnp.arange(n)]`), a run of them in order, each repeated
+    in place, or one entry of each row in order (a row's last token) keep
+    them apart; rows picked at random (mixup's permutation), or by known
+    indices that put rows where others were along an axis as long as the
+    rows, mix them. Other picks (a subset, rows twice over) are not read."""
+    if indices == DRAWN:
+        return "mix"
+    if not isinstance(indices, Known):
+        return UNKNOWN  # alike on every device, but what they pick is not read
+    entries = indices.entries()
+    if entries is None:
+        return "mix" if indices.drawn else UNKNOWN
+    column = list(eqn.params["dimension_numbers"].start_index_map).index(operand.axis)
+    value, known, drawn = (a[..., column] for a in entries)
+    if not known.all():
+        return "mix" if drawn.any() else UNKNOWN
+    size = shape_of(eqn.invars[0])[operand.axis]
+    if getattr(eqn.params.get("mode"), "name", "") in ("CLIP", "PROMISE_IN_BOUNDS"):
+        value = np.clip(value, 0, size - 1)  # XLA clamps the start into the operand
+    if value.ndim == 0 or value.min() < 0 or value.max() >= size:
+        return UNKNOWN  # one row, its axis dropped; or a row filled in (`mode="fill"`)
+    rows = size // operand.group
+    of_row = value // operand.group  # the row each picked entry is of
+    for i in range(value.ndim):  # the axis the rows land on, alike along the others
+        lines = np.moveaxis(of_row, i, 0).reshape(value.shape[i], -1)
+        if not (lines == lines[:, :1]).all():
+            continue
+        line = lines[:, 0]
+        if operand.group == 1 and len(line) < rows and (np.diff(line) == 1).all():
+            return Row(batch_out[i], span=(int(line[0]), int(line[0]) + len(line), rows))
+        if len(line) % rows == 0 and np.array_equal(
+                line, np.repeat(np.arange(rows), len(line) // rows)):
+            return Row(batch_out[i], len(line) // rows)
+    if any(n == rows for n in value.shape):
+        return "mix"  # along it, some place holds another row than its own
+    return UNKNOWN
+
+
+def scatter(eqn, kinds, indices=None):
+    """`x.at[idx].set(u)` and its kin: where the rows are written whole
+    (`x.at[:, 0].set(u)`: the rows' axis a window), rows stay rows; rows
+    written at random places (`zeros.at[perm].set(x)`) mix; other writes
+    along the rows are not read."""
+    operand, _, updates = kinds[:3]
+    dn = eqn.params["dimension_numbers"]
+    placed = set(dn.scatter_dims_to_operand_dims) | set(dn.inserted_window_dims)
+    if from_draw(indices) and ((isinstance(operand, Row) and operand.axis in placed) or (
+            isinstance(updates, Row) and updates.axis not in dn.update_window_dims)):
+        return "mix"  # rows written at places drawn at random
+    if kinds[1] != CONST or is_part(operand) or is_part(updates):
+        return UNKNOWN
+    # The operand's window axes, in order, are the updates' `update_window_dims`.
+    window = [d for d in range(len(shape_of(eqn.invars[0])))
+              if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    rows = set()
+    if isinstance(operand, Row):
+        if operand.axis not in window or operand.axis in placed:
+            return UNKNOWN
+        rows.add((operand.axis, operand.group))
+    if isinstance(updates, Row):
+        if updates.axis not in dn.update_window_dims:
+            return UNKNOWN
+        rows.add((window[list(dn.update_window_dims).index(updates.axis)], updates.group))
+        axis = next(iter(rows))[0]
+        if shape_of(eqn.invars[2])[updates.axis] != shape_of(eqn.invars[0])[axis]:
+            return UNKNOWN  # some rows written, not all
+    if len(rows) != 1:
+        return UNKNOWN if rows else combine([operand, updates])
+    (axis, group), = rows
+    return combine([Row(axis, group) if isinstance(k, Row) else k for k in (operand, updates)])
+
+
+def from_draw(indices) -> bool:
+    """Do some of these indices come from a random draw?"""
+    if isinstance(indices, Known):
+        entries = indices.entries()
+        return indices.drawn if entries is None else bool(entries[2].any())
+    return indices == DRAWN
