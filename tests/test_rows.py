@@ -48,6 +48,8 @@ def kinds(fn, *shapes, rows=None, axis_size=2):
         jax.random.key(0), (R,), 0, R), axis=0)),
     ("two rows swapped by a fixed index", lambda x: jnp.take(x, jnp.array([1, 0, 2, 3, 4, 5]),
                                                               axis=0)),
+    ("labels' log-probabilities of the rows reversed", lambda x: jax.nn.log_softmax(x)[
+        jnp.arange(R)[::-1], jnp.argmax(x, 1)]),
     ("every row less the first", lambda x: x - x[0]),
     ("every row scaled by the last one's sum", lambda x: x * x[-1].sum()),
     ("every row against the first", lambda x: x @ x[0]),
@@ -128,6 +130,11 @@ def test_mixing_ops_are_found(name, fn):
     ("a column written into the rows", lambda x, w: x.at[:, 0].set(x[:, 1] * 2), Row(0)),
     ("a sum by segments of the rows (not read)", lambda x, w: jax.ops.segment_sum(
         x, jnp.arange(R) // 2, num_segments=R), UNKNOWN),
+    ("each row's label's log-probability, by position", lambda x, w: jax.nn.log_softmax(x)[
+        jnp.arange(R), jnp.argmax(x, 1)], Row(0)),
+    ("each token's label's log-probability, by position", lambda x, w: jax.nn.log_softmax(
+        x.reshape(R, 2, 2))[jnp.arange(R)[:, None], jnp.arange(2)[None], jnp.argmax(
+            x.reshape(R, 2, 2), -1)], Row(0)),
     ("a feature per row", lambda x, w: jnp.take_along_axis(
         x, jnp.zeros((R, 1), jnp.int32), axis=1), Row(0)),
     ("rows one by one, stacked back in order",
@@ -261,6 +268,25 @@ def train(loss, n, seed, steps=4, **options):
     t = dpax.Trainer(Towers(nnx.Rngs(seed)), loss, optax.adam(1e-2), devices=n, **options)
     t.fit(x, y, batch_size=15, until_step=steps, log_every=10**9)
     return t
+
+
+def labels_by_position(model, batch):
+    """Each example's log-probability of its label, picked by its position."""
+    logp = jax.nn.log_softmax(model(batch["x"])[0])
+    return -logp[jnp.arange(logp.shape[0]), batch["y"]]
+
+
+def test_a_label_picked_by_position_is_read_from_the_gradients_trace(monkeypatch):
+    """`logp[jnp.arange(n), y]` picks each row's own entry: the preflight reads
+    it from the gradient's trace, with no second trace of the forward, and
+    2 devices train what one trains."""
+    retraced = []
+    trace = dpax.analysis.refusals.trace
+    monkeypatch.setattr(dpax.analysis.refusals, "trace",
+                        lambda *args: retraced.append(1) or trace(*args))
+    one, two = train(labels_by_position, 1, 0).params, train(labels_by_position, 2, 0).params
+    assert retraced == []
+    assert max_diff(one, two) < 1e-6, max_diff(one, two)
 
 
 def test_a_loss_over_the_batch_is_refused_on_several_devices():

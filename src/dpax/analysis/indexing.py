@@ -37,10 +37,16 @@ def gather(eqn, kinds, known_indices=None):
         if indices != CONST and indices != Row(paired, operand.group):
             return UNKNOWN
         return from_indices(Row(paired, operand.group))
-    if indices == CONST and operand.axis in dn.start_index_map and (
-            operand.axis in dn.collapsed_slice_dims  # x[idx]; vmap's x[i] keeps a size-1 axis
-            or eqn.params["slice_sizes"][operand.axis] == 1):
+    by_index = operand.axis in dn.start_index_map and (
+        operand.axis in dn.collapsed_slice_dims  # x[idx]; vmap's x[i] keeps a size-1 axis
+        or eqn.params["slice_sizes"][operand.axis] == 1)
+    if by_index and indices == CONST:
         return picked(eqn, operand, known_indices, batch_out)
+    if by_index and isinstance(indices, Row) and isinstance(known_indices, Known):
+        # Indices from the rows and constants (`logp[jnp.arange(n), y]`): where
+        # the rows' part picks each row in place, the rest picks within it.
+        own = picked(eqn, operand, known_indices, batch_out)
+        return own if own == from_indices(indices) or own == "mix" else UNKNOWN
     if indices != CONST or operand.axis in dn.start_index_map \
             or operand.axis in dn.collapsed_slice_dims \
             or eqn.params["slice_sizes"][operand.axis] != shape_of(eqn.invars[0])[operand.axis]:

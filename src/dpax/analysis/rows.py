@@ -79,7 +79,7 @@ def mixing(jaxpr: jcore.Jaxpr, rows: Sequence[bool], consts: Sequence = ()) -> l
     `consts`: the values of `jaxpr.constvars`, where the caller has them."""
     ins = [Row(0) if r and len(getattr(v.aval, "shape", ())) else CONST
            for v, r in zip(jaxpr.invars, rows)]
-    return _unknown_values(propagate(jaxpr, ins, _KINDS, consts=consts))
+    return _unknown_values(propagate(jaxpr, ins, Kinds(), consts=consts))
 
 
 def _alike(k) -> bool:
@@ -98,10 +98,17 @@ def first_mixed(kinds: Sequence) -> Mixed | None:
 
 
 class Kinds(Domain):
-    """A kind per value (the module's docstring)."""
+    """A kind per value (the module's docstring). An index array built from
+    the rows and from constants (`logp[jnp.arange(n), y]`'s: the positions
+    beside each row's label) is a `Row`, and also has a twin: the `Known`
+    it would be with its rows' entries not known (`twins`, by variable),
+    which tells a gather whether each row picks from itself."""
 
     bottom = CONST
     scan_rounds = 8  # the carry's kinds settle in a step or two
+
+    def __init__(self):
+        self.twins: dict = {}
 
     def literal(self, atom):
         return constant(atom.val) or CONST
@@ -117,6 +124,11 @@ class Kinds(Domain):
             if any(k != CONST for k in kinds) and call_body(eqn) is not None:
                 return None  # a call (jnp's own jit) computes known values inside
             return evaluated(eqn, kinds) or [CONST] * len(eqn.outvars)
+        body = call_body(eqn)
+        if body is not None:  # the twins go in with their values
+            for inner, outer in zip(body.invars, eqn.invars):
+                if isinstance(outer, jcore.Var) and outer in self.twins:
+                    self.twins[inner] = self.twins[outer]
         return None
 
     def collective(self, eqn, kinds, over_axis):
@@ -124,6 +136,10 @@ class Kinds(Domain):
         return [CONST] * len(eqn.outvars)
 
     def call(self, eqn, outs):
+        body = call_body(eqn)
+        for inner, outer in zip(body.outvars, eqn.outvars):
+            if isinstance(inner, jcore.Var) and inner in self.twins:
+                self.twins[outer] = self.twins[inner]
         return _located(outs, eqn)
 
     def control(self, eqn, kinds):
@@ -136,9 +152,25 @@ class Kinds(Domain):
         return _join(_unknown_values(kinds))
 
     def primitive(self, eqn, kinds):
+        self._twin(eqn, kinds)
         if eqn.primitive.name in _INDEXED:  # reads its indices' values
-            return _eqn(eqn, _unknown_values(kinds), kinds[1])
+            indices = kinds[1]
+            if isinstance(indices, Row):
+                indices = self.twins.get(eqn.invars[1], indices)
+            return _eqn(eqn, _unknown_values(kinds), indices)
         return _eqn(eqn, _unknown_values(kinds))
+
+    def _twin(self, eqn, kinds):
+        """The twin of `eqn`'s output, where it computes from rows and from
+        a `Known` value or another twin."""
+        if len(eqn.outvars) != 1 or not any(isinstance(k, Row) for k in kinds):
+            return
+        parts = [self.twins.get(v, CONST) if isinstance(k, Row) else k
+                 for v, k in zip(eqn.invars, kinds)]
+        if any(isinstance(p, Known) for p in parts):
+            twin = evaluated(eqn, [p if _alike(p) else CONST for p in parts])
+            if twin and isinstance(twin[0], Known):
+                self.twins[eqn.outvars[0]] = twin[0]
 
     def sliced(self, k):  # the body sees one slice along axis 0
         if isinstance(k, Known):
@@ -159,7 +191,6 @@ class Kinds(Domain):
         return [UNKNOWN] * len(eqn.outvars)
 
 
-_KINDS = Kinds()
 
 
 def _located(kinds: list, eqn) -> list:
