@@ -51,6 +51,8 @@ def kinds(fn, *shapes, rows=None, axis_size=2):
     ("labels' log-probabilities of the rows reversed", lambda x: jax.nn.log_softmax(x)[
         jnp.arange(R)[::-1], jnp.argmax(x, 1)]),
     ("every row less the first", lambda x: x - x[0]),
+    ("a row's value beside the rows' mean", lambda x: jnp.where(x[2:3] > 0, x[2], x.mean(0))),
+    ("each device's first row, summed over the devices", lambda x: x - jax.lax.psum(x[0], "d")),
     ("every row scaled by the last one's sum", lambda x: x * x[-1].sum()),
     ("every row against the first", lambda x: x @ x[0]),
     ("kept where the first row is positive", lambda x: jnp.where(x[0] > 0, x, 0.0)),
@@ -145,7 +147,20 @@ def test_mixing_ops_are_found(name, fn):
      Row(0, span=(2, 4, R))),
     ("a row with itself", lambda x, w: x[2:3] * x[2], Row(0, span=(2, 3, R))),
     ("the first row alone", lambda x, w: x[0] @ w, OneRow(0, R)),
-    ("two rows together", lambda x, w: x[0] * x[1], SUMMARY),
+    ("two rows together (not read)", lambda x, w: x[0] * x[1], UNKNOWN),
+    ("rows one by one, written into their places (not read)",
+     lambda x, w: _in_place(x, lambda out, i, v: out.at[i].set(v)) - x, UNKNOWN),
+    ("rows one by one, chosen into their places (not read)", lambda x, w: _in_place(
+        x, lambda out, i, v: jnp.where((jnp.arange(R) == i)[:, None], v, out)) - x, UNKNOWN),
+    ("two rows' values side by side (not read)",
+     lambda x, w: x + jnp.concatenate([x[0], x[-1]])[:4], UNKNOWN),
+    ("random rows zeroed (not read)", lambda x, w: x.at[
+        jax.random.permutation(jax.random.key(0), R)[:2]].set(0.0), UNKNOWN),
+    ("a random subset of the features zeroed in every row (not read)", lambda x, w: x.at[
+        jnp.arange(R)[:, None], jax.random.permutation(jax.random.key(0), 4)[None, :2]].set(0.0),
+     UNKNOWN),
+    ("no row picked (not read)",
+     lambda x, w: jax.vmap(lambda i: x[i])(jnp.zeros(0, jnp.int32)), UNKNOWN),
     ("the first row written back in place (not read)", lambda x, w: x.at[0].set(x[0] * 2),
      UNKNOWN),
     ("a while loop (not read)", lambda x, w: jax.lax.while_loop(
@@ -153,6 +168,14 @@ def test_mixing_ops_are_found(name, fn):
 ])
 def test_row_local_math_keeps_its_rows(name, fn, expected):
     assert kinds(fn, (R, 4), (4, 3))[0] == expected, name
+
+
+def _in_place(x, write):
+    """Rows one by one (`f(x[i])`), each written into its place of zeros."""
+    out = jnp.zeros_like(x)
+    for i in range(R):
+        out = write(out, i, jnp.tanh(x[i]))
+    return out
 
 
 def _centred(x):
@@ -368,11 +391,21 @@ def in_halves(model, batch):
     return jnp.sum((za - zb) ** 2, -1)
 
 
+def row_by_row(model, batch):
+    """Each example's loss computed on its own, written into its place."""
+    losses = jnp.zeros(batch["x"].shape[0])
+    for i in range(batch["x"].shape[0]):
+        za, zb = model(batch["x"][i:i + 1])
+        losses = losses.at[i].set(jnp.sum((za - zb) ** 2))
+    return losses
+
+
+@pytest.mark.parametrize("loss", [in_halves, row_by_row])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_rows_computed_in_parts_and_put_back_in_order_train_as_one_device(seed):
-    one = train(in_halves, 1, seed).params
+def test_rows_computed_in_parts_and_put_back_in_order_train_as_one_device(loss, seed):
+    one = train(loss, 1, seed).params
     for n in (2, 4):
-        diff = max_diff(one, train(in_halves, n, seed).params)
+        diff = max_diff(one, train(loss, n, seed).params)
         assert diff < 2e-6, (n, diff)
 
 

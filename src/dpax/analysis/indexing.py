@@ -68,8 +68,8 @@ def picked(eqn, operand: Row, indices, batch_out: list):
     if not isinstance(indices, Known):
         return UNKNOWN  # alike on every device, but what they pick is not read
     entries = indices.entries()
-    if entries is None:
-        return "mix" if indices.drawn else UNKNOWN
+    if entries is None:  # too large, or an op not evaluated on the way
+        return UNKNOWN
     column = list(eqn.params["dimension_numbers"].start_index_map).index(operand.axis)
     value, known, drawn = (a[..., column] for a in entries)
     if not known.all():
@@ -77,7 +77,7 @@ def picked(eqn, operand: Row, indices, batch_out: list):
     size = shape_of(eqn.invars[0])[operand.axis]
     if getattr(eqn.params.get("mode"), "name", "") in ("CLIP", "PROMISE_IN_BOUNDS"):
         value = np.clip(value, 0, size - 1)  # XLA clamps the start into the operand
-    if value.ndim == 0 or value.min() < 0 or value.max() >= size:
+    if value.ndim == 0 or value.size == 0 or value.min() < 0 or value.max() >= size:
         return UNKNOWN  # one row, its axis dropped; or a row filled in (`mode="fill"`)
     rows = size // operand.group
     of_row = value // operand.group  # the row each picked entry is of
@@ -97,16 +97,17 @@ def picked(eqn, operand: Row, indices, batch_out: list):
 
 
 def scatter(eqn, kinds, indices=None):
-    """`x.at[idx].set(u)` and its kin: where the rows are written whole
-    (`x.at[:, 0].set(u)`: the rows' axis a window), rows stay rows; rows
-    written at random places (`zeros.at[perm].set(x)`) mix; other writes
-    along the rows are not read."""
+    """`x.at[idx].set(u)` and its kin. Where the rows are written whole
+    (`x.at[:, 0].set(u)`: the rows' axis a window of the write), rows stay
+    rows. Rows written at places picked at random along the rows
+    (`zeros.at[perm].set(x)`) mix; other writes along the rows (a row's
+    place written, a fixed order) are not read."""
     operand, _, updates = kinds[:3]
     dn = eqn.params["dimension_numbers"]
     placed = set(dn.scatter_dims_to_operand_dims) | set(dn.inserted_window_dims)
-    if from_draw(indices) and ((isinstance(operand, Row) and operand.axis in placed) or (
-            isinstance(updates, Row) and updates.axis not in dn.update_window_dims)):
-        return "mix"  # rows written at places drawn at random
+    if isinstance(updates, Row) and updates.axis not in dn.update_window_dims:
+        # The updates' rows go where the indices say: at random places they mix.
+        return "mix" if _rows_drawn(eqn, updates, indices) else UNKNOWN
     if kinds[1] != CONST or is_part(operand) or is_part(updates):
         return UNKNOWN
     # The operand's window axes, in order, are the updates' `update_window_dims`.
@@ -118,8 +119,6 @@ def scatter(eqn, kinds, indices=None):
             return UNKNOWN
         rows.add((operand.axis, operand.group))
     if isinstance(updates, Row):
-        if updates.axis not in dn.update_window_dims:
-            return UNKNOWN
         rows.add((window[list(dn.update_window_dims).index(updates.axis)], updates.group))
         axis = next(iter(rows))[0]
         if shape_of(eqn.invars[2])[updates.axis] != shape_of(eqn.invars[0])[axis]:
@@ -130,9 +129,28 @@ def scatter(eqn, kinds, indices=None):
     return combine([Row(axis, group) if isinstance(k, Row) else k for k in (operand, updates)])
 
 
-def from_draw(indices) -> bool:
-    """Do some of these indices come from a random draw?"""
-    if isinstance(indices, Known):
-        entries = indices.entries()
-        return indices.drawn if entries is None else bool(entries[2].any())
-    return indices == DRAWN
+def _rows_drawn(eqn, updates: Row, indices) -> bool:
+    """Are the updates' rows written at places drawn at random: does a draw
+    reach the index entries along the updates' rows?"""
+    if indices == DRAWN:
+        return True
+    entries = indices.entries() if isinstance(indices, Known) else None
+    if entries is None:
+        return False
+    # The updates' scatter axes are the indices' batch axes, in order.
+    dn = eqn.params["dimension_numbers"]
+    scattered = [d for d in range(len(shape_of(eqn.invars[2])))
+                 if d not in dn.update_window_dims]
+    along = scattered.index(updates.axis)
+    drawn = entries[2]
+    if drawn.size == 0:
+        return False
+    # A column whose entries follow the rows in order places them; the
+    # others (a token's place, drawn or not) place within them.
+    value, known = entries[0], entries[1]
+    for c in range(value.shape[-1]):
+        column, sure = np.moveaxis(value[..., c], along, 0), np.moveaxis(known[..., c], along, 0)
+        line = np.arange(column.shape[0]).reshape((-1,) + (1,) * (column.ndim - 1))
+        if sure.all() and (column == line).all():
+            return False
+    return bool(drawn.any())

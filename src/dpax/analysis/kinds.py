@@ -26,6 +26,9 @@ class OneRow:
 
     index: int
     rows: int
+    # Axes along which every place holds row i's value (spread by a
+    # broadcast), rather than row i's in one place and other values elsewhere.
+    spread: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,8 +85,10 @@ def evaluated(eqn, facts: Sequence) -> list | None:
         dtype = np.dtype(aval.dtype)
     except TypeError:
         return None
-    if dtype.kind not in "biu" or int(np.prod(aval.shape)) > MOST:
+    if dtype.kind not in "biu":
         return [DRAWN] if _reached(facts) else None
+    if int(np.prod(aval.shape)) > MOST:  # known, but too large to read: never evaluated
+        return [Known(lambda: None, _reached(facts))]
     shapes = [tuple(getattr(a.aval, "shape", ())) for a in eqn.invars]
 
     def make():
@@ -168,11 +170,13 @@ _MOVES: set[Callable] = {
     squeeze := lambda p, x: np.squeeze(x, tuple(p["dimensions"])),
     transpose := lambda p, x: np.transpose(x, p["permutation"]),
     concatenate := lambda p, *xs: np.concatenate(xs, p["dimension"]),
+    stack := lambda p, *xs: np.stack(xs, p["axis"]),
     rev := lambda p, x: np.flip(x, tuple(p["dimensions"])),
 }
 _RULES: dict[str, Callable] = {
     "iota": _iota, "broadcast_in_dim": _broadcast_in_dim, "reshape": _reshape,
     "slice": _slice, "squeeze": squeeze, "transpose": transpose, "concatenate": concatenate,
+    "stack": stack,
     "rev": rev, "convert_element_type": _same, "copy": _same, "copy_p": _same, "pvary": _same,
     "pcast": _same, "select_n": _select_n, "div": _div,
     "rem": lambda p, a, b: np.fmod(a, b), "clamp": lambda p, lo, x, hi: np.clip(x, lo, hi),
