@@ -51,6 +51,19 @@ def kinds(fn, *shapes, rows=None, axis_size=2):
     ("labels' log-probabilities of the rows reversed", lambda x: jax.nn.log_softmax(x)[
         jnp.arange(R)[::-1], jnp.argmax(x, 1)]),
     ("every row less the first", lambda x: x - x[0]),
+    ("every row but the first against the first", lambda x: x[1:] @ x[0]),
+    ("every row against the first as a column", lambda x: x @ x[0][:, None]),
+    ("every row less the first, repeated", lambda x: x - jnp.repeat(x[0][None], R, 0)),
+    ("every row less two rows' mean", lambda x: x - (x[0] + x[1]) / 2),
+    ("the first row where a row's feature says", lambda x: jnp.where(x[:, :1] > 0, x, x[0])),
+    ("every row less the first, scanned out", lambda x: x - jax.lax.scan(
+        lambda c, _: (c, x[0]), 0.0, None, length=R)[1]),
+    ("each device's rows summed over the devices, place by place",
+     lambda x: x - jax.lax.psum(x, "d")),
+    ("each device's first run of rows summed over the devices",
+     lambda x: x - jax.lax.psum(x[0:1], "d")),
+    ("the first row's features beside every row's", lambda x: jnp.concatenate(
+        [x, jnp.broadcast_to(x[0], x.shape)], 1)),
     ("a row's value beside the rows' mean", lambda x: jnp.where(x[2:3] > 0, x[2], x.mean(0))),
     ("each device's first row, summed over the devices", lambda x: x - jax.lax.psum(x[0], "d")),
     ("every row scaled by the last one's sum", lambda x: x * x[-1].sum()),
@@ -147,7 +160,7 @@ def test_mixing_ops_are_found(name, fn):
      Row(0, span=(2, 4, R))),
     ("a row with itself", lambda x, w: x[2:3] * x[2], Row(0, span=(2, 3, R))),
     ("the first row alone", lambda x, w: x[0] @ w, OneRow(0, R)),
-    ("two rows together (not read)", lambda x, w: x[0] * x[1], UNKNOWN),
+    ("two rows together", lambda x, w: x[0] * x[1], SUMMARY),
     ("rows one by one, written into their places (not read)",
      lambda x, w: _in_place(x, lambda out, i, v: out.at[i].set(v)) - x, UNKNOWN),
     ("rows one by one, chosen into their places (not read)", lambda x, w: _in_place(
@@ -158,6 +171,15 @@ def test_mixing_ops_are_found(name, fn):
         jax.random.permutation(jax.random.key(0), R)[:2]].set(0.0), UNKNOWN),
     ("a random subset of the features zeroed in every row (not read)", lambda x, w: x.at[
         jnp.arange(R)[:, None], jax.random.permutation(jax.random.key(0), 4)[None, :2]].set(0.0),
+     UNKNOWN),
+    ("a row's value through a scan", lambda x, w: jax.lax.scan(
+        lambda c, t: (c, t[None].sum()), 0.0, x[0][:, None] + w[:1])[1], OneRow(0, R)),
+    ("rows written under vmap at places drawn alike for every row (not read)",
+     lambda x, w: jax.vmap(lambda r, p: jnp.zeros(4).at[p].set(r))(x, jnp.broadcast_to(
+         jax.random.permutation(jax.random.key(0), 4), x.shape)), UNKNOWN),
+    ("rows' entries written at drawn places, the rows flattened (not read)",
+     lambda x, w: jnp.zeros((R, 6)).at[jnp.repeat(jnp.arange(R), 4), jnp.broadcast_to(
+         jax.random.permutation(jax.random.key(0), 6)[:4], (R, 4)).ravel()].set(x.ravel()),
      UNKNOWN),
     ("no row picked (not read)",
      lambda x, w: jax.vmap(lambda i: x[i])(jnp.zeros(0, jnp.int32)), UNKNOWN),

@@ -142,15 +142,19 @@ def _rows_drawn(eqn, updates: Row, indices) -> bool:
     scattered = [d for d in range(len(shape_of(eqn.invars[2])))
                  if d not in dn.update_window_dims]
     along = scattered.index(updates.axis)
+    if along in dn.scatter_indices_batching_dims:
+        return False  # each row writes into its own (`vmap` of a write)
     drawn = entries[2]
     if drawn.size == 0:
         return False
-    # A column whose entries follow the rows in order places them; the
-    # others (a token's place, drawn or not) place within them.
+    # A column whose entries follow the rows in order (a row's `group`
+    # entries in turn) places them; the others (a token's place, drawn or
+    # not) place within them.
     value, known = entries[0], entries[1]
     for c in range(value.shape[-1]):
         column, sure = np.moveaxis(value[..., c], along, 0), np.moveaxis(known[..., c], along, 0)
-        line = np.arange(column.shape[0]).reshape((-1,) + (1,) * (column.ndim - 1))
+        line = (np.arange(column.shape[0]) // updates.group).reshape(
+            (-1,) + (1,) * (column.ndim - 1))
         if sure.all() and (column == line).all():
             return False
     return bool(drawn.any())

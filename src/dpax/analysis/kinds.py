@@ -26,9 +26,10 @@ class OneRow:
 
     index: int
     rows: int
-    # Axes along which every place holds row i's value (spread by a
-    # broadcast), rather than row i's in one place and other values elsewhere.
-    spread: frozenset = frozenset()
+    # Written into a place of something else (a scatter, a pad, a select's
+    # case, a product with a mask): row i's value may be in some places only,
+    # as a loop that writes each row's result into its place leaves it.
+    placed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

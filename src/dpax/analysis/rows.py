@@ -132,10 +132,18 @@ class Kinds(Domain):
         return None
 
     def collective(self, eqn, kinds, over_axis):
-        if any(isinstance(k, OneRow) for k in kinds):
-            # Row i of each device's rows: N examples where one device has one.
+        # The analysis is not told the devices' axis: every collective is read
+        # as over the devices.
+        kinds = _unknown_values(kinds)
+        if UNKNOWN in kinds:
+            return [UNKNOWN] * len(eqn.outvars)
+        gathers = eqn.primitive.name.startswith("all_gather")
+        if any(isinstance(k, OneRow) or (isinstance(k, Row) and (
+                is_part(k) or not gathers)) for k in kinds):
+            # Each device's row i, its first rows, or its rows place by place
+            # (`psum(x)`): N devices combine other examples than one device.
             return [Mixed(where(eqn))] * len(eqn.outvars)
-        # Every device's rows combined, as one device has them.
+        # Every device's rows gathered, or their sums combined, as one device has them.
         return [CONST] * len(eqn.outvars)
 
     def call(self, eqn, outs):
@@ -242,78 +250,68 @@ def _elementwise(eqn, kinds: list):
 
 
 def _with_one_row(eqn, kinds: list, rule):
-    """An op on one row's value (`OneRow`): with nothing else from the rows
-    it is that row's value; spread over the rows' axis against the rows,
-    elementwise or in a product, it puts row i's value into every row's
-    (`x - x[0]`, `x @ x[0]`), which mixes them, but for row i itself;
-    one-row values put back in order are the rows again
-    (`jnp.stack([f(x[i]) for i in ...])`). Several rows' values in one op
-    are not read: a loop may write each in its own place
-    (`out.at[i].set(f(x[i]))`), which keeps them apart."""
+    """An op on one row's value (`OneRow`). With nothing else from the rows
+    it is that row's value. Against the rows, elementwise or in a product,
+    it puts row i's value into every row's (`x - x[0]`, `x @ x[0]`), which
+    mixes them, but for row i itself, unless it was written into a place
+    (`out.at[i].set(f(x[i]))`: a loop that keeps each row in its place),
+    which is not read. One-row values put back in order are the rows again
+    (`jnp.stack([f(x[i]) for i in ...])`); several rows' values together
+    are a summary of the rows where none was placed."""
     ones = {k for k in kinds if isinstance(k, OneRow)}
     rows = [k for k in kinds if isinstance(k, Row)]
-    if rule is _concatenate:
-        runs = [_as_run(k, a, eqn.params["dimension"]) for a, k in zip(eqn.invars, kinds)]
-        return UNKNOWN if any(isinstance(k, OneRow) for k in runs) else _concatenate(eqn, runs)
     if rule is _stack:
         return _stacked_rows(eqn, kinds)
+    if rule is _concatenate:
+        axis = eqn.params["dimension"]
+        runs = [_as_run(k, a, axis) for a, k in zip(eqn.invars, kinds)]
+        if not any(isinstance(k, OneRow) for k in runs):
+            return _concatenate(eqn, runs)
+        if len(ones) == 1 and rows and SUMMARY not in kinds and not next(iter(ones)).placed \
+                and all(r.axis != axis for r in rows):
+            return "mix"  # row i's value beside each row's (`concatenate([x, x[0] * ones], 1)`)
+    placed = _placed(eqn, kinds, rule)
     if len({(k.index, k.rows) for k in ones}) > 1:
-        return UNKNOWN
+        return SUMMARY if not (rows or placed) else UNKNOWN
     one = next(iter(ones))
     if not rows:
-        return SUMMARY if SUMMARY in kinds else _spread(eqn, kinds, rule, one)
+        return SUMMARY if SUMMARY in kinds else OneRow(one.index, one.rows, placed)
     if SUMMARY in kinds:
         return "mix"  # the rows meet a sum over them
-    if rule is None and is_elementwise(eqn):
-        if all(is_one_row(k) and k.span[0] == one.index for k in rows):
-            # Row i with itself, where its run stays one long.
-            out = shape_of(eqn.outvars[0])
-            return rows[0] if all(out[k.axis] == 1 for k in rows) else UNKNOWN
-        ops = list(zip(eqn.invars, kinds))
-        if eqn.primitive.name == "select_n":
-            # Row i's value as a case lands where the choice says (in its own
-            # place, in a loop): read only a choice made by row i.
-            if not isinstance(kinds[0], OneRow):
-                return UNKNOWN
-            ops = ops[:1]
-        spread = all(not shape_of(a) or shape_of(a)[r.axis] == 1 or r.axis in k.spread
-                     for a, k in ops if isinstance(k, OneRow) for r in rows)
-        return "mix" if spread else UNKNOWN  # written in its place: not read
-    if rule is _dot_general and not is_part(rows[0]):
-        (one_side,) = [a for a, k in zip(eqn.invars, kinds) if isinstance(k, OneRow)]
-        (row_side,) = [a for a, k in zip(eqn.invars, kinds) if isinstance(k, Row)]
-        if len(shape_of(one_side)) < len(shape_of(row_side)):
-            return "mix"  # one row's vector against every row (`x @ x[0]`)
-    return UNKNOWN  # a write back in place (`x.at[0].set(...)`), a gather: not read
+    if placed or not (rule is _dot_general or (rule is None and is_elementwise(eqn))):
+        return UNKNOWN  # a write in place, a gather: not read
+    if all(is_one_row(k) and k.span[0] == one.index for k in rows):
+        # Row i with itself, where its run stays one long.
+        out = shape_of(eqn.outvars[0])
+        keeps = rule is None and all(out[k.axis] == 1 for k in rows)
+        return rows[0] if keeps else UNKNOWN
+    return "mix"
 
 
-def _spread(eqn, kinds: list, rule, one: OneRow) -> OneRow:
-    """Row i's value after an op with nothing else from the rows, and the
-    axes along which every place holds it: a broadcast spreads it along the
-    axes it adds or grows, an elementwise op keeps its operands' (but for
-    a `select_n` case beside a constant one, which may fill other places)."""
-    out = shape_of(eqn.outvars[0])
-    spread: set = set()
-    if rule is _broadcast_in_dim:
-        dims, before = eqn.params["broadcast_dimensions"], shape_of(eqn.invars[0])
-        spread = {dims[a] for a in one.spread} | {
-            d for d in range(len(out)) if out[d] > 1 and (
-                d not in dims or before[dims.index(d)] == 1)}
-    elif rule is None and is_elementwise(eqn):
-        def axes(a, k):  # those of one operand, its size-1 axes (a scalar's all) broadcast
-            sizes = shape_of(a) or (1,) * len(out)
-            return set(k.spread) | {d for d, n in enumerate(sizes) if n == 1 < out[d]}
-        ops = [(a, k) for a, k in zip(eqn.invars, kinds)]
-        if eqn.primitive.name == "select_n":
-            (pred, which), cases = ops[0], ops[1:]
-            spread = axes(pred, which) if isinstance(which, OneRow) else set()
-            if all(isinstance(k, OneRow) for _, k in cases):
-                spread |= set.intersection(*(axes(a, k) for a, k in cases))
-        else:
-            spread = set().union(*(axes(a, k) for a, k in ops if isinstance(k, OneRow)))
-    elif rule is _first:
-        spread = set(one.spread)
-    return OneRow(one.index, one.rows, frozenset(spread))
+# Ops that write a value into places of another: after them, one row's
+# value may stand in some places only.
+_PLACING = {"scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
+            "scatter-sub", "dynamic_update_slice", "pad", "concatenate"}
+
+
+def _placed(eqn, kinds: list, rule) -> bool:
+    """Does `eqn` leave one row's value in some places only: written into
+    another value, a select's case (where the choice says), or times a mask
+    that varies where the row's value is broadcast (`one_hot(i, n) * v`)?"""
+    if any(isinstance(k, OneRow) and k.placed for k in kinds):
+        return True
+    name = eqn.primitive.name
+    if name in _PLACING:
+        return True
+    if name == "select_n":
+        return any(isinstance(k, OneRow) for k in kinds[1:]) and not isinstance(kinds[0], Row)
+    if name in ("mul", "and") and rule is None and is_elementwise(eqn):
+        out = shape_of(eqn.outvars[0])
+        spread = {d for a, k in zip(eqn.invars, kinds) if isinstance(k, OneRow)
+                  for d in range(len(out)) if (shape_of(a) or (1,) * len(out))[d] == 1 < out[d]}
+        return any(k == CONST and shape_of(a) and shape_of(a)[d] > 1
+                   for a, k in zip(eqn.invars, kinds) for d in spread)
+    return False
 
 
 def _stacked_rows(eqn, kinds: list):
