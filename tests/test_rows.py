@@ -58,8 +58,9 @@ def kinds(fn, *shapes, rows=None, axis_size=2):
     ("the first row where a row's feature says", lambda x: jnp.where(x[:, :1] > 0, x, x[0])),
     ("every row less the first, scanned out", lambda x: x - jax.lax.scan(
         lambda c, _: (c, x[0]), 0.0, None, length=R)[1]),
-    ("each device's rows summed over the devices, place by place",
-     lambda x: x - jax.lax.psum(x, "d")),
+    ("other devices' rows in place", lambda x: x - jax.lax.ppermute(x, "d", [(0, 1), (1, 0)])),
+    ("a table entry picked by the first row", lambda x: x + jnp.arange(10.0)[
+        jnp.argmax(x[0])]),
     ("each device's first run of rows summed over the devices",
      lambda x: x - jax.lax.psum(x[0:1], "d")),
     ("the first row's features beside every row's", lambda x: jnp.concatenate(
@@ -180,6 +181,11 @@ def test_mixing_ops_are_found(name, fn):
     ("rows' entries written at drawn places, the rows flattened (not read)",
      lambda x, w: jnp.zeros((R, 6)).at[jnp.repeat(jnp.arange(R), 4), jnp.broadcast_to(
          jax.random.permutation(jax.random.key(0), 6)[:4], (R, 4)).ravel()].set(x.ravel()),
+     UNKNOWN),
+    ("the rows summed over the devices, then over the rows",
+     lambda x, w: x - jax.lax.psum(x, "d").sum(0), Row(0)),
+    ("rows one by one, placed by an outer product with a one-hot (not read)", lambda x, w: sum(
+        jnp.einsum("r,f->rf", jax.nn.one_hot(i, R), jnp.tanh(x[i])) for i in range(R)) - x,
      UNKNOWN),
     ("no row picked (not read)",
      lambda x, w: jax.vmap(lambda i: x[i])(jnp.zeros(0, jnp.int32)), UNKNOWN),
@@ -332,6 +338,30 @@ def test_a_label_picked_by_position_is_read_from_the_gradients_trace(monkeypatch
     one, two = train(labels_by_position, 1, 0).params, train(labels_by_position, 2, 0).params
     assert retraced == []
     assert max_diff(one, two) < 1e-6, max_diff(one, two)
+
+
+class Normed(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(8, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(self.linear(x))
+
+
+def from_the_first_normed(model, batch):
+    z = model(batch["x"])
+    return jnp.sum((z - z[0]) ** 2, -1)
+
+
+def test_what_mixes_after_a_synchronized_batchnorm_is_read():
+    """dpax's synchronized BatchNorm adds the rows pairwise (exact sums) before
+    its all-reduce: the analysis reads that as a sum over the rows, so what
+    mixes after it is still refused."""
+    x, y = data(0)
+    t = dpax.Trainer(Normed(nnx.Rngs(0)), from_the_first_normed, optax.adam(1e-2), devices=2)
+    with pytest.raises(MixesExamples, match="depends on the other examples"):
+        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
 
 
 def test_a_loss_over_the_batch_is_refused_on_several_devices():

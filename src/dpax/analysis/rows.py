@@ -132,19 +132,21 @@ class Kinds(Domain):
         return None
 
     def collective(self, eqn, kinds, over_axis):
-        # The analysis is not told the devices' axis: every collective is read
-        # as over the devices.
-        kinds = _unknown_values(kinds)
-        if UNKNOWN in kinds:
-            return [UNKNOWN] * len(eqn.outvars)
-        gathers = eqn.primitive.name.startswith("all_gather")
-        if any(isinstance(k, OneRow) or (isinstance(k, Row) and (
-                is_part(k) or not gathers)) for k in kinds):
-            # Each device's row i, its first rows, or its rows place by place
-            # (`psum(x)`): N devices combine other examples than one device.
+        # (The analysis is not told the devices' axis: every collective is
+        # read as over the devices.)
+        if any(isinstance(k, OneRow) or is_part(k) for k in kinds):
+            # Each device's row i, or its first rows: N devices combine other
+            # examples than one device.
             return [Mixed(where(eqn))] * len(eqn.outvars)
-        # Every device's rows gathered, or their sums combined, as one device has them.
+        # Every device's rows combined, as one device has them (a sum written
+        # pairwise, as dpax's exact sums are, is read so too).
         return [CONST] * len(eqn.outvars)
+
+    def per_device(self, eqn, kinds):
+        if eqn.primitive.name in ("ppermute", "all_to_all") and any(
+                isinstance(k, (Row, OneRow)) for k in kinds):
+            return [Mixed(where(eqn))] * len(eqn.outvars)  # other devices' rows in place
+        return self.primitive(eqn, kinds)
 
     def call(self, eqn, outs):
         body = call_body(eqn)
@@ -303,8 +305,14 @@ def _placed(eqn, kinds: list, rule) -> bool:
     name = eqn.primitive.name
     if name in _PLACING:
         return True
-    if name == "select_n":
-        return any(isinstance(k, OneRow) for k in kinds[1:]) and not isinstance(kinds[0], Row)
+    if name == "select_n":  # a case lands where a choice alike on every device says
+        return any(isinstance(k, OneRow) for k in kinds[1:]) and kinds[0] == CONST
+    if rule is _dot_general:  # an outer product with a one-hot (or with ones)
+        lhs, rhs = eqn.invars[:2]
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        free = (len(shape_of(lhs)) - len(lc) - len(lb), len(shape_of(rhs)) - len(rc) - len(rb))
+        outer = all(shape_of(lhs)[d] == 1 for d in lc)  # nothing summed
+        return outer and any(k == CONST and free[i] for i, k in enumerate(kinds[:2]))
     if name in ("mul", "and") and rule is None and is_elementwise(eqn):
         out = shape_of(eqn.outvars[0])
         spread = {d for a, k in zip(eqn.invars, kinds) if isinstance(k, OneRow)
