@@ -51,14 +51,22 @@ def test_a_log_over_several_device_sums_equals_the_per_step_logs(monkeypatch):
 
 
 # -- the training loop and Python's GC ---------------------------------------------------
-def test_fit_runs_no_full_collection_and_restores_the_gc():
-    """While the loop runs, Python's collector collects young generations only
-    (a full one pauses a fast loop); afterwards its thresholds are the caller's,
+def test_fit_runs_no_full_collection_and_restores_the_gc(monkeypatch):
+    """While the loop runs, the step's first trace included, Python's collector
+    collects young generations only (a full one pauses a fast loop, and walks
+    every object the trace made); afterwards its thresholds are the caller's,
     and a freeze the caller made stays."""
     t = mlp_trainer(1)
     ds = digits()
     before = gc.get_threshold()
     collected, running = [], [False]
+    zero_sums = t._steps.zero_sums
+
+    def traced(*args):  # the step's first trace
+        running[0] = True
+        return zero_sums(*args)
+
+    monkeypatch.setattr(t._steps, "zero_sums", traced)
 
     def record(phase, info):
         if phase == "start" and running[0]:

@@ -100,10 +100,12 @@ def run(steps: Steps, sized_batches: Iterable[tuple[int, dict]], *, start: int,
     first = next(batches, None)
     if first is None:
         return []
-    sums = steps.zero_sums(*first)
-    for hook in hooks:
-        hook.on_start(start)
+    # The step's first trace (in `zero_sums`) and compile allocate the most:
+    # they run without full collections too.
     with _no_full_collections():
+        sums = steps.zero_sums(*first)
+        for hook in hooks:
+            hook.on_start(start)
         return _run(steps, itertools.chain([first], batches), sums, start, total, log_every,
                     hooks, steps_per_epoch)
 
