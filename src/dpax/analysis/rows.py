@@ -68,8 +68,10 @@ from dpax.analysis.kinds import (
 from dpax.analysis.known import DRAWN, Known, constant, evaluated
 from dpax.analysis.propagate import Domain, at_call, call_body, propagate, where
 
-# Same shape in and out, but along an axis: on the rows' axis they mix them.
-_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "rev"}
+# Along an axis (the same shape out, but for top_k's k): on the rows' axis
+# they mix them.
+_ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "rev",
+               "top_k"}
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                "reduce_or", "reduce_xor", "argmax", "argmin", "reduce"}
 
@@ -246,8 +248,10 @@ def _elementwise(eqn, kinds: list):
     for a, k in zip(eqn.invars, kinds):
         if isinstance(k, Row) and shape_of(a)[k.axis] != shape[k.axis]:
             return UNKNOWN  # one row's value for every row
-    if eqn.primitive.name not in _ADDITIVE and _paired_runs(kinds):
-        return "mix"  # row j with row j + k: x[1:] * x[:-1], a product of the halves
+    if _paired_runs(kinds) and (eqn.primitive.name not in _ADDITIVE or _overlap(kinds)):
+        # Row j with row j + k: x[1:] * x[:-1], a product of the halves, and
+        # x[1:] - x[:-1] (a sum's halves never overlap).
+        return "mix"
     return combine(kinds)
 
 
@@ -341,9 +345,16 @@ def _as_run(k, atom, axis: int):
     return k
 
 
-# Additions of runs paired by position are not read: a sum over the rows
-# written pairwise (a synchronized BatchNorm's exact sum) adds its halves so.
+# Additions of disjoint runs paired by position are not read: a sum over the
+# rows written pairwise (a synchronized BatchNorm's exact sum) adds its halves so.
 _ADDITIVE = {"add", "sub", "add_any"}
+
+
+def _overlap(kinds: list) -> bool:
+    """Do these runs share rows? A sum written pairwise adds disjoint halves
+    of its rows; runs that overlap pair each row with one some rows on."""
+    spans = [k.span for k in kinds if isinstance(k, Row)]
+    return max(s[0] for s in spans) < min(s[1] for s in spans)
 
 
 def _paired_runs(kinds: list) -> bool:
@@ -419,7 +430,7 @@ def _reduce(eqn, kinds):
 
 
 def _along_axis(eqn, kinds):
-    """cumsum & co., sort, rev: along their axis; on the rows' axis they mix."""
+    """cumsum & co., sort, rev, top_k: along their axis; on the rows' axis they mix."""
     p = eqn.params
     axes = p.get("dimensions", (p.get("axis", p.get("dimension")),))
     rank = len(shape_of(eqn.invars[0]))
