@@ -3,6 +3,8 @@
 (`dpax.analysis.batch_size`): each device holds 1/N of the batch, so such a
 number is N times smaller there than on one device."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,17 +15,17 @@ from flax import nnx
 import dpax
 from conftest import Towers, check_loss_cli, max_diff
 from dpax.analysis.batch_size import uses_rows_count
-from dpax.errors import ReadsBatchSize
+from dpax.errors import DpaxWarning, ReadsBatchSize
 
 R = 6  # a device's rows
 
 
-def found(fn):
+def found(fn, not_judged=None):
     """`uses_rows_count` on fn(w, x, y): w (4, 3) alike on every device, x
     (R, 4) floats and y (R,) class ids the device's rows."""
     args = (jax.ShapeDtypeStruct((4, 3), jnp.float32), jax.ShapeDtypeStruct((R, 4), jnp.float32),
             jax.ShapeDtypeStruct((R,), jnp.int32))
-    return uses_rows_count(fn, args, (False, True, True), "d", 2)
+    return uses_rows_count(fn, args, (False, True, True), "d", 2, not_judged=not_judged)
 
 
 @pytest.mark.parametrize("name,fn", [
@@ -47,6 +49,8 @@ def found(fn):
     ("a branch picked by the size",
      lambda w, x, y: jax.lax.switch(x.shape[0] % 2, [lambda v: v, lambda v: 2 * v], x.sum(1))),
     ("every other row", lambda w, x, y: jnp.where(jnp.arange(x.shape[0]) % 2 == 0, x.sum(1), 0.)),
+    # Traced only with the number bounded below: `linspace` compares it with 1.
+    ("a weight spread over the rows", lambda w, x, y: x.sum(1) * jnp.linspace(0, 1, x.shape[0])),
 ])
 def test_a_value_from_the_number_of_rows_is_found(name, fn):
     where = found(fn)
@@ -80,8 +84,38 @@ def test_what_only_shapes_or_picks_by_the_rows_is_not_found(name, fn):
 ])
 def test_what_cannot_be_traced_with_a_symbolic_size_is_not_judged(name, fn):
     """The known blind spot (docs/exactness.md): these read the size, but the
-    symbolic trace fails, and the analysis refuses only what it reads."""
-    assert found(fn) is None, name
+    symbolic trace fails, and the analysis refuses only what it reads. It
+    says so: `not_judged` gets the trace's error."""
+    errors = []
+    assert found(fn, errors.append) is None, name
+    assert len(errors) == 1 and isinstance(errors[0], Exception), errors
+    traced = []
+    found(lambda w, x, y: x.sum(1), traced.append)
+    assert traced == []
+
+
+def over_a_float_count(model, batch):
+    """Each example's loss over the rows' number as a Python float."""
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]) / float(
+        logits.shape[0])
+
+
+def test_a_loss_the_batch_size_check_cannot_read_trains_with_a_warning_naming_its_line():
+    """Not judged is not silent: `Trainer.fit` warns, in one line naming the
+    user's line, that N devices may train other params; a loss the check
+    reads gets no warning. (Measured: this loss trains 2 devices ~1e-2 away
+    from one; `dpax check` finds it.)"""
+    x, y = data(0)
+    t = dpax.Trainer(Net(nnx.Rngs(0)), over_a_float_count, optax.sgd(0.5), devices=2)
+    with pytest.warns(DpaxWarning, match=r"cannot check .* fails at .*test_batch_size.py:\d+ "
+                                        r"\(over_a_float_count\)") as caught:
+        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
+    assert all("\n" not in str(w.message) for w in caught)
+    t = dpax.Trainer(Net(nnx.Rngs(0)), dpax.classification_loss, optax.sgd(0.5), devices=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DpaxWarning)
+        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
 
 
 def refused_where_unrefused_differs(params_of, where: str, monkeypatch):
@@ -91,7 +125,7 @@ def refused_where_unrefused_differs(params_of, where: str, monkeypatch):
     one = params_of(1)
     with pytest.raises(ReadsBatchSize, match=where):
         params_of(2)
-    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a: None)
+    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a, **k: None)
     diff = max_diff(one, params_of(2))
     assert diff > 1e-3, diff
 
@@ -138,7 +172,7 @@ def test_a_loss_over_the_batch_size_is_refused_on_several_devices(seed, monkeypa
     assert int(t.state.step) == 0
     jax.tree.map(np.testing.assert_array_equal, before, t.params)
 
-    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a: None)
+    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a, **k: None)
     unrefused = params_after(2, seed)
     diff = max_diff(one, unrefused)
     assert diff > 1e-3, diff

@@ -318,7 +318,7 @@ def test_check_finds_values_not_finite_on_n_devices_only(monkeypatch):
     # Refused before training (`dpax.analysis.batch_size`); where the
     # analysis cannot read such a model, the check's run finds the NaN.
     assert check().cause == "batch-size"
-    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a: None)
+    monkeypatch.setattr(dpax.analysis.refusals, "uses_rows_count", lambda *a, **k: None)
     result = check()
     assert (result.batch_size, result.cause) == (17, "nonfinite"), result.report()
     assert "NOT equivalent" in result.report()

@@ -151,23 +151,31 @@ class FromRowsCount(Domain):
 
 
 def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
-                    axis: str | tuple[str, ...], size: int | tuple[int, ...]) -> str | None:
+                    axis: str | tuple[str, ...], size: int | tuple[int, ...],
+                    not_judged: Callable[[BaseException], None] | None = None) -> str | None:
     """Where `fn(*args)` computes a floating-point value from the number of
     rows of the arguments marked in `rows` (their leading axis) or from a
     row's position among them, as "`op` at file:line", or None where it does
-    not, or where `fn` cannot be traced with that number as a symbol."""
+    not, or where `fn` cannot be traced with that number as a symbol (then
+    `not_judged` gets the trace's error)."""
     held = [a.shape[0] for flag, arg in zip(rows, args) if flag
             for a in jax.tree.leaves(arg) if a.ndim]
     if not held:
         return None
     # At most the rows there are: a slice `[:rows]` of a longer array is then
-    # `rows` long (JAX would otherwise type it `min(len, rows)`).
-    (count,) = export.symbolic_shape("rows", constraints=(f"rows <= {held[0]}",))
+    # `rows` long (JAX would otherwise type it `min(len, rows)`). At least
+    # half of them: `top_k(l, 3)`, `linspace(0, 1, rows)` and `x[2:] + x[:-2]`
+    # ask JAX to compare the number with a constant, which without a lower
+    # bound it cannot, and the trace would fail.
+    (count,) = export.symbolic_shape(
+        "rows", constraints=(f"rows <= {held[0]}", f"rows >= {max(1, held[0] // 2)}"))
     symbolic = [jax.tree.map(lambda a: _with_rows(a, count), arg) if flag else arg
                 for arg, flag in zip(args, rows)]
     try:
         jaxpr = trace(fn, symbolic, axis, size).jaxpr
-    except Exception:  # not traceable with a symbolic batch: not judged
+    except Exception as error:  # not traceable with a symbolic batch: not judged
+        if not_judged is not None:
+            not_judged(error)
         return None
     domain = FromRowsCount(count)
     propagate(jaxpr, [frozenset()] * len(jaxpr.invars), domain)

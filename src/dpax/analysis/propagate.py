@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -219,6 +220,19 @@ def line(eqn) -> str:
 DPAX = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
 LIBRARIES = tuple(os.path.join(path, "") for path in (
     sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"])) + (DPAX,)
+
+
+def user_line(error: BaseException) -> str | None:
+    """The user's line that `error` came from: the innermost frame of its
+    traceback outside installed libraries, where no frame of dpax's own is
+    more inward (dpax's own failure is no error of the user's). None where
+    there is none."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.filename.startswith(DPAX):
+            return None
+        if not frame.filename.startswith(LIBRARIES):
+            return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    return None
 
 
 def where(eqn) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -22,10 +23,17 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from dpax.analysis.batch_size import uses_rows_count
-from dpax.analysis.propagate import COLLECTIVES, PER_DEVICE, axes, leaf_flags, trace
+from dpax.analysis.propagate import COLLECTIVES, PER_DEVICE, axes, leaf_flags, trace, user_line
 from dpax.analysis.rows import UNKNOWN, first_mixed, mixing
 from dpax.analysis.varying import analyze, varying
-from dpax.errors import DpaxError, MixesExamples, PerDeviceRandom, PerDeviceState, ReadsBatchSize
+from dpax.errors import (
+    DpaxError,
+    DpaxWarning,
+    MixesExamples,
+    PerDeviceRandom,
+    PerDeviceState,
+    ReadsBatchSize,
+)
 
 # forward(params, model_state, rows): the params and the state are alike on
 # every device, the rows (one device's micro-batch) are its own.
@@ -83,7 +91,8 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
             "statistics use nnx.BatchNorm or Linen's nn.BatchNorm (dpax synchronizes them); "
             "for a loss over the whole batch (contrastive) take the other examples from "
             "dpax.models.layers.global_rows", mixed.where)
-    counted = uses_rows_count(forward, args, ON_ROWS, axis, size)
+    counted = uses_rows_count(forward, args, ON_ROWS, axis, size,
+                              not_judged=lambda error: _warn_not_judged(error, devices))
     if counted:
         raise ReadsBatchSize(
             f"the loss or the model computes with the number of rows a device holds or a "
@@ -94,6 +103,20 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
             "weights go in loss_fn's third output), and take an example's position in the "
             "batch from batch['index']", counted)
     return per_device
+
+
+def _warn_not_judged(error: BaseException, devices: int) -> None:
+    """The batch-size refusal could not read the forward: say so, once per
+    line, rather than train what may differ from one device in silence."""
+    at = user_line(error)
+    text = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
+    warnings.warn(
+        f"dpax cannot check whether the loss or the model computes with the number of rows a "
+        f"device holds: with that number as a symbol, it fails{f' at {at}' if at else ''} "
+        f"({type(error).__name__}: {text}). If it does (e.g. / len(x), float(x.shape[0])), "
+        f"{devices} devices train other params than one device: return each example's own "
+        "loss, or compare with one device by `dpax check` (dpax.check_equivalence)",
+        DpaxWarning, stacklevel=2)
 
 
 def _mixing(closed: jcore.ClosedJaxpr, args: tuple) -> list:

@@ -6,13 +6,12 @@ that reads a key the examples do not hold, fails there."""
 from __future__ import annotations
 
 import contextlib
-import traceback
 from collections.abc import Iterator
 
 import jax
 import numpy as np
 
-from dpax.analysis.propagate import DPAX, LIBRARIES
+from dpax.analysis.propagate import user_line
 from dpax.data.batches import MASK
 from dpax.errors import DpaxError, FailsOnExamples
 
@@ -20,19 +19,6 @@ from dpax.errors import DpaxError, FailsOnExamples
 # leaked tracer): the examples are not their cause, and JAX's own message,
 # with its explanation, says more than one line could.
 _TRACING = (jax.errors.JAXTypeError, jax.errors.JAXIndexError)
-
-
-def user_line(error: BaseException) -> str | None:
-    """The user's line that `error` came from: the innermost frame of its
-    traceback outside installed libraries, where no frame of dpax's own is
-    more inward (dpax's own failure is no error of the user's). None where
-    there is none."""
-    for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        if frame.filename.startswith(DPAX):
-            return None
-        if not frame.filename.startswith(LIBRARIES):
-            return f"{frame.filename}:{frame.lineno} ({frame.name})"
-    return None
 
 
 @contextlib.contextmanager
