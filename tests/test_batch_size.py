@@ -78,20 +78,76 @@ def test_what_only_shapes_or_picks_by_the_rows_is_not_found(name, fn):
     assert found(fn) is None, name
 
 
+# The symbolic trace fails on these (Python wants a number): the forward is
+# traced at a device's rows and at all devices' instead, and a float constant
+# of one only is found.
 @pytest.mark.parametrize("name,fn", [
-    ("len() of the rows (Python wants an int)", lambda w, x, y: x.sum(1) / len(x)),
-    ("a Python if on the size", lambda w, x, y: x.sum(1) * (2.0 if x.shape[0] > 3 else 1.0)),
+    ("len() of the rows", lambda w, x, y: x.sum(1) / len(x)),
+    ("the rows' number as a Python float", lambda w, x, y: x.sum(1) / float(x.shape[0])),
+    ("the rows' number to a power", lambda w, x, y: x.sum(1) / x.shape[0] ** 0.5),
+    ("a Python if one device decides otherwise",
+     lambda w, x, y: x.sum(1) * (2.0 if x.shape[0] > 2 * R - 1 else 1.0)),
+    ("a loop over range(len(x)) weighting by position", lambda w, x, y: jnp.stack(
+        [jnp.tanh(x[i] @ w).sum() * (i + 1.0) for i in range(len(x))])),
 ])
-def test_what_cannot_be_traced_with_a_symbolic_size_is_not_judged(name, fn):
-    """The known blind spot (docs/exactness.md): these read the size, but the
-    symbolic trace fails, and the analysis refuses only what it reads. It
-    says so: `not_judged` gets the trace's error."""
+def test_a_number_python_reads_from_the_rows_is_found(name, fn):
     errors = []
-    assert found(fn, errors.append) is None, name
+    where = found(fn, errors.append)
+    assert where is not None and "test_batch_size.py" in where and not errors, (name, where)
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("a Python if every count decides alike",
+     lambda w, x, y: x.sum(1) * (2.0 if x.shape[0] > 1 else 1.0)),
+    ("labels picked by jnp.arange(len(y))",
+     lambda w, x, y: jax.nn.log_softmax(x @ w)[jnp.arange(len(y)), y]),
+    ("labels picked by np.arange", lambda w, x, y: jax.nn.log_softmax(x @ w)[
+        np.arange(y.shape[0]), y]),
+    ("a loop over range(len(x)), one row a round",
+     lambda w, x, y: jnp.stack([jnp.tanh(x[i] @ w).sum() for i in range(len(x))])),
+])
+def test_what_python_only_shapes_by_the_rows_is_not_found(name, fn):
+    errors = []
+    assert found(fn, errors.append) is None and not errors, name
+
+
+WEIGHTS = np.linspace(1.0, 2.0, 2 * R - 1)  # per-position weights, for fewer rows than one device's
+
+
+def test_what_traces_at_neither_count_is_not_judged():
+    """The known blind spot (docs/exactness.md): a forward that traces with
+    neither the symbol nor one device's rows is not judged; `not_judged`
+    gets the symbolic trace's error."""
+    errors = []
+    assert found(lambda w, x, y: x.sum(1) * WEIGHTS[:len(x)], errors.append) is None
     assert len(errors) == 1 and isinstance(errors[0], Exception), errors
     traced = []
     found(lambda w, x, y: x.sum(1), traced.append)
     assert traced == []
+
+
+def weighted_by_position(model, batch):
+    """Each example's loss times a weight by its position in the batch, from
+    a table of at most 9 positions (an error on one device's 16 rows)."""
+    logits = model(batch["x"])
+    weights = jnp.asarray(np.linspace(1.0, 2.0, 9)[:len(logits)])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]) * weights
+
+
+def test_a_loss_the_batch_size_check_cannot_read_trains_with_a_warning_naming_its_line():
+    """Not judged is not silent: `Trainer.fit` warns, in one line naming the
+    user's line, that N devices may train other params; a loss the check
+    reads gets no warning."""
+    x, y = data(0)
+    t = dpax.Trainer(Net(nnx.Rngs(0)), weighted_by_position, optax.sgd(0.5), devices=2)
+    with pytest.warns(DpaxWarning, match=r"cannot check .* fails at .*test_batch_size.py:\d+ "
+                                        r"\(weighted_by_position\)") as caught:
+        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
+    assert all("\n" not in str(w.message) for w in caught)
+    t = dpax.Trainer(Net(nnx.Rngs(0)), dpax.classification_loss, optax.sgd(0.5), devices=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DpaxWarning)
+        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
 
 
 def over_a_float_count(model, batch):
@@ -101,21 +157,14 @@ def over_a_float_count(model, batch):
         logits.shape[0])
 
 
-def test_a_loss_the_batch_size_check_cannot_read_trains_with_a_warning_naming_its_line():
-    """Not judged is not silent: `Trainer.fit` warns, in one line naming the
-    user's line, that N devices may train other params; a loss the check
-    reads gets no warning. (Measured: this loss trains 2 devices ~1e-2 away
-    from one; `dpax check` finds it.)"""
-    x, y = data(0)
-    t = dpax.Trainer(Net(nnx.Rngs(0)), over_a_float_count, optax.sgd(0.5), devices=2)
-    with pytest.warns(DpaxWarning, match=r"cannot check .* fails at .*test_batch_size.py:\d+ "
-                                        r"\(over_a_float_count\)") as caught:
-        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
-    assert all("\n" not in str(w.message) for w in caught)
-    t = dpax.Trainer(Net(nnx.Rngs(0)), dpax.classification_loss, optax.sgd(0.5), devices=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DpaxWarning)
-        t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_loss_over_a_python_float_count_is_refused(seed, monkeypatch):
+    """`float(x.shape[0])` does not trace with a symbol: the traces at two
+    counts find it, and refuse it naming the user's line; unrefused, it
+    trained 2 devices 0.013 and 0.015 from one (seeds 0, 1)."""
+    refused_where_unrefused_differs(
+        lambda n: params_after(n, seed, loss=over_a_float_count), "test_batch_size.py",
+        monkeypatch)
 
 
 def refused_where_unrefused_differs(params_of, where: str, monkeypatch):

@@ -24,18 +24,23 @@ index; as an index along another axis (`table[jnp.arange(B)]`, labels
 value it changes what is computed. A `while` loop is read by its carry:
 how many rounds run (a loop over the rows, one row a round) is not judged.
 A forward that cannot be traced with a symbolic size (`len(x)`, a Python
-`if` on it, NumPy on a shape) is not judged: the analysis refuses only what
-it reads.
+`if` on it, NumPy on a shape) is traced at the rows there are and at twice
+as many: a floating-point constant of one only is computed from the number.
+Where an integer constant differs (a row's index, or a count), or a trace
+fails, it is not judged, and the caller is told.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import export
+from jax.extend.core import Literal, jaxprs_in_params
 
 from dpax.analysis.propagate import Domain, at_call, propagate, trace, where
 
@@ -162,24 +167,73 @@ def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
             for a in jax.tree.leaves(arg) if a.ndim]
     if not held:
         return None
-    # At most the rows there are: a slice `[:rows]` of a longer array is then
-    # `rows` long (JAX would otherwise type it `min(len, rows)`). At least
-    # half of them: `top_k(l, 3)`, `linspace(0, 1, rows)` and `x[2:] + x[:-2]`
-    # ask JAX to compare the number with a constant, which without a lower
-    # bound it cannot, and the trace would fail.
-    (count,) = export.symbolic_shape(
-        "rows", constraints=(f"rows <= {held[0]}", f"rows >= {max(1, held[0] // 2)}"))
+    # At most the rows of all devices, one device's: a slice `[:rows]` of a
+    # longer array is then `rows` long (JAX would otherwise type it
+    # `min(len, rows)`), and a comparison that one device's number would
+    # decide otherwise (`if x.shape[0] > 10`) is not decided. At least half
+    # a device's: `top_k(l, 3)`, `linspace(0, 1, rows)` and `x[2:] + x[:-2]`
+    # compare the number with a constant, which without a lower bound JAX
+    # cannot, and the trace would fail.
+    devices = math.prod(size) if isinstance(size, tuple) else size
+    (count,) = export.symbolic_shape("rows", constraints=(
+        f"rows <= {held[0] * devices}", f"rows >= {max(1, held[0] // 2)}"))
     symbolic = [jax.tree.map(lambda a: _with_rows(a, count), arg) if flag else arg
                 for arg, flag in zip(args, rows)]
     try:
         jaxpr = trace(fn, symbolic, axis, size).jaxpr
-    except Exception as error:  # not traceable with a symbolic batch: not judged
-        if not_judged is not None:
-            not_judged(error)
-        return None
+    except Exception as error:  # `len(x)`, `float(x.shape[0])`: the numbers' constants
+        return _constants_apart(fn, args, rows, axis, size, devices, error, not_judged)
     domain = FromRowsCount(count)
     propagate(jaxpr, [frozenset()] * len(jaxpr.invars), domain)
     return domain.found
+
+
+def _constants_apart(fn: Callable, args: Sequence[Any], rows: Sequence[bool], axis, size,
+                     devices: int, error: BaseException, not_judged) -> str | None:
+    """Where the symbolic trace fails: `fn` traced at the rows a device holds
+    and at `devices` times as many, one device's. A floating-point constant
+    of either trace that the other lacks is computed from the number (`/
+    len(x)`, `x.shape[0] ** 0.5`, a branch on it): its equation is returned.
+    Integer constants are not compared: JAX writes the rows' number into
+    every index along them (a negative index wraps), and a loop over
+    `range(len(x))` into its indices, which only pick rows. Where a trace
+    fails too, `not_judged` gets `error`."""
+    try:
+        one, all_rows = (trace(fn, _times_rows(args, rows, k), axis, size) for k in (1, devices))
+    except Exception:  # noqa: BLE001 - the symbolic trace's error says why
+        if not_judged is not None:
+            not_judged(error)
+        return None
+    floats, other = _float_constants(one), _float_constants(all_rows)
+    apart = ([eqn for value, eqn in floats.items() if value not in other]
+             + [eqn for value, eqn in other.items() if value not in floats])
+    return where(apart[0]) if apart else None
+
+
+def _float_constants(closed) -> dict:
+    """{value: first equation} of the floating-point scalar literals of
+    `closed` and of the programs inside it."""
+    found: dict = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if (isinstance(v, Literal) and np.ndim(v.val) == 0
+                        and np.issubdtype(np.result_type(v.val), np.floating)):
+                    found.setdefault(repr(float(v.val)), eqn)
+            for inner in jaxprs_in_params(eqn.params):
+                walk(inner)
+
+    walk(closed.jaxpr)
+    return found
+
+
+def _times_rows(args: Sequence[Any], rows: Sequence[bool], k: int) -> list:
+    """`args` with `k` times the rows in those marked by `rows`, as shapes."""
+    def times(a):
+        return jax.ShapeDtypeStruct((a.shape[0] * k,) + a.shape[1:] if a.ndim else (), a.dtype)
+
+    return [jax.tree.map(times, arg) if flag else arg for arg, flag in zip(args, rows)]
 
 
 def _has_rows(atom) -> bool:

@@ -106,17 +106,17 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
 
 
 def _warn_not_judged(error: BaseException, devices: int) -> None:
-    """The batch-size refusal could not read the forward: say so, once per
-    line, rather than train what may differ from one device in silence."""
+    """The batch-size refusal could not read the forward: say so, naming the
+    line its trace failed at, rather than train what may differ in silence."""
     at = user_line(error)
-    text = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
+    lines = str(error).strip().splitlines()
     warnings.warn(
         f"dpax cannot check whether the loss or the model computes with the number of rows a "
-        f"device holds: with that number as a symbol, it fails{f' at {at}' if at else ''} "
-        f"({type(error).__name__}: {text}). If it does (e.g. / len(x), float(x.shape[0])), "
-        f"{devices} devices train other params than one device: return each example's own "
-        "loss, or compare with one device by `dpax check` (dpax.check_equivalence)",
-        DpaxWarning, stacklevel=2)
+        f"device holds: traced with that number as a symbol and with one device's rows, it "
+        f"fails{f' at {at}' if at else ''} ({type(error).__name__}: "
+        f"{lines[0][:120] if lines else ''}). If it does, {devices} devices do not compute "
+        "what one device computes: return each example's own loss, or compare with one "
+        "device by `dpax check` (dpax.check_equivalence)", DpaxWarning, stacklevel=2)
 
 
 def _mixing(closed: jcore.ClosedJaxpr, args: tuple) -> list:

@@ -71,7 +71,7 @@ from dpax.analysis.propagate import Domain, at_call, call_body, propagate, where
 # Along an axis (the same shape out, but for top_k's k): on the rows' axis
 # they mix them.
 _ALONG_AXIS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "rev",
-               "top_k"}
+               "top_k", "approx_top_k"}
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                "reduce_or", "reduce_xor", "argmax", "argmin", "reduce"}
 
@@ -248,7 +248,7 @@ def _elementwise(eqn, kinds: list):
     for a, k in zip(eqn.invars, kinds):
         if isinstance(k, Row) and shape_of(a)[k.axis] != shape[k.axis]:
             return UNKNOWN  # one row's value for every row
-    if _paired_runs(kinds) and (eqn.primitive.name not in _ADDITIVE or _overlap(kinds)):
+    if _paired_runs(kinds) and (eqn.primitive.name not in _PAIRWISE or _overlap(kinds)):
         # Row j with row j + k: x[1:] * x[:-1], a product of the halves, and
         # x[1:] - x[:-1] (a sum's halves never overlap).
         return "mix"
@@ -346,8 +346,9 @@ def _as_run(k, atom, axis: int):
 
 
 # Additions of disjoint runs paired by position are not read: a sum over the
-# rows written pairwise (a synchronized BatchNorm's exact sum) adds its halves so.
-_ADDITIVE = {"add", "sub", "add_any"}
+# rows written pairwise (a synchronized BatchNorm's exact sum) adds its halves
+# so. A difference of runs is no part of a sum: it mixes.
+_PAIRWISE = {"add", "add_any"}
 
 
 def _overlap(kinds: list) -> bool:
@@ -432,7 +433,7 @@ def _reduce(eqn, kinds):
 def _along_axis(eqn, kinds):
     """cumsum & co., sort, rev, top_k: along their axis; on the rows' axis they mix."""
     p = eqn.params
-    axes = p.get("dimensions", (p.get("axis", p.get("dimension")),))
+    axes = p.get("dimensions", (p.get("axis", p.get("dimension", p.get("reduction_dimension"))),))
     rank = len(shape_of(eqn.invars[0]))
     axes = {a % rank for a in axes}
     out = combine(kinds)
@@ -560,6 +561,16 @@ def _pad_full(eqn, axis):
     return tuple(eqn.params["padding_config"][axis]) == (0, 0, 0)
 
 
+def _pad(eqn, kinds):
+    """A pad of the rows' axis in front puts each row where the one before
+    it was (`jnp.pad(x, ((1, 0), (0, 0)))[:-1]`): that mixes them. Padding
+    after them (a pairwise sum's odd row) is not read."""
+    k = kinds[0]
+    if isinstance(k, Row) and k.group == 1 and eqn.params["padding_config"][k.axis][0] > 0:
+        return "mix"
+    return _keeps_rows(_pad_full)(eqn, kinds)
+
+
 def _window_one(eqn, axis):
     p = eqn.params
     return (p["window_dimensions"][axis] == 1 and p["window_strides"][axis] == 1
@@ -580,6 +591,10 @@ def _concatenate(eqn, kinds):
         size = shape_of(a)[axis]
         if not size:  # an empty piece (`jnp.roll` by 0 writes one) holds no row
             continue
+        if k == CONST and at == 0 and len(kinds) > 1:
+            # Constants before the rows put each where another was
+            # (`jnp.diff(x, axis=0, prepend=0.)`), as a pad in front does.
+            return "mix"
         if not isinstance(k, Row) or k.axis != axis or k.group != 1:
             return UNKNOWN
         spans.append((at, span_of(k, size)))
@@ -648,7 +663,7 @@ _RULES = {
     "broadcast_in_dim": _broadcast_in_dim, "transpose": _transpose, "squeeze": _squeeze,
     "reshape": _reshape, "dot_general": _dot_general, "conv_general_dilated": _conv,
     "slice": _slice, "dynamic_slice": _dynamic_slice,
-    "pad": _keeps_rows(_pad_full), "concatenate": _concatenate, "stack": _stack, "split": _split,
+    "pad": _pad, "concatenate": _concatenate, "stack": _stack, "split": _split,
     "dynamic_update_slice": _dynamic_update_slice, "gather": gather,
     **{n: scatter for n in ("scatter", "scatter-add", "scatter-mul", "scatter-min",
                              "scatter-max", "scatter-sub")},
