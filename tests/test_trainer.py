@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import dpax
-from conftest import digits, leaves, max_diff, mlp_trainer, plain_jit_params
+from conftest import check_loss_cli, digits, leaves, max_diff, mlp_trainer, plain_jit_params
 
 
 @pytest.mark.slow
@@ -384,6 +384,8 @@ def test_train_step_takes_a_padded_masked_batch_and_names_the_fix_otherwise():
     ((lambda x: x, dpax.classification_loss, optax.adam(1e-2)),
      "`model` must be a Flax NNX module, got function: .*dpax.from_linen"),
     ((None, "ce", optax.adam(1e-2)), "`loss_fn` must be a function .*got str 'ce'"),
+    ((None, lambda model: 0.0, optax.adam(1e-2)),
+     r"`loss_fn` must take \(model, batch\), but <lambda>\(model\) cannot be called"),
 ])
 def test_a_model_loss_or_optimizer_of_the_wrong_kind_is_named(args, message):
     """Each was an error from inside optax or Flax (AttributeError,
@@ -393,6 +395,15 @@ def test_a_model_loss_or_optimizer_of_the_wrong_kind_is_named(args, message):
     args = tuple(model if a is None else a for a in args)
     with pytest.raises(dpax.DpaxError, match=message):
         dpax.Trainer(*args, devices=1)
+
+
+def test_a_loss_of_one_argument_is_bad_input_through_the_cli(tmp_path, monkeypatch, capsys):
+    """`dpax check --loss` with a loss that takes the model only: exit 2 and
+    one line (it was a TypeError at the first step, exit 1)."""
+    assert check_loss_cli(tmp_path, monkeypatch, "onearg:loss",
+                          "def loss(model):\n    return 0.0\n") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--loss must take (model, batch)" in err, err
 
 
 def test_idle_devices_are_warned_of_once_per_trainer_and_batch():

@@ -24,10 +24,11 @@ index; as an index along another axis (`table[jnp.arange(B)]`, labels
 value it changes what is computed. A `while` loop is read by its carry:
 how many rounds run (a loop over the rows, one row a round) is not judged.
 A forward that cannot be traced with a symbolic size (`len(x)`, a Python
-`if` on it, NumPy on a shape) is traced at the rows there are and at twice
-as many: a floating-point constant of one only is computed from the number.
-Where an integer constant differs (a row's index, or a count), or a trace
-fails, it is not judged, and the caller is told.
+`if` on it, NumPy on a shape) is traced at a device's rows and at one
+device's (`dpax.analysis.two_counts`): positions found in both traces, and
+constants that differ between them equation by equation, are found.
+Where the two traces are not the same ops, or a trace fails, it is not
+judged, and the caller is told.
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import export
-from jax.extend.core import Literal, jaxprs_in_params
 
+from dpax.analysis import two_counts
 from dpax.analysis.propagate import Domain, at_call, propagate, trace, where
 
 _SCATTERS = ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
@@ -60,8 +60,9 @@ class FromRowsCount(Domain):
     bottom = frozenset()
 
     def __init__(self, count):
-        self.count = count  # the symbol: a device's number of rows
+        self.count = count  # the symbol (or a trace's number): a device's number of rows
         self.found: str | None = None
+        self.places: list[str] = []  # every equation found, in order
         # Index arrays made by a concatenation along their last axis (jnp's
         # `x[i, j]`): each column's fact, for the operand axis it indexes.
         self.columns: dict = {}
@@ -81,10 +82,11 @@ class FromRowsCount(Domain):
         return None
 
     def _found(self, eqn) -> None:
-        if self.found is None and any(
-                jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact)
-                for v in eqn.outvars):
-            self.found = where(eqn)
+        if any(jnp.issubdtype(getattr(v.aval, "dtype", jnp.int32), jnp.inexact)
+               for v in eqn.outvars):
+            self.places.append(where(eqn))
+            if self.found is None:
+                self.found = self.places[-1]
 
     def _while(self, eqn, facts: list) -> list:
         """The carry, through the body until its facts settle; the condition's
@@ -149,6 +151,7 @@ class FromRowsCount(Domain):
     def call(self, eqn, outs: list) -> list:
         if self.found is not None:
             self.found = at_call(self.found, eqn)
+        self.places = [at_call(place, eqn) for place in self.places]
         return outs
 
     def opaque(self, eqn) -> list:
@@ -161,8 +164,8 @@ def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
     """Where `fn(*args)` computes a floating-point value from the number of
     rows of the arguments marked in `rows` (their leading axis) or from a
     row's position among them, as "`op` at file:line", or None where it does
-    not, or where `fn` cannot be traced with that number as a symbol (then
-    `not_judged` gets the trace's error)."""
+    not, or where it cannot be judged (then `not_judged` gets the symbolic
+    trace's error)."""
     held = [a.shape[0] for flag, arg in zip(rows, args) if flag
             for a in jax.tree.leaves(arg) if a.ndim]
     if not held:
@@ -182,62 +185,28 @@ def uses_rows_count(fn: Callable, args: Sequence[Any], rows: Sequence[bool],
     try:
         jaxpr = trace(fn, symbolic, axis, size).jaxpr
     except Exception as error:  # `len(x)`, `float(x.shape[0])`: the numbers' constants
-        return _constants_apart(fn, args, rows, axis, size, devices, error, not_judged)
+        found = two_counts.compare(fn, args, rows, axis, size, devices, _positions)
+        if found is two_counts.NOT_JUDGED:
+            if not_judged is not None:
+                not_judged(error)
+            return None
+        return found
     domain = FromRowsCount(count)
     propagate(jaxpr, [frozenset()] * len(jaxpr.invars), domain)
     return domain.found
 
 
-def _constants_apart(fn: Callable, args: Sequence[Any], rows: Sequence[bool], axis, size,
-                     devices: int, error: BaseException, not_judged) -> str | None:
-    """Where the symbolic trace fails: `fn` traced at the rows a device holds
-    and at `devices` times as many, one device's. A floating-point constant
-    of either trace that the other lacks is computed from the number (`/
-    len(x)`, `x.shape[0] ** 0.5`, a branch on it): its equation is returned.
-    Integer constants are not compared: JAX writes the rows' number into
-    every index along them (a negative index wraps), and a loop over
-    `range(len(x))` into its indices, which only pick rows. Where a trace
-    fails too, `not_judged` gets `error`."""
-    try:
-        one, all_rows = (trace(fn, _times_rows(args, rows, k), axis, size) for k in (1, devices))
-    except Exception:  # noqa: BLE001 - the symbolic trace's error says why
-        if not_judged is not None:
-            not_judged(error)
-        return None
-    floats, other = _float_constants(one), _float_constants(all_rows)
-    apart = ([eqn for value, eqn in floats.items() if value not in other]
-             + [eqn for value, eqn in other.items() if value not in floats])
-    return where(apart[0]) if apart else None
+def _positions(closed, count: int) -> list[str]:
+    """Where a concrete trace with `count` rows a device makes a value from
+    a row's position among them (`two_counts`)."""
+    domain = FromRowsCount(count)
+    propagate(closed.jaxpr, [frozenset()] * len(closed.jaxpr.invars), domain)
+    return domain.places
 
 
-def _float_constants(closed) -> dict:
-    """{value: first equation} of the floating-point scalar literals of
-    `closed` and of the programs inside it."""
-    found: dict = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            for v in eqn.invars:
-                if (isinstance(v, Literal) and np.ndim(v.val) == 0
-                        and np.issubdtype(np.result_type(v.val), np.floating)):
-                    found.setdefault(repr(float(v.val)), eqn)
-            for inner in jaxprs_in_params(eqn.params):
-                walk(inner)
-
-    walk(closed.jaxpr)
-    return found
-
-
-def _times_rows(args: Sequence[Any], rows: Sequence[bool], k: int) -> list:
-    """`args` with `k` times the rows in those marked by `rows`, as shapes."""
-    def times(a):
-        return jax.ShapeDtypeStruct((a.shape[0] * k,) + a.shape[1:] if a.ndim else (), a.dtype)
-
-    return [jax.tree.map(times, arg) if flag else arg for arg, flag in zip(args, rows)]
-
-
-def _has_rows(atom) -> bool:
-    return any(export.is_symbolic_dim(d) for d in getattr(atom.aval, "shape", ()))
+def _has_rows(atom, count) -> bool:
+    """An axis by the rows: symbolic, or in a concrete trace `count` long."""
+    return any(export.is_symbolic_dim(d) or d == count for d in getattr(atom.aval, "shape", ()))
 
 
 def _last(atom) -> int:
@@ -253,7 +222,7 @@ def _by_rows(eqn, count) -> bool:
     slices by the rows' number only so; a lookup by ids slices a fixed size.)"""
     sliced = (eqn.params["slice_sizes"] if eqn.primitive.name == "gather"
               else eqn.outvars[0].aval.shape)
-    return any(d == count for d in sliced) and not _has_rows(eqn.invars[0])
+    return any(d == count for d in sliced) and not _has_rows(eqn.invars[0], count)
 
 
 def _with_rows(a, count) -> jax.ShapeDtypeStruct:

@@ -22,12 +22,14 @@ EXIT_PREEMPTED = 4  # SIGTERM/SIGINT/SIGUSR1: stopped at a step boundary, checkp
 EXIT_STALLED = 5  # a rank waited on its peers longer than --timeout (stacks printed)
 
 _ARG = re.compile(r"`([a-z_][a-z0-9_]*)(?:=([^`]*))?`")
+# Arguments whose flag is not their name: `dpax check --loss MODULE:FN`.
+_FLAG_NAMES = {"loss_fn": "loss"}
 
 
 def as_flags(message: str) -> str:
     """`message` with its `name` / `name=value` arguments written as flags."""
     def flag(m: re.Match) -> str:
-        name, value = m.group(1).replace("_", "-"), m.group(2)
+        name, value = _FLAG_NAMES.get(m.group(1), m.group(1)).replace("_", "-"), m.group(2)
         if value is None:
             return f"--{name}"
         if value == "True":

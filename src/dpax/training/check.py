@@ -57,7 +57,11 @@ CAUSES = {
     "rng": "per-device RNG: the model draws random numbers from its own key on every "
            "device; use nnx.Dropout (dpax derives each example's key from seed, step and index)",
     "loss-mixes": "the loss mixes examples across the batch (e.g. a per-device mean or "
-                  "normalization): return each example's own loss",
+                  "normalization): return each example's own loss; for a loss over the "
+                  "whole batch take the other examples from dpax.models.layers.global_rows",
+    "mixes": "the model or the loss mixes examples across the batch: compute each example's "
+             "loss from that example alone; for a loss over the whole batch take the other "
+             "examples from dpax.models.layers.global_rows",
     "model-mixes": "an op in the model mixes examples across the batch (a mean, norm or "
                    "sort over the batch axis) without synchronizing it",
     "batch-size": "the loss or the model computes with the number of rows a device holds "
@@ -278,7 +282,9 @@ def _diagnose(model, trainer, loss_fn, data, rest_before, sync_batchnorm) -> tup
     whole = np.asarray(_per_example(loss_fn, host, batch))[: b // 2]
     if not _same(whole, np.asarray(_per_example(loss_fn, host, half))):
         return "loss-mixes", CAUSES["loss-mixes"]
-    return "model-mixes", CAUSES["model-mixes"]
+    # Neither half of the batch shows it (a difference of neighbours, the
+    # batch's hardest examples): the refusal's line, if any, says where.
+    return "mixes", CAUSES["mixes"]
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

@@ -10,6 +10,7 @@ the host reads them only at log boundaries.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import sys
 import warnings
@@ -966,10 +967,26 @@ def _check_arguments(model: Any, loss_fn: Any, optimizer: Any, predict_fn: Any) 
         if fn is not None and not callable(fn):
             raise DpaxError(f"`{name}` must be a function (model, batch) -> per-example "
                             f"values, got {_kind(fn)}")
+        if fn is not None and not _takes_model_and_batch(fn):
+            raise DpaxError(f"`{name}` must take (model, batch), but "
+                            f"{getattr(fn, '__name__', _kind(fn))}{inspect.signature(fn)} "
+                            "cannot be called with two arguments")
     if not (callable(getattr(optimizer, "init", None))
             and callable(getattr(optimizer, "update", None))):
         raise DpaxError(f"`optimizer` must be an optax GradientTransformation (e.g. "
                         f"optax.adam(1e-3)), got {_kind(optimizer)}")
+
+
+def _takes_model_and_batch(fn: Callable) -> bool:
+    """Can `fn(model, batch)` be called? True where Python cannot say (a
+    builtin or an extension without a signature)."""
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def _kind(value: Any) -> str:

@@ -1,0 +1,169 @@
+"""A forward that does not trace with its number of rows as a symbol
+(`len(x)`, `float(x.shape[0])`, a Python `if` on it, NumPy on a shape),
+judged from two concrete traces: at the rows a device holds and at one
+device's (`dpax.analysis.batch_size` asks, where its symbolic trace fails).
+
+A value computed from the number differs between the two traces where the
+rest does not: a constant (`1 / 6` against `1 / 12`), a parameter (a
+power), a branch taken. The rows' number itself is no such sign: JAX writes
+it, as an integer, into every index along the rows (a negative index
+wraps) and a scan's length. Traces that are not the same ops (a Python
+loop over the rows, unrolled) are compared by their floating-point
+constants only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from dpax.analysis.propagate import at_call, trace, where
+
+NOT_JUDGED = object()  # what `compare` returns where it cannot tell
+
+
+def compare(fn: Callable, args: Sequence[Any], rows: Sequence[bool], axis, size,
+            devices: int, positions: Callable[[Any, int], list[str]]) -> str | None | object:
+    """`fn` traced at the rows a device holds and at `devices` times as many,
+    one device's: where it computes with their number, as "`op` at
+    file:line", None where it does not, or `NOT_JUDGED`. Found: a position
+    among the rows in both traces (`positions(trace, count)`: the places the
+    rows analysis of a symbolic trace would find), and, equation by equation
+    where the two traces are the same ops, a constant or parameter that
+    differs (`/ len(x)`, `x.shape[0] ** 0.5`, `np.linspace(1, 2, len(x))`, a
+    branch taken apart), but the rows' number itself as an integer: JAX
+    writes it into every index along them and a scan's length. Where the
+    traces are not the same ops (a loop over `range(len(x))`, unrolled), a
+    floating-point constant found in one only is found, and anything else
+    is `NOT_JUDGED`, as where a trace fails."""
+    held = next(a.shape[0] for flag, arg in zip(rows, args) if flag
+                for a in jax.tree.leaves(arg) if a.ndim)
+    counts = (held, held * devices)
+    try:
+        traces = [trace(fn, _times_rows(args, rows, c // held), axis, size) for c in counts]
+    except Exception:  # noqa: BLE001 - the caller's symbolic trace's error says why
+        return NOT_JUDGED
+    one, other = (positions(closed, count) for closed, count in zip(traces, counts))
+    both = [place for place in one if place in other]
+    if both:
+        return both[0]
+    pairs = _alike(_program(traces[0]), _program(traces[1]))
+    if pairs is not None:
+        apart = [at_call(where(a), outer) for a, b, consts, outer in pairs
+                 if _apart(a, b, consts, counts)]
+        return apart[0] if apart else None
+    floats, other = _float_values(traces[0], held), _float_values(traces[1], counts[1])
+    apart = ([eqn for value, eqn in floats.items() if value not in other]
+             + [eqn for value, eqn in other.items() if value not in floats])
+    return where(apart[0]) if apart else NOT_JUDGED
+
+
+def _program(closed) -> tuple:
+    return closed.jaxpr, closed.consts
+
+
+def _alike(one: tuple, two: tuple, outer=None) -> list | None:
+    """The equations of two programs ((jaxpr, consts) each) paired, with
+    their constants ({var: value} of each) and the outermost equation they
+    are in (whose line is the user's), where they are the same ops in the
+    same order, the programs inside them too; else None."""
+    (a, a_consts), (b, b_consts) = one, two
+    if len(a.eqns) != len(b.eqns):
+        return None
+    consts = (dict(zip(a.constvars, a_consts)), dict(zip(b.constvars, b_consts)))
+    pairs = []
+    for x, y in zip(a.eqns, b.eqns):
+        inner = list(_programs(x.params)), list(_programs(y.params))
+        if x.primitive != y.primitive or len(x.invars) != len(y.invars) \
+                or len(inner[0]) != len(inner[1]):
+            return None
+        pairs.append((x, y, consts, outer or x))
+        for p, q in zip(*inner):
+            more = _alike(p, q, outer or x)
+            if more is None:
+                return None
+            pairs += more
+    return pairs
+
+
+def _apart(a, b, consts: tuple, counts: tuple[int, int]) -> bool:
+    """Do two paired equations differ by a constant operand or a scalar
+    parameter, beyond the rows' number itself as an integer?"""
+    def same(u, v, sizes: bool = True) -> bool:
+        u, v = np.asarray(u), np.asarray(v)
+        if (sizes and u.ndim == v.ndim == 0 and u.dtype.kind in "iu" and v.dtype.kind in "iu"
+                and (int(u), int(v)) == counts):
+            return True  # an index's wrap along the rows, a loop's length
+        return u.dtype.kind == v.dtype.kind and np.array_equal(u, v, equal_nan=True)
+
+    for u, v in zip(a.invars, b.invars):
+        if isinstance(u, Literal) != isinstance(v, Literal):
+            return True
+        if isinstance(u, Literal):
+            if not same(u.val, v.val):
+                return True
+        elif u in consts[0] and v in consts[1]:
+            x, y = np.asarray(consts[0][u]), np.asarray(consts[1][v])
+            if jnp.issubdtype(x.dtype, jnp.inexact) and not np.array_equal(
+                    np.unique(x), np.unique(y), equal_nan=True):
+                return True  # a weight per row made with NumPy: its values by the number
+    for key, u in a.params.items():
+        v = b.params.get(key)
+        # A scan's length is the rows' (`lax.map` over them); a power's is not.
+        if isinstance(u, (bool, int, float, np.number)) and not same(u, v, key == "length"):
+            return True
+    return False
+
+
+def _float_values(closed, rows: int) -> dict:
+    """{value: the first equation that reads it} of the floating-point
+    constants of `closed` and of the programs inside it: every scalar, and
+    every entry of an array with an axis `rows` long (a weight per row made
+    with NumPy)."""
+    found: dict = {}
+
+    def read(value, eqn) -> bool:
+        if not jnp.issubdtype(np.result_type(value), jnp.floating):
+            return False
+        if np.ndim(value) and rows not in np.shape(value):
+            return False
+        for v in np.unique(np.asarray(value, np.float64)):
+            found.setdefault(repr(float(v)), eqn)
+        return True
+
+    def walk(jaxpr, consts):
+        arrays = dict(zip(jaxpr.constvars, consts))
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if isinstance(v, Literal):
+                    read(v.val, eqn)
+                elif v in arrays:
+                    read(arrays.pop(v), eqn)
+            for inner in _programs(eqn.params):
+                walk(*inner)
+
+    walk(closed.jaxpr, closed.consts)
+    return found
+
+
+def _programs(params: dict):
+    """(jaxpr, its constants) of each program in an equation's params."""
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                yield item.jaxpr, item.consts
+            elif isinstance(item, Jaxpr):
+                yield item, ()
+
+
+def _times_rows(args: Sequence[Any], rows: Sequence[bool], k: int) -> list:
+    """`args` with `k` times the rows in those marked by `rows`, as shapes."""
+    def times(a):
+        return jax.ShapeDtypeStruct((a.shape[0] * k,) + a.shape[1:] if a.ndim else (), a.dtype)
+
+    return [jax.tree.map(times, arg) if flag else arg for arg, flag in zip(args, rows)]
