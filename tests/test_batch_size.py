@@ -18,6 +18,7 @@ from dpax.analysis.batch_size import uses_rows_count
 from dpax.errors import DpaxWarning, ReadsBatchSize
 
 R = 6  # a device's rows
+KEY = jax.random.key(0)  # a typed key, which NumPy cannot hold
 
 
 def found(fn, not_judged=None):
@@ -102,6 +103,9 @@ def test_what_only_shapes_or_picks_by_the_rows_is_not_found(name, fn):
         optax.softmax_cross_entropy_with_integer_labels(x @ w, jnp.arange(len(x)) % 3))),
     ("every other row by len()",
      lambda w, x, y: jnp.where(jnp.arange(len(x)) % 2 == 0, x.sum(1), 0.0)),
+    ("labels for half the batch made with NumPy", lambda w, x, y: x.sum(1) * np.concatenate(
+        [np.ones(len(x) // 2), np.zeros(len(x) - len(x) // 2)])),
+    ("a NumPy mask by position", lambda w, x, y: jnp.where(np.arange(len(x)) < 3, x.sum(1), 0.0)),
 ])
 def test_a_number_python_reads_from_the_rows_is_found(name, fn):
     errors = []
@@ -122,6 +126,15 @@ def test_a_number_python_reads_from_the_rows_is_found(name, fn):
      lambda w, x, y: jax.lax.map(lambda r: jnp.tanh(r @ w).sum(), x.reshape(len(x), 4))),
     ("labels picked along len()'s rows", lambda w, x, y: jnp.take_along_axis(
         jax.nn.log_softmax(x @ w), y.reshape(len(y), 1), 1)[:, 0]),
+    # Sizes that grow with the rows (their features': R * 4) are no count.
+    ("a map over the rows' features, flattened", lambda w, x, y: jax.lax.map(
+        jnp.tanh, x.reshape(len(x) * 4)).reshape(len(x), 4).sum(1)),
+    ("each feature's own entry picked, flattened", lambda w, x, y: x.reshape(len(x) * 4)[
+        jnp.arange(len(x) * 4)].reshape(len(x), 4).sum(1)),
+    ("a weight per feature tiled per row with NumPy", lambda w, x, y: (x * np.tile(
+        np.linspace(0, 1, 4), len(x)).reshape(len(x), 4)).sum(1)),
+    ("a constant random key beside NumPy on the rows", lambda w, x, y: x.sum(1)
+     + 0.1 * jax.random.normal(KEY, ()) + np.zeros(len(x))),
 ])
 def test_what_python_only_shapes_by_the_rows_is_not_found(name, fn):
     errors = []

@@ -5,11 +5,14 @@ device's (`dpax.analysis.batch_size` asks, where its symbolic trace fails).
 
 A value computed from the number differs between the two traces where the
 rest does not: a constant (`1 / 6` against `1 / 12`), a parameter (a
-power), a branch taken. The rows' number itself is no such sign: JAX writes
-it, as an integer, into every index along the rows (a negative index
-wraps) and a scan's length. Traces that are not the same ops (a Python
-loop over the rows, unrolled) are compared by their floating-point
-constants only.
+power), a branch taken, a NumPy array made per row whose rows differ
+(`np.linspace(1, 2, len(x))`). A size that grows with the rows (theirs, or
+their tokens') is no such sign: JAX writes it, as an integer, into every
+index along them (a negative index wraps) and a scan's length; nor is an
+integer array made per row (`np.arange(len(y))` picking each row's label).
+So the number used as an integer value goes unread. Traces that are not
+the same ops (a Python loop over the rows, unrolled) are compared by their
+floating-point constants only.
 """
 
 from __future__ import annotations
@@ -48,6 +51,14 @@ def compare(fn: Callable, args: Sequence[Any], rows: Sequence[bool], axis, size,
         traces = [trace(fn, _times_rows(args, rows, c // held), axis, size) for c in counts]
     except Exception:  # noqa: BLE001 - the caller's symbolic trace's error says why
         return NOT_JUDGED
+    try:
+        return _compared(traces, counts, held, devices, positions)
+    except Exception:  # noqa: BLE001 - an op or value this reading does not know: no verdict
+        return NOT_JUDGED
+
+
+def _compared(traces: list, counts: tuple[int, int], held: int, devices: int,
+              positions: Callable) -> str | None | object:
     one, other = (positions(closed, count) for closed, count in zip(traces, counts))
     both = [place for place in one if place in other]
     if both:
@@ -55,7 +66,7 @@ def compare(fn: Callable, args: Sequence[Any], rows: Sequence[bool], axis, size,
     pairs = _alike(_program(traces[0]), _program(traces[1]))
     if pairs is not None:
         apart = [at_call(where(a), outer) for a, b, consts, outer in pairs
-                 if _apart(a, b, consts, counts)]
+                 if _apart(a, b, consts, held, devices)]
         return apart[0] if apart else None
     floats, other = _float_values(traces[0], held), _float_values(traces[1], counts[1])
     apart = ([eqn for value, eqn in floats.items() if value not in other]
@@ -91,33 +102,67 @@ def _alike(one: tuple, two: tuple, outer=None) -> list | None:
     return pairs
 
 
-def _apart(a, b, consts: tuple, counts: tuple[int, int]) -> bool:
-    """Do two paired equations differ by a constant operand or a scalar
-    parameter, beyond the rows' number itself as an integer?"""
+def _apart(a, b, consts: tuple, rows: int, devices: int) -> bool:
+    """Do two paired equations (at `rows` and `devices` times as many)
+    differ by a constant operand or a scalar parameter, beyond a size that
+    grows with the rows?"""
     def same(u, v, sizes: bool = True) -> bool:
         u, v = np.asarray(u), np.asarray(v)
         if (sizes and u.ndim == v.ndim == 0 and u.dtype.kind in "iu" and v.dtype.kind in "iu"
-                and (int(u), int(v)) == counts):
-            return True  # an index's wrap along the rows, a loop's length
+                and int(u) and int(u) % rows == 0 and int(v) == devices * int(u)):
+            # A size by the rows (theirs, or their tokens': R * T): an
+            # index's wrap along them, a loop's length.
+            return True
         return u.dtype.kind == v.dtype.kind and np.array_equal(u, v, equal_nan=True)
 
     for u, v in zip(a.invars, b.invars):
         if isinstance(u, Literal) != isinstance(v, Literal):
             return True
         if isinstance(u, Literal):
-            if not same(u.val, v.val):
+            if not _key(u.val) and not same(u.val, v.val):
                 return True
         elif u in consts[0] and v in consts[1]:
-            x, y = np.asarray(consts[0][u]), np.asarray(consts[1][v])
-            if jnp.issubdtype(x.dtype, jnp.inexact) and not np.array_equal(
-                    np.unique(x), np.unique(y), equal_nan=True):
-                return True  # a weight per row made with NumPy: its values by the number
+            x, y = consts[0][u], consts[1][v]
+            if not _key(x) and not _same_per_row(np.asarray(x), np.asarray(y), rows, devices):
+                return True  # a weight per row made with NumPy, by the number
     for key, u in a.params.items():
         v = b.params.get(key)
         # A scan's length is the rows' (`lax.map` over them); a power's is not.
         if isinstance(u, (bool, int, float, np.number)) and not same(u, v, key == "length"):
             return True
     return False
+
+
+def _key(value) -> bool:
+    """A typed PRNG key, which NumPy cannot hold."""
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _same_per_row(x: np.ndarray, y: np.ndarray, rows: int, devices: int) -> bool:
+    """Two traces' constant: the same, or, made per row (an axis a multiple
+    of `rows` long in the first, `devices` times that in the second), the
+    same entries for every row: `np.ones(len(x))` and `np.tile(w, len(x))`
+    are, `np.linspace(1, 2, len(x))` is not. An integer one made per row is
+    a row's position picking its own entry (`logp[np.arange(len(y)), y]`):
+    not read."""
+    if x.shape == y.shape:
+        return x.dtype == y.dtype and np.array_equal(x, y, equal_nan=True)
+    axes = [i for i, (m, n) in enumerate(zip(x.shape, y.shape)) if m != n]
+    if (x.ndim != y.ndim or len(axes) != 1 or x.shape[axes[0]] % rows
+            or y.shape[axes[0]] != devices * x.shape[axes[0]]):
+        return False
+    if x.dtype.kind in "iu":
+        return True
+    per_row = x.shape[axes[0]] // rows  # a row's entries along that axis (its tokens)
+    first = []
+    for z in (x, y):
+        blocks = np.moveaxis(z, axes[0], 0)
+        blocks = blocks.reshape((blocks.shape[0] // per_row, per_row) + blocks.shape[1:])
+        if not np.array_equal(blocks, np.broadcast_to(blocks[:1], blocks.shape), equal_nan=True):
+            return False
+        first.append(blocks[0])
+    return x.dtype == y.dtype and np.array_equal(*first, equal_nan=True)  # `1 / len(x)` is not
 
 
 def _float_values(closed, rows: int) -> dict:
@@ -128,7 +173,7 @@ def _float_values(closed, rows: int) -> dict:
     found: dict = {}
 
     def read(value, eqn) -> bool:
-        if not jnp.issubdtype(np.result_type(value), jnp.floating):
+        if _key(value) or not jnp.issubdtype(np.result_type(value), jnp.floating):
             return False
         if np.ndim(value) and rows not in np.shape(value):
             return False
