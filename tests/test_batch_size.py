@@ -106,6 +106,10 @@ def test_what_only_shapes_or_picks_by_the_rows_is_not_found(name, fn):
     ("labels for half the batch made with NumPy", lambda w, x, y: x.sum(1) * np.concatenate(
         [np.ones(len(x) // 2), np.zeros(len(x) - len(x) // 2)])),
     ("a NumPy mask by position", lambda w, x, y: jnp.where(np.arange(len(x)) < 3, x.sum(1), 0.0)),
+    # Multiples of the number that no axis is as long as are no size.
+    ("twice the number, filled", lambda w, x, y: x.sum(1) * jnp.full(len(x), 2 * len(x))),
+    ("a loop counting to twice the number", lambda w, x, y: x.sum(1) * jax.lax.fori_loop(
+        0, 2 * len(x), lambda i, a: a + 1.0, 0.0)),
 ])
 def test_a_number_python_reads_from_the_rows_is_found(name, fn):
     errors = []

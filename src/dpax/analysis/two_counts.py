@@ -65,8 +65,9 @@ def _compared(traces: list, counts: tuple[int, int], held: int, devices: int,
         return both[0]
     pairs = _alike(_program(traces[0]), _program(traces[1]))
     if pairs is not None:
+        sizes = (_sizes(traces[0].jaxpr), _sizes(traces[1].jaxpr))
         apart = [at_call(where(a), outer) for a, b, consts, outer in pairs
-                 if _apart(a, b, consts, held, devices)]
+                 if _apart(a, b, consts, held, devices, sizes)]
         return apart[0] if apart else None
     floats, other = _float_values(traces[0], held), _float_values(traces[1], counts[1])
     apart = ([eqn for value, eqn in floats.items() if value not in other]
@@ -102,16 +103,17 @@ def _alike(one: tuple, two: tuple, outer=None) -> list | None:
     return pairs
 
 
-def _apart(a, b, consts: tuple, rows: int, devices: int) -> bool:
+def _apart(a, b, consts: tuple, rows: int, devices: int, sizes: tuple[set, set]) -> bool:
     """Do two paired equations (at `rows` and `devices` times as many)
-    differ by a constant operand or a scalar parameter, beyond a size that
-    grows with the rows?"""
-    def same(u, v, sizes: bool = True) -> bool:
+    differ by a constant operand or a scalar parameter, beyond the length
+    of an axis that grows with the rows (`sizes`: each trace's axis lengths)?"""
+    def same(u, v, size: bool = True) -> bool:
         u, v = np.asarray(u), np.asarray(v)
-        if (sizes and u.ndim == v.ndim == 0 and u.dtype.kind in "iu" and v.dtype.kind in "iu"
-                and int(u) and int(u) % rows == 0 and int(v) == devices * int(u)):
-            # A size by the rows (theirs, or their tokens': R * T): an
-            # index's wrap along them, a loop's length.
+        if (size and u.ndim == v.ndim == 0 and u.dtype.kind in "iu" and v.dtype.kind in "iu"
+                and int(u) and int(u) % rows == 0 and int(v) == devices * int(u)
+                and int(u) in sizes[0] and int(v) in sizes[1]):
+            # An axis by the rows (theirs, or their tokens': R * T): an
+            # index's wrap along it, a loop's length over it.
             return True
         return u.dtype.kind == v.dtype.kind and np.array_equal(u, v, equal_nan=True)
 
@@ -131,6 +133,18 @@ def _apart(a, b, consts: tuple, rows: int, devices: int) -> bool:
         if isinstance(u, (bool, int, float, np.number)) and not same(u, v, key == "length"):
             return True
     return False
+
+
+def _sizes(jaxpr) -> set[int]:
+    """The lengths of every axis of every value in `jaxpr` and the programs
+    inside it."""
+    found: set[int] = set()
+    for eqn in jaxpr.eqns:
+        for v in (*eqn.invars, *eqn.outvars):
+            found.update(d for d in getattr(v.aval, "shape", ()) if isinstance(d, int))
+        for inner, _ in _programs(eqn.params):
+            found |= _sizes(inner)
+    return found
 
 
 def _key(value) -> bool:
