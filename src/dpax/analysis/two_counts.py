@@ -6,9 +6,10 @@ device's (`dpax.analysis.batch_size` asks, where its symbolic trace fails).
 A value computed from the number differs between the two traces where the
 rest does not: a constant (`1 / 6` against `1 / 12`), a parameter (a
 power), a branch taken, a NumPy array made per row whose rows differ
-(`np.linspace(1, 2, len(x))`). A size that grows with the rows (theirs, or
-their tokens') is no such sign: JAX writes it, as an integer, into every
-index along them (a negative index wraps) and a scan's length; nor is an
+(`np.linspace(1, 2, len(x))`). The length of an axis that grows with the
+rows (theirs, or their tokens') is no such sign: JAX writes it, as an
+integer, into every index along it (a negative index wraps) and a scan's
+length over it; nor is an
 integer array made per row (`np.arange(len(y))` picking each row's label).
 So the number used as an integer value goes unread. Traces that are not
 the same ops (a Python loop over the rows, unrolled) are compared by their
