@@ -9,9 +9,9 @@ power), a branch taken, a NumPy array made per row whose rows differ
 (`np.linspace(1, 2, len(x))`). The length of an axis that grows with the
 rows (theirs, or their tokens') is no such sign: JAX writes it, as an
 integer, into every index along it (a negative index wraps) and a scan's
-length over it; nor is an
-integer array made per row (`np.arange(len(y))` picking each row's label).
-So the number used as an integer value goes unread. Traces that are not
+length over it; nor is an integer array made per row (`np.arange(len(y))`
+picking each row's label). So the number used as an integer value goes
+unread where an axis is as long. Traces that are not
 the same ops (a Python loop over the rows, unrolled) are compared by their
 floating-point constants only.
 """
@@ -37,11 +37,10 @@ def compare(fn: Callable, args: Sequence[Any], rows: Sequence[bool], axis, size,
     one device's: where it computes with their number, as "`op` at
     file:line", None where it does not, or `NOT_JUDGED`. Found: a position
     among the rows in both traces (`positions(trace, count)`: the places the
-    rows analysis of a symbolic trace would find), and, equation by equation
+    rows-count domain finds in a symbolic trace), and, equation by equation
     where the two traces are the same ops, a constant or parameter that
     differs (`/ len(x)`, `x.shape[0] ** 0.5`, `np.linspace(1, 2, len(x))`, a
-    branch taken apart), but the rows' number itself as an integer: JAX
-    writes it into every index along them and a scan's length. Where the
+    branch taken apart), but an axis's length as an integer. Where the
     traces are not the same ops (a loop over `range(len(x))`, unrolled), a
     floating-point constant found in one only is found, and anything else
     is `NOT_JUDGED`, as where a trace fails."""
@@ -60,6 +59,7 @@ def compare(fn: Callable, args: Sequence[Any], rows: Sequence[bool], axis, size,
 
 def _compared(traces: list, counts: tuple[int, int], held: int, devices: int,
               positions: Callable) -> str | None | object:
+    """`compare`'s reading of its two traces."""
     one, other = (positions(closed, count) for closed, count in zip(traces, counts))
     both = [place for place in one if place in other]
     if both:
