@@ -184,7 +184,7 @@ def test_a_loss_the_batch_size_check_cannot_read_trains_with_a_warning_naming_it
     reads gets no warning."""
     x, y = data(0)
     t = dpax.Trainer(Net(nnx.Rngs(0)), weighted_by_position, optax.sgd(0.5), devices=2)
-    with pytest.warns(DpaxWarning, match=r"cannot check .* fails at .*test_batch_size.py:\d+ "
+    with pytest.warns(DpaxWarning, match=r"cannot check .* \(at .*test_batch_size.py:\d+ "
                                         r"\(weighted_by_position\)") as caught:
         t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
     assert all("\n" not in str(w.message) for w in caught)
