@@ -113,7 +113,7 @@ def _warn_not_judged(error: BaseException, devices: int) -> None:
     warnings.warn(
         f"dpax cannot check whether the loss or the model computes with the number of rows a "
         f"device holds: it does not trace with that number as a symbol"
-        f"{f' (at {at}' if at else ' ('}{type(error).__name__}: "
+        f"{f' (at {at}: ' if at else ' ('}{type(error).__name__}: "
         f"{lines[0][:120] if lines else ''}), and its traces at a device's rows and at one "
         f"device's cannot be compared. If it does, {devices} devices do not compute what one "
         "device computes: return each example's own loss, or compare with one device by "
