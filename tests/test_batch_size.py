@@ -194,6 +194,24 @@ def test_a_loss_the_batch_size_check_cannot_read_trains_with_a_warning_naming_it
         t.fit(x, y, batch_size=15, until_step=1, log_every=10**9)
 
 
+def test_dpax_check_of_a_loss_it_cannot_read_warns_and_compares(tmp_path, monkeypatch, capsys):
+    """Through the CLI: the warning, then the comparison's verdict (exit 1,
+    NOT equivalent). Its search for a cause ran the loss on 16 rows, which a
+    loss made for at most 13 cannot take: that was a TypeError (exit 1, a
+    traceback in a file)."""
+    assert check_loss_cli(tmp_path, monkeypatch, "thirteen:loss", (
+        "import numpy as np\nimport optax\n\n\n"
+        "def loss(model, batch):\n"
+        "    logits = model(batch['x'])\n"
+        "    weights = np.linspace(1.0, 2.0, 13)[:len(logits)]\n"
+        "    return optax.softmax_cross_entropy_with_integer_labels(logits, batch['y']) * weights\n"
+    )) == 1
+    captured = capsys.readouterr()
+    warned = [line for line in captured.err.splitlines() if "cannot check" in line]
+    assert len(warned) == 1 and "thirteen.py:7 (loss)" in warned[0], captured.err
+    assert "dpax: error" not in captured.err and "NOT equivalent" in captured.out, captured
+
+
 def over_a_float_count(model, batch):
     """Each example's loss over the rows' number as a Python float."""
     logits = model(batch["x"])
