@@ -19,6 +19,8 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
+from dpax.analysis.live import live
+
 # Collectives whose result combines every device's values: the same everywhere.
 COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "all_gather",
                          "all_gather_invariant"})
@@ -195,9 +197,10 @@ def shapes(args: Sequence[Any]) -> list:
 def trace(fn: Callable, args: Sequence[Any], axis: str | tuple[str, ...],
           size: int | tuple[int, ...]) -> jcore.ClosedJaxpr:
     """`fn`'s jaxpr on the shapes of `args`, inside `size` devices of `axis`
-    (or, for several axes, `size[i]` along `axis[i]`), with its constants."""
+    (or, for several axes, `size[i]` along `axis[i]`), with its constants:
+    the equations its outputs need (`dpax.analysis.live`)."""
     env = list(zip(names(axis), size if isinstance(size, tuple) else (size,)))
-    return jax.make_jaxpr(fn, axis_env=env)(*shapes(args))
+    return live(jax.make_jaxpr(fn, axis_env=env)(*shapes(args)))
 
 
 def line(eqn) -> str:

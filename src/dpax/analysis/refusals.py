@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from dpax.analysis.batch_size import uses_rows_count
+from dpax.analysis.live import live
 from dpax.analysis.propagate import COLLECTIVES, PER_DEVICE, axes, leaf_flags, trace, user_line
 from dpax.analysis.rows import UNKNOWN, first_mixed, mixing
 from dpax.analysis.varying import analyze, varying
@@ -61,6 +62,7 @@ def refuse(forward: Callable, args: tuple, axis: str | tuple[str, ...],
     traces `forward` again)."""
     if math.prod(size if isinstance(size, tuple) else (size,)) == 1:
         return {}
+    jaxpr = None if jaxpr is None else live(jaxpr)
     kinds = None if jaxpr is None else _mixing(jaxpr, args)
     if kinds is not None and UNKNOWN in kinds:
         # The caller's trace (a gradient's forward part) holds derivative
