@@ -18,6 +18,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from dpax.training.state import KEPT, SOWN
+
 
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
@@ -27,9 +29,11 @@ def _quick_walk(model: nnx.Module) -> list | None:
     """The model's Variables by JAX's pytree walk (NNX modules are pytrees),
     without the graph bookkeeping (shared references, paths) `nnx.state` does. None
     where the model is not a pytree of Variables (a module made with
-    `pytree=False`)."""
+    `pytree=False`). What the model sowed is not among them (`SOWN`)."""
     found = jax.tree.leaves(model, is_leaf=_is_variable)
-    return found if all(_is_variable(v) for v in found) else None
+    if not all(_is_variable(v) for v in found):
+        return None
+    return [v for v in found if not isinstance(v, SOWN)]
 
 
 @jax.jit
@@ -77,7 +81,7 @@ class ModelHandback:
         finds them again) where each holds one leaf and `quick` sees every
         one of them; else `write` leaves the model to `nnx.update` until the
         quick walk changes."""
-        current = nnx.state(self.model)
+        current = nnx.state(self.model, KEPT)
         targets = jax.tree.leaves(current, is_leaf=_is_variable)
         leaves, treedef = jax.tree.flatten(current)
         usable = (len(leaves) == len(targets)
@@ -113,5 +117,5 @@ def _own_copies(new: list, old: list, compiled: bool = False) -> list:
 
 def _write_by_nnx(model: nnx.Module, state: nnx.State) -> None:
     """NNX's own walk and update, for any model."""
-    old, treedef = jax.tree.flatten(nnx.state(model))
+    old, treedef = jax.tree.flatten(nnx.state(model, KEPT))
     nnx.update(model, treedef.unflatten(_own_copies(treedef.flatten_up_to(state), old)))

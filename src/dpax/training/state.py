@@ -13,6 +13,13 @@ from flax import nnx, struct
 
 from dpax.training.one_program import made_at_once
 
+# What a model sows (`Module.sow`: `nnx.Intermediate`, `nnx.Perturbation`)
+# is an output of the call that sowed it, not state a step carries: dpax's
+# copy of the model holds none, each forward's sows are dropped once the
+# loss has run, and the handback leaves the user's model's own alone.
+SOWN = nnx.Intermediate
+KEPT = nnx.Not(SOWN)
+
 
 @struct.dataclass
 class TrainState:

@@ -40,7 +40,7 @@ from dpax.models.layers import BatchContext, batch_context
 from dpax.parallel import layout as layouts
 from dpax.parallel.layout import Layout
 from dpax.training.compute import cast_floats, model_in
-from dpax.training.state import TrainState, eval_params
+from dpax.training.state import SOWN, TrainState, eval_params
 from dpax.training.sums import LossFn, example_metrics, shard_sums
 from dpax.training.untransposed import ReduceBeforeTranspose
 from dpax.training.update import Reduced, UpdateOptions, make_update
@@ -214,12 +214,33 @@ def _forward(graphdef: nnx.GraphDef, loss_fn: LossFn, use: Callable, key, axis,
         micro_in = _cast_inputs(micro, options.compute_dtype)
         with batch_context(_context(micro_in, key, axis, options)):
             loss_sum, count, sums = shard_sums(loss_fn, model, micro_in)
+        nnx.pop(model, SOWN)  # read by the loss, if at all; not carried
         _, _, new_state = nnx.split(model, nnx.Param, ...)
+        _refuse_new_state(new_state, model_state)
         # Model state keeps its own dtype whatever the compute dtype was.
         new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
         return loss_sum, (count, sums, new_state)
 
     return forward
+
+
+def _refuse_new_state(new_state, model_state) -> None:
+    """A step carries the model state the model held when the Trainer was
+    made: refuse a forward that makes Variables of its own (a layer that
+    creates its state on its first call) or drops some."""
+    if jax.tree.structure(new_state) == jax.tree.structure(model_state):
+        return
+
+    def paths(state):
+        return {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(state)}
+
+    made, dropped = paths(new_state) - paths(model_state), paths(model_state) - paths(new_state)
+    which = ([f"made: {p}" for p in sorted(made)[:3]]
+             + [f"dropped: {p}" for p in sorted(dropped)[:3]])
+    raise DpaxError(
+        f"the model's forward changes which Variables it holds ({', '.join(which)}): dpax "
+        "trains the state a model holds when the Trainer is made; create every Variable in "
+        "__init__ (what Module.sow stores is dropped after the loss has run)")
 
 
 def _sums_and_grads(forward: Callable, wrt, reorder: ReduceBeforeTranspose | None,

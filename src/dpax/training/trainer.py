@@ -47,7 +47,7 @@ from dpax.training import blame, loop, metrics, optim
 from dpax.training.compiled import CompiledSteps
 from dpax.training.compute import cast_floats
 from dpax.training.handback import ModelHandback
-from dpax.training.state import TrainState, field_spans, init_state
+from dpax.training.state import SOWN, TrainState, field_spans, init_state
 from dpax.training.step import StepOptions
 from dpax.training.sums import LossFn
 from dpax.training.update import check_optimizer
@@ -274,6 +274,7 @@ class Trainer:
         # dpax's own copy, its BatchNorm and Dropout layers made N-independent:
         # the user's model keeps its classes (and gets the trained state after `fit`).
         model = nnx.clone(model)
+        nnx.pop(model, SOWN)  # what an earlier call sowed: `dpax.training.state.SOWN`
         synchronize(model, batchnorm=config.sync_batchnorm)
         if PRECISIONS[config.param_dtype] is not None:
             _store_params_in(model, PRECISIONS[config.param_dtype])
