@@ -89,6 +89,12 @@ def kinds(fn, *shapes, rows=None, axis_size=2):
         jax.random.permutation(jax.random.key(0), R)].set(x)),
     ("every row's features from the first row",
      lambda x: jnp.take_along_axis(x, jnp.zeros((R, 4), jnp.int32), axis=0)),
+    ("a scan over the rows whose carry runs from row to row", lambda x: jax.lax.scan(
+        lambda c, r: (c + r.sum(), r * (1 + 0.01 * c)), jnp.zeros_like(x[0, 0]), x)[1]),
+    ("a scan over the rows that returns the rows so far", lambda x: jax.lax.scan(
+        lambda c, r: (c + r, c), jnp.zeros_like(x[0]), x)[1]),
+    ("every row less the rows' sum, carried by a scan", lambda x: x - jax.lax.scan(
+        lambda c, r: (c + r, None), jnp.zeros_like(x[0]), x)[0]),
 ])
 def test_mixing_ops_are_found(name, fn):
     (kind, *_) = kinds(fn, (R, 4))
@@ -212,6 +218,13 @@ def test_a_difference_of_runs_mixes_even_where_they_share_no_row():
      lambda x, w: jax.vmap(lambda i: x[i])(jnp.zeros(0, jnp.int32)), UNKNOWN),
     ("the first row written back in place (not read)", lambda x, w: x.at[0].set(x[0] * 2),
      UNKNOWN),
+    ("rows one by one by lax.map", lambda x, w: jax.lax.map(
+        lambda r: jnp.tanh(r @ w) * r[0], x), Row(0)),
+    ("a scan over the rows counting its rounds", lambda x, w: jax.lax.scan(
+        lambda c, r: (c + 1.0, r * c), 0.0, x)[1] @ w, Row(0)),
+    ("a scan over the rows, each written into its place (not read)", lambda x, w: jax.lax.scan(
+        lambda c, ir: (c.at[ir[0]].set(jnp.tanh(ir[1])), None), jnp.zeros_like(x),
+        (jnp.arange(R), x))[0] - x, UNKNOWN),
     ("a while loop (not read)", lambda x, w: jax.lax.while_loop(
         lambda c: c[1] < 3, lambda c: (c[0] * 2, c[1] + 1), (x, 0))[0], UNKNOWN),
 ])

@@ -78,7 +78,11 @@ class Domain:
     def sliced(self, fact):  # a scan's xs, as one iteration sees them
         return fact
 
-    def stacked(self, fact):  # a scan's ys, stacked along a new leading axis
+    def stacked(self, fact, eqn):  # a scan's ys (`eqn`'s), stacked along a new leading axis
+        return fact
+
+    def around(self, fact):
+        """A scan's carry out of one round as the next round sees it."""
         return fact
 
     def carried(self, settled, out):
@@ -152,12 +156,12 @@ def _scan(eqn, facts: list, domain: Domain, observe: Observer | None) -> list:
     while domain.scan_rounds is None or rounds < domain.scan_rounds:
         rounds += 1
         outs = propagate(body, consts + carry + xs, domain)
-        joined = [domain.join([a, b]) for a, b in zip(carry, outs[:n_carry])]
+        joined = [domain.join([a, domain.around(b)]) for a, b in zip(carry, outs[:n_carry])]
         if joined == carry:
             if observe is not None:  # once more, seen: the body as the settled carry runs it
                 outs = propagate(body, consts + carry + xs, domain, observe)
             return ([domain.carried(a, b) for a, b in zip(carry, outs[:n_carry])]
-                    + [domain.stacked(f) for f in outs[n_carry:]])
+                    + [domain.stacked(f, eqn) for f in outs[n_carry:]])
         carry = joined
     return domain.opaque(eqn)
 

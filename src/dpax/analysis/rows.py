@@ -187,25 +187,50 @@ class Kinds(Domain):
             if twin and isinstance(twin[0], Known):
                 self.twins[eqn.outvars[0]] = twin[0]
 
+    # A scan over the rows (`lax.map(f, x)`, a loop whose carry runs from
+    # row to row): each round's body sees one row, `ROUND`. A carry out made
+    # from it reaches the next round as `EARLIER`, the rows before that
+    # round's, and what holds both is `EARLIER` too. Stacked, the rounds'
+    # rows are the rows again; the rows before each one, in its place, mix
+    # them (a cumulative sum); the carry after the last round holds all of
+    # them (a summary, as a sum over the rows).
     def sliced(self, k):  # the body sees one slice along axis 0
         if isinstance(k, Known):
             return CONST
         if isinstance(k, Row):
-            return UNKNOWN if k.axis == 0 else dataclasses.replace(k, axis=k.axis - 1)
+            if k.axis == 0:
+                return ROUND if k == Row(0) else UNKNOWN
+            return dataclasses.replace(k, axis=k.axis - 1)
         return k
 
-    def stacked(self, k):
+    def stacked(self, k, eqn):
         if isinstance(k, Known):
             return CONST
+        if _in_scan(k):  # a value written into a place is not read
+            return UNKNOWN if k.placed else Row(0) if k == ROUND else Mixed(where(eqn))
         return dataclasses.replace(k, axis=k.axis + 1) if isinstance(k, Row) else k
 
+    def around(self, k):
+        if _in_scan(k):
+            return UNKNOWN if k.placed else EARLIER
+        return k
+
     def carried(self, settled, out):
-        return settled
+        return SUMMARY if settled == EARLIER else settled
 
     def opaque(self, eqn):
         return [UNKNOWN] * len(eqn.outvars)
 
 
+
+
+# In a scan over the rows (`Kinds.sliced`): the round's row, and the rows
+# before it, which ones unknown.
+ROUND, EARLIER = OneRow(-1, -1), OneRow(-2, -2)
+
+
+def _in_scan(k) -> bool:
+    return isinstance(k, OneRow) and k.index < 0
 
 
 def _located(kinds: list, eqn) -> list:
@@ -266,6 +291,8 @@ def _with_one_row(eqn, kinds: list, rule):
     are a summary of the rows where none was placed."""
     ones = {k for k in kinds if isinstance(k, OneRow)}
     rows = [k for k in kinds if isinstance(k, Row)]
+    if rule in (_stack, _concatenate) and any(_in_scan(k) for k in ones):
+        return UNKNOWN  # runs by position: a round's row has none
     if rule is _stack:
         return _stacked_rows(eqn, kinds)
     if rule is _concatenate:
@@ -277,6 +304,8 @@ def _with_one_row(eqn, kinds: list, rule):
                 and all(r.axis != axis for r in rows):
             return "mix"  # row i's value beside each row's (`concatenate([x, x[0] * ones], 1)`)
     placed = _placed(eqn, kinds, rule)
+    if not rows and {(k.index, k.rows) for k in ones} == {(-1, -1), (-2, -2)}:
+        return dataclasses.replace(EARLIER, placed=placed)  # the rows so far
     if len({(k.index, k.rows) for k in ones}) > 1:
         return SUMMARY if not (rows or placed) else UNKNOWN
     one = next(iter(ones))
