@@ -249,6 +249,32 @@ def test_regression_targets_match_the_models_outputs():
     assert t.step == 2
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_regression_takes_several_outputs_and_a_column_of_one(seed):
+    """`y` of shape (B, 2) trains the mean squared error over every output
+    (each example's mean over its outputs, then dpax's over the batch), on
+    one device and on N; `y` of shape (B, 1) trains what `y` of shape (B,)
+    does. Both were refused as not one loss per example."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(30, 4)).astype(np.float32)
+    y2 = rng.normal(size=(30, 2)).astype(np.float32)
+
+    def trained(loss, y, outputs, n):
+        t = dpax.Trainer(nnx.Linear(4, outputs, rngs=nnx.Rngs(seed)), loss, optax.adam(0.05),
+                         devices=n)
+        t.fit(x, y, batch_size=15, until_step=3, log_every=10**9)
+        return t.params
+
+    def by_hand(model, batch):
+        return jax.numpy.square(model(batch["x"]) - batch["y"]).mean(-1)
+
+    reference = trained(by_hand, y2, 2, 1)
+    for n in (1, N):
+        assert max_diff(reference, trained(dpax.regression_loss, y2, 2, n)) < 1e-6, n
+    column = trained(dpax.regression_loss, y2[:, :1], 1, 1)
+    assert max_diff(column, trained(dpax.regression_loss, y2[:, 0], 1, 1)) < 1e-7
+
+
 def test_the_models_outputs_are_traced_once_per_input_shape(monkeypatch):
     x, y = data()
     t = mlp_trainer(N, predict_fn=dpax.classification_predict)

@@ -84,10 +84,13 @@ def regression_loss(model, batch):
       batch: one device's shard of the batch, with `x` and `y`.
 
     Returns:
-      `(losses, {})`: the squared errors, shaped as `batch["y"]`.
+      `(losses, {})`: each example's squared error, the mean over its
+      outputs where `y` has several (`(B, k)`, `(B, 1)`): over the batch,
+      the mean squared error of every output.
     """
-    pred = model(batch["x"]).astype(jnp.float32).reshape(batch["y"].shape)
-    return jnp.square(pred - batch["y"]), {}
+    y = batch["y"]
+    pred = model(batch["x"]).astype(jnp.float32).reshape(y.shape)
+    return jnp.square(pred - y).reshape(y.shape[0], -1).mean(-1), {}
 
 
 def check_inputs(ex: checks.Examples) -> None:
