@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import dpax
+from conftest import max_diff
 from dpax import data, models
 from dpax.cli import main
 from dpax.cli.exits import as_flags
@@ -297,6 +298,47 @@ def test_check_says_a_loss_of_another_shape_is_bad_input():
         dpax.check_equivalence(lambda: models.Linear(ds.input_shape, ds.n_out,
                                                      rngs=nnx.Rngs(0)),
                                per_class, ds.x_train, ds.y_train, devices=2, steps=1)
+
+
+def _ce(model, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+
+
+def _metrics_trainer(loss, n):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(30, 6)).astype(np.float32), rng.integers(0, 3, 30)
+    t = dpax.Trainer(nnx.Linear(6, 3, rngs=nnx.Rngs(0)), loss, optax.adam(0.01), devices=n)
+    return t, lambda: t.fit(x, y, batch_size=22, until_step=2, log_every=10**9), (x, y)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_metric_that_is_a_batch_mean_is_refused_in_one_line(n):
+    """A mean over the shard counted padded rows on one device (0.203 for
+    an accuracy of 0.267) and was refused as mixing on two, naming dpax's line."""
+    def accuracy_of_batch(model, batch):
+        logits = model(batch["x"])
+        return _ce(model, batch), {"acc": (logits.argmax(-1) == batch["y"]).mean()}
+
+    t, fit, _ = _metrics_trainer(accuracy_of_batch, n)
+    with pytest.raises(dpax.errors.NotPerExample, match=r"metric 'acc' must hold one value "
+                                                        r"per example .* got \(\)") as e:
+        fit()
+    assert e.value.name == "metric acc" and "\n" not in str(e.value)
+    assert t.step == 0
+
+
+def test_no_metrics_and_nested_metrics_train_and_report():
+    """`(losses, None)` is `(losses, {})`; nested metrics are named by their
+    path. Both crashed inside dpax (a TypeError, an AttributeError)."""
+    plain, fit, (x, y) = _metrics_trainer(_ce, 2)
+    fit()
+    for loss in (lambda m, b: (_ce(m, b), None),
+                 lambda m, b: (_ce(m, b), {"parts": {"ce": _ce(m, b)}})):
+        t, fit, _ = _metrics_trainer(loss, 2)
+        fit()
+        assert max_diff(plain.params, t.params) == 0.0
+    row = t.evaluate(x, y, batch_size=22)
+    assert row["parts/ce"] == pytest.approx(row["loss"], rel=1e-6)
 
 
 def test_check_finds_values_not_finite_on_n_devices_only(monkeypatch):

@@ -151,8 +151,8 @@ class FailsOnExamples(DpaxError):
 
 class NotPerExample(DpaxError):
     """`loss_fn` returned a value that is not one per example (a mean over the
-    batch breaks exactness); `name` says which: "loss" or "weight", and
-    `shape` the shape it had (`()`: a mean)."""
+    batch breaks exactness); `name` says which: "loss", "weight" or "metric
+    NAME", and `shape` the shape it had (`()`: a mean)."""
 
     def __init__(self, message: str, name: str, shape: tuple = ()):
         super().__init__(message)

@@ -8,7 +8,7 @@ numbers of real examples.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -33,7 +33,21 @@ def losses_and_metrics(loss_fn: LossFn, model, batch):
         raise DpaxError(f"loss_fn must return losses, (losses, metrics) or (losses, metrics, "
                          f"weights), got a tuple of {len(out)}")
     losses, metrics, weights = out + ({}, None)[len(out) - 1:]
-    return losses, dict(metrics), weights
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise DpaxError(f"loss_fn's metrics must be a dict of per-example values, got "
+                        f"{type(metrics).__name__}")
+    return losses, _flat(metrics or {}), weights
+
+
+def _flat(metrics: Mapping, prefix: str = "") -> dict:
+    """Nested metrics as one dict, their names joined by "/" ("parts/ce")."""
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, Mapping):
+            out.update(_flat(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def masked_sum(values: jax.Array, mask: jax.Array) -> jax.Array:
@@ -60,6 +74,13 @@ def shard_sums(loss_fn: LossFn, model, batch, differentiated: bool = True):
                 f"loss_fn must return one {name} per example (shape {mask.shape} for a "
                 f"device's rows), got {jnp.shape(v)}; return per-example values before "
                 "taking the mean", name, jnp.shape(v))
+    for name, v in metrics.items():
+        if jnp.shape(v)[:1] != mask.shape:  # a mean over the shard, or no rows at all
+            raise NotPerExample(
+                f"loss_fn's metric {name!r} must hold one value per example (shape "
+                f"{mask.shape} for a device's rows), got {jnp.shape(v)}; return per-example "
+                "values (e.g. (pred == y).astype(float)): dpax takes their mean over the "
+                "global batch", f"metric {name}", jnp.shape(v))
     if differentiated and not jnp.issubdtype(jnp.result_type(losses), jnp.floating):
         # Cast to float32 for the sums, an integer loss would train with a gradient of 0.
         raise DpaxError(
