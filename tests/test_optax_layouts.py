@@ -70,6 +70,8 @@ TRANSFORMS = {
     "schedule-free": lambda: optax.contrib.schedule_free_adamw(3e-3),
     "multi-steps": lambda: optax.MultiSteps(optax.adam(3e-3), every_k_schedule=3),
     "apply-if-finite": lambda: optax.apply_if_finite(optax.adam(3e-3), 3),
+    # Declares extra arguments and takes none: called without `value`.
+    "sam": lambda: optax.contrib.sam(optax.sgd(0.05), optax.sgd(0.05), sync_period=2),
     "reduce-on-plateau": lambda: optax.chain(
         optax.adam(3e-3), optax.contrib.reduce_on_plateau(patience=2, cooldown=1,
                                                           accumulation_size=2)),
@@ -105,10 +107,10 @@ CASES = [(name, "full", 3) for name in TRANSFORMS] + [
     ("adamw-mask", "full", 5), ("clip-global-norm", "full", 8), ("lamb", "optimizer", 5),
     ("adafactor-factored", "full", 8), ("muon", "full", 5), ("multi-transform", "full", 8),
     ("adafactor", "optimizer", 8), ("clip-global-norm", "optimizer", 3),
-    ("sm3", "optimizer", 8)]
+    ("sm3", "optimizer", 8), ("sam", "replicated", 2)]
 MAIN = {("adamw-mask", "full", 3), ("clip-global-norm", "full", 8), ("lamb", "optimizer", 5),
         ("adafactor-factored", "full", 8), ("multi-transform", "full", 8),
-        ("reduce-on-plateau", "full", 3), ("multi-steps", "full", 3)}
+        ("reduce-on-plateau", "full", 3), ("multi-steps", "full", 3), ("sam", "replicated", 2)}
 
 
 @pytest.mark.parametrize("name,sharding,n", [c if c in MAIN else pytest.param(
@@ -148,6 +150,16 @@ def test_a_transformation_that_needs_the_loss_function_is_refused_up_front():
                optax.lbfgs()):
         with pytest.raises(DpaxError, match="value_fn"):
             dpax.Trainer(model, dpax.classification_loss, tx, devices=2)
+
+
+def test_a_transformation_whose_update_fails_on_the_params_is_refused_up_front():
+    """optax.lookahead wants its params wrapped (LookaheadParams): it failed
+    in Trainer() with Flax's AttributeError; now one DpaxError line says why."""
+    tx = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
+    with pytest.raises(DpaxError, match=r"fails on the model's params and gradients "
+                                        r"\(AttributeError: .*LookaheadParams") as e:
+        dpax.Trainer(LayerNormMLP(nnx.Rngs(0)), dpax.classification_loss, tx, devices=2)
+    assert "\n" not in str(e.value)
 
 
 def test_the_optimizer_sees_the_logical_tree_and_the_loss():

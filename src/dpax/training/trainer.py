@@ -296,7 +296,7 @@ class Trainer:
         owned = _buffers(jax.live_arrays())
         self._graphdef, state = init_state(model, optimizer, seed, ema=ema)
         state = _unshared(state, owned)
-        check_optimizer(optimizer, state)
+        optimizer = check_optimizer(optimizer, state)
         # The model's shapes alone: the checks read its number of outputs from them.
         self._model_specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                          (state.params, state.model_state))

@@ -84,24 +84,50 @@ def tx_update(tx, grads, opt_state, params, loss):
     return tx.update(grads, opt_state, params)
 
 
-def check_optimizer(tx: optax.GradientTransformation, state: TrainState) -> None:
-    """Refuse, before training, a transformation the step cannot call: one
-    that wants more than the gradients, params and the loss (a line search's
-    `value_fn` evaluates the loss at trial params)."""
+def check_optimizer(tx: optax.GradientTransformation,
+                    state: TrainState) -> optax.GradientTransformation:
+    """The transformation the step calls, after refusing before training
+    one it cannot call: one that wants more than the gradients, params and
+    the loss (a line search's `value_fn` evaluates the loss at trial
+    params), or whose update fails on them. One that declares extra
+    arguments but takes none (`optax.contrib.sam`) is called without them."""
     grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32),
                          state.params)
-    try:
+
+    def traced(tx):
         jax.eval_shape(lambda g, s, p: tx_update(tx, g, s, p, jnp.float32(0)),
                        grads, state.opt_state, state.params)
+
+    try:
+        traced(tx)
+        return tx
     except TypeError as e:
         wanted = _missing_keyword(e)
-        if wanted is None:
-            raise
-        raise DpaxError(
-            f"the optimizer's update needs {wanted}: dpax gives an optax update the "
-            "gradients, params and the batch's mean loss (`value`), not a loss function "
-            "(e.g. a line search: optax.scale_by_backtracking_linesearch, optax.lbfgs); "
-            "use an optimizer without one") from None
+        if wanted is not None:
+            raise DpaxError(
+                f"the optimizer's update needs {wanted}: dpax gives an optax update the "
+                "gradients, params and the batch's mean loss (`value`), not a loss function "
+                "(e.g. a line search: optax.scale_by_backtracking_linesearch, optax.lbfgs); "
+                "use an optimizer without one") from None
+        if "unexpected keyword argument 'value'" not in str(e):
+            _refuse_failing(e)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's optimizer, in one line
+        _refuse_failing(e)
+    plain = optax.GradientTransformation(tx.init, lambda u, s, p=None: tx.update(u, s, p))
+    try:
+        traced(plain)
+    except Exception as e:  # noqa: BLE001
+        _refuse_failing(e)
+    return plain
+
+
+def _refuse_failing(e: Exception) -> None:
+    lines = str(e).strip().splitlines()
+    raise DpaxError(
+        f"the optimizer's update fails on the model's params and gradients "
+        f"({type(e).__name__}: {lines[0][:200] if lines else ''}): dpax calls it with the "
+        "params as the model holds them (not wrapped, as optax.lookahead's LookaheadParams "
+        "are), float32 gradients of their shapes and the batch's mean loss as `value`") from e
 
 
 def _missing_keyword(e: TypeError) -> str | None:
