@@ -14,8 +14,10 @@ from __future__ import annotations
 from jax.extend import core as jcore
 
 # The effects of `jax.debug.print` and `jax.debug.callback`, which observe
-# and return nothing. An equation with an effect of any other kind is kept
-# (a write to a ref that a kept read then sees), as is all it reads.
+# and return nothing, by their classes' names (JAX keeps them private). An
+# equation with an effect of any other kind is kept (a write to a ref that a
+# kept read then sees), as is all it reads: a name JAX changes keeps a
+# print, judged as before.
 _PASSING = frozenset({"DebugEffect", "OrderedDebugEffect"})
 
 
@@ -23,7 +25,7 @@ def live(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     """`closed` without the equations its outputs do not need, debug
     prints and callbacks included, in its sub-jaxprs too (their inputs and outputs
     kept). Its inputs, outputs and constants are unchanged; it is for
-    reading, not running."""
+    reading, not running (its effects are the original's)."""
     return jcore.ClosedJaxpr(_live(closed.jaxpr), closed.consts)
 
 
@@ -44,10 +46,7 @@ def _lasting(eqn) -> bool:
 def _with_live_bodies(eqn):
     """`eqn` with each sub-jaxpr in its params (a call's, a scan's, a cond's
     branches) made live for all its outputs."""
-    params = {k: _body(v) for k, v in eqn.params.items()}
-    if all(params[k] is eqn.params[k] for k in params):
-        return eqn
-    return eqn.replace(params=params)
+    return eqn.replace(params={k: _body(v) for k, v in eqn.params.items()})
 
 
 def _body(value):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
 from dpax.analysis.refusals import Asks, numeric, refuse
@@ -184,16 +184,10 @@ def _axis_sizes(axis) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 def _value_part(jaxpr: Jaxpr, n_grads: int) -> Jaxpr:
     """A traced `value_and_grad` of `forward` without its gradients: the
-    forward's outputs and the equations they need. Its inputs are
-    `forward`'s, in order; the backward pass's equations are left out."""
-    outvars = jaxpr.outvars[:len(jaxpr.outvars) - n_grads]
-    needed = {v for v in outvars if not isinstance(v, Literal)}
-    kept = []
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in needed for v in eqn.outvars):
-            kept.append(eqn)
-            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
-    return jaxpr.replace(eqns=kept[::-1], outvars=outvars)
+    forward's outputs. Its inputs are `forward`'s, in order; the backward
+    pass's equations, which these outputs do not need, the analyses leave
+    out (`dpax.analysis.live`)."""
+    return jaxpr.replace(outvars=jaxpr.outvars[:len(jaxpr.outvars) - n_grads])
 
 
 def _step_key(state: TrainState):
