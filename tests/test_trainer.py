@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import dpax
 from conftest import check_loss_cli, digits, leaves, max_diff, mlp_trainer, plain_jit_params
@@ -386,6 +387,9 @@ def test_train_step_takes_a_padded_masked_batch_and_names_the_fix_otherwise():
 @pytest.mark.parametrize("args,message", [
     ((None, dpax.classification_loss, "adam"),
      "`optimizer` must be an optax GradientTransformation .*got str 'adam'"),
+    ((None, dpax.classification_loss, "nnx.Optimizer"),
+     r"`optimizer` must be an optax .*got Optimizer.*: pass the optax transformation it "
+     r"wraps, its `\.tx`"),
     ((lambda x: x, dpax.classification_loss, optax.adam(1e-2)),
      "`model` must be a Flax NNX module, got function: .*dpax.from_linen"),
     ((None, "ce", optax.adam(1e-2)), "`loss_fn` must be a function .*got str 'ce'"),
@@ -398,6 +402,8 @@ def test_a_model_loss_or_optimizer_of_the_wrong_kind_is_named(args, message):
     ds = digits()
     model = dpax.models.make_model("mlp", ds.input_shape, ds.n_out, 0)
     args = tuple(model if a is None else a for a in args)
+    if args[2] == "nnx.Optimizer":
+        args = args[:2] + (nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param),)
     with pytest.raises(dpax.DpaxError, match=message):
         dpax.Trainer(*args, devices=1)
 

@@ -974,8 +974,10 @@ def _check_arguments(model: Any, loss_fn: Any, optimizer: Any, predict_fn: Any) 
                             "cannot be called with two arguments")
     if not (callable(getattr(optimizer, "init", None))
             and callable(getattr(optimizer, "update", None))):
+        wraps = (": pass the optax transformation it wraps, its `.tx`"
+                 if isinstance(optimizer, nnx.Optimizer) else "")
         raise DpaxError(f"`optimizer` must be an optax GradientTransformation (e.g. "
-                        f"optax.adam(1e-3)), got {_kind(optimizer)}")
+                        f"optax.adam(1e-3)), got {_kind(optimizer)}{wraps}")
 
 
 def _takes_model_and_batch(fn: Callable) -> bool:
