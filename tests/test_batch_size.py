@@ -52,6 +52,10 @@ def found(fn, not_judged=None):
     ("every other row", lambda w, x, y: jnp.where(jnp.arange(x.shape[0]) % 2 == 0, x.sum(1), 0.)),
     # Traced only with the number bounded below: `linspace` compares it with 1.
     ("a weight spread over the rows", lambda w, x, y: x.sum(1) * jnp.linspace(0, 1, x.shape[0])),
+    ("a row weighted by its round of a scan over the rows", lambda w, x, y: jax.lax.scan(
+        lambda c, r: (c + 1.0, r * (1 + 0.1 * c)), 0.0, x)[1].sum(1)),
+    ("a key split each round of a scan over the rows", lambda w, x, y: jax.lax.scan(
+        lambda k, r: (jax.random.split(k)[0], r * jax.random.uniform(k)), KEY, x)[1].sum(1)),
 ])
 def test_a_value_from_the_number_of_rows_is_found(name, fn):
     where = found(fn)
@@ -74,6 +78,10 @@ def test_a_value_from_the_number_of_rows_is_found(name, fn):
     ("an argmax's accuracy", lambda w, x, y: (jnp.argmax(x @ w, -1) == y).astype(jnp.float32)),
     ("a reshape by the rows", lambda w, x, y: x.reshape(x.shape[0], 2, 2).sum((1, 2))),
     ("a slice of the rows' own values", lambda w, x, y: x[:, :2].sum(1) + x[: x.shape[0]].sum(1)),
+    ("rows one by one by lax.map",
+     lambda w, x, y: jax.lax.map(lambda r: jnp.tanh(r @ w), x).sum(1)),
+    ("a scan over the rows passing a constant along", lambda w, x, y: jax.lax.scan(
+        lambda c, r: (c, r * c), 2.0, x)[1].sum(1)),
 ])
 def test_what_only_shapes_or_picks_by_the_rows_is_not_found(name, fn):
     assert found(fn) is None, name
@@ -226,6 +234,20 @@ def test_a_loss_over_a_python_float_count_is_refused(seed, monkeypatch):
     trained 2 devices 0.013 and 0.015 from one (seeds 0, 1)."""
     refused_where_unrefused_differs(
         lambda n: params_after(n, seed, loss=over_a_float_count), "test_batch_size.py",
+        monkeypatch)
+
+
+def weighted_by_round(model, batch):
+    """Each example's loss weighted by its round of a scan over the rows:
+    its position in the device's shard (a reviewer's)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+    return jax.lax.scan(lambda c, loss: (c + 1.0, loss * (1 + 0.1 * c)), 0.0, losses)[1]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_weight_by_the_round_of_a_scan_over_the_rows_is_refused(seed, monkeypatch):
+    refused_where_unrefused_differs(
+        lambda n: params_after(n, seed, loss=weighted_by_round), "test_batch_size.py",
         monkeypatch)
 
 

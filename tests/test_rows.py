@@ -218,8 +218,15 @@ def test_a_difference_of_runs_mixes_even_where_they_share_no_row():
      lambda x, w: jax.vmap(lambda i: x[i])(jnp.zeros(0, jnp.int32)), UNKNOWN),
     ("the first row written back in place (not read)", lambda x, w: x.at[0].set(x[0] * 2),
      UNKNOWN),
+    ("a scan along each row's features, row by row", lambda x, w: jax.lax.map(
+        lambda r: jax.lax.scan(lambda c, e: (jnp.tanh(c + e), c), jnp.zeros_like(r[0]), r)[1],
+        x), Row(0)),
+    ("the carry of a scan along each row's features, row by row", lambda x, w: jax.lax.map(
+        lambda r: r * jax.lax.scan(lambda c, e: (c + e, None), 0.0, r)[0], x), Row(0)),
     ("rows one by one by lax.map", lambda x, w: jax.lax.map(
         lambda r: jnp.tanh(r @ w) * r[0], x), Row(0)),
+    # No row meets another; the round's count is a row's position, which the
+    # batch-size refusal finds (tests/test_batch_size.py).
     ("a scan over the rows counting its rounds", lambda x, w: jax.lax.scan(
         lambda c, r: (c + 1.0, r * c), 0.0, x)[1] @ w, Row(0)),
     ("a scan over the rows, each written into its place (not read)", lambda x, w: jax.lax.scan(

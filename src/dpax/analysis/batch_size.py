@@ -40,9 +40,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import export
+from jax.extend import core as jcore
 
 from dpax.analysis import two_counts
-from dpax.analysis.propagate import Domain, at_call, propagate, trace, where
+from dpax.analysis.propagate import Domain, at_call, propagate, scan, trace, where
 
 _SCATTERS = ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
              "scatter-max")
@@ -79,6 +80,8 @@ class FromRowsCount(Domain):
             return [frozenset({POSITION})] * len(eqn.outvars)
         if name == "while":
             return self._while(eqn, facts)
+        if name == "scan" and eqn.params["length"] == self.count:
+            return scan(eqn, _rounds_counted(eqn, facts), self)
         return None
 
     def _found(self, eqn) -> None:
@@ -202,6 +205,28 @@ def _positions(closed, count: int) -> list[str]:
     domain = FromRowsCount(count)
     propagate(closed.jaxpr, [frozenset()] * len(closed.jaxpr.invars), domain)
     return domain.places
+
+
+def _rounds_counted(eqn, facts: list) -> list:
+    """A scan's operands' facts, a position among the rows added to each
+    scalar carry that every round changes from itself and constants alone
+    (a counter, a key split each round): in a scan over the rows, round i
+    is row i's, so such a carry is row i's position (`r * (1 + 0.1 * c)`
+    weighs each row by it). A carry made from the rows themselves is the
+    rows analysis's to judge."""
+    p = eqn.params
+    body, n_consts, n_carry = p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"]
+    carry_in = body.invars[n_consts:n_consts + n_carry]
+    from_rows = set(body.invars[n_consts + n_carry:])
+    for e in body.eqns:
+        if any(v in from_rows for v in e.invars if not isinstance(v, jcore.Literal)):
+            from_rows.update(e.outvars)
+    facts = list(facts)
+    for i, (var, out) in enumerate(zip(carry_in, body.outvars[:n_carry])):
+        if (out is not var and not isinstance(out, jcore.Literal) and out not in from_rows
+                and getattr(var.aval, "shape", None) == ()):
+            facts[n_consts + i] = facts[n_consts + i] | {POSITION}
+    return facts
 
 
 def _has_rows(atom, count) -> bool:

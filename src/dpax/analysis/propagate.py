@@ -75,17 +75,17 @@ class Domain:
         """A call's outputs, from its body's."""
         return outs
 
-    def sliced(self, fact):  # a scan's xs, as one iteration sees them
+    def sliced(self, fact, eqn):  # a scan's xs (`eqn`'s), as one iteration sees them
         return fact
 
     def stacked(self, fact, eqn):  # a scan's ys (`eqn`'s), stacked along a new leading axis
         return fact
 
-    def around(self, fact):
-        """A scan's carry out of one round as the next round sees it."""
+    def around(self, fact, eqn):
+        """A scan's (`eqn`'s) carry out of one round as the next round sees it."""
         return fact
 
-    def carried(self, settled, out):
+    def carried(self, settled, out, eqn):
         """A scan's carry out, from the settled carry in and the body's out."""
         return out
 
@@ -135,7 +135,7 @@ def _eqn(eqn, facts: list, domain: Domain, observe: Observer | None) -> list:
         outs = domain.control(eqn, facts)
         if outs is not None:
             return outs
-        return (_cond if name == "cond" else _scan)(eqn, facts, domain, observe)
+        return (_cond if name == "cond" else scan)(eqn, facts, domain, observe)
     return domain.primitive(eqn, facts)
 
 
@@ -146,21 +146,21 @@ def _cond(eqn, facts: list, domain: Domain, observe: Observer | None) -> list:
     return [domain.join([index] + [b[i] for b in branches]) for i in range(len(eqn.outvars))]
 
 
-def _scan(eqn, facts: list, domain: Domain, observe: Observer | None) -> list:
+def scan(eqn, facts: list, domain: Domain, observe: Observer | None = None) -> list:
     """consts, carry, xs -> carry, ys: the body again until the carry's facts settle."""
     p = eqn.params
     body, n_consts, n_carry = p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"]
     consts, carry = facts[:n_consts], facts[n_consts:n_consts + n_carry]
-    xs = [domain.sliced(f) for f in facts[n_consts + n_carry:]]
+    xs = [domain.sliced(f, eqn) for f in facts[n_consts + n_carry:]]
     rounds = 0
     while domain.scan_rounds is None or rounds < domain.scan_rounds:
         rounds += 1
         outs = propagate(body, consts + carry + xs, domain)
-        joined = [domain.join([a, domain.around(b)]) for a, b in zip(carry, outs[:n_carry])]
+        joined = [domain.join([a, domain.around(b, eqn)]) for a, b in zip(carry, outs[:n_carry])]
         if joined == carry:
             if observe is not None:  # once more, seen: the body as the settled carry runs it
                 outs = propagate(body, consts + carry + xs, domain, observe)
-            return ([domain.carried(a, b) for a, b in zip(carry, outs[:n_carry])]
+            return ([domain.carried(a, b, eqn) for a, b in zip(carry, outs[:n_carry])]
                     + [domain.stacked(f, eqn) for f in outs[n_carry:]])
         carry = joined
     return domain.opaque(eqn)

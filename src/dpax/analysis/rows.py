@@ -111,6 +111,7 @@ class Kinds(Domain):
 
     def __init__(self):
         self.twins: dict = {}
+        self.scans: dict = {}  # id of a scan over the rows -> its number (`_round`)
 
     def literal(self, atom):
         return constant(atom.val) or CONST
@@ -188,49 +189,61 @@ class Kinds(Domain):
                 self.twins[eqn.outvars[0]] = twin[0]
 
     # A scan over the rows (`lax.map(f, x)`, a loop whose carry runs from
-    # row to row): each round's body sees one row, `ROUND`. A carry out made
-    # from it reaches the next round as `EARLIER`, the rows before that
-    # round's, and what holds both is `EARLIER` too. Stacked, the rounds'
-    # rows are the rows again; the rows before each one, in its place, mix
-    # them (a cumulative sum); the carry after the last round holds all of
-    # them (a summary, as a sum over the rows).
-    def sliced(self, k):  # the body sees one slice along axis 0
+    # row to row): each round's body sees one row, the scan's round. A carry
+    # out made from it reaches the next round as the rows before that
+    # round's, its earlier rows, and what holds both is earlier rows too.
+    # Stacked, the rounds' rows are the rows again; the rows before each
+    # one, in its place, mix them (a cumulative sum); the carry after the
+    # last round holds all of them (a summary, as a sum over the rows).
+    # Each scan has its own (a scan over one row's features, inside a map
+    # over the rows, carries that row alone).
+    def sliced(self, k, eqn):  # the body sees one slice along axis 0
         if isinstance(k, Known):
             return CONST
         if isinstance(k, Row):
             if k.axis == 0:
-                return ROUND if k == Row(0) else UNKNOWN
+                return _round(self._scan(eqn)) if k == Row(0) else UNKNOWN
             return dataclasses.replace(k, axis=k.axis - 1)
         return k
 
     def stacked(self, k, eqn):
         if isinstance(k, Known):
             return CONST
-        if _in_scan(k):  # a value written into a place is not read
-            return UNKNOWN if k.placed else Row(0) if k == ROUND else Mixed(where(eqn))
+        if _scan_of(k) == self._scan(eqn):  # a value written into a place is not read
+            return UNKNOWN if k.placed else Mixed(where(eqn)) if _earlier_rows(k) else Row(0)
         return dataclasses.replace(k, axis=k.axis + 1) if isinstance(k, Row) else k
 
-    def around(self, k):
-        if _in_scan(k):
-            return UNKNOWN if k.placed else EARLIER
+    def around(self, k, eqn):
+        if _scan_of(k) == self._scan(eqn):
+            return UNKNOWN if k.placed else _earlier(self._scan(eqn))
         return k
 
-    def carried(self, settled, out):
-        return SUMMARY if settled == EARLIER else settled
+    def carried(self, settled, out, eqn):
+        return SUMMARY if settled == _earlier(self._scan(eqn)) else settled
+
+    def _scan(self, eqn) -> int:
+        return self.scans.setdefault(id(eqn), len(self.scans))
 
     def opaque(self, eqn):
         return [UNKNOWN] * len(eqn.outvars)
 
 
+# In scan n over the rows (`Kinds.sliced`): the round's row, and the rows
+# before it, which ones unknown, as `OneRow`s of no row count.
+def _round(n: int) -> OneRow:
+    return OneRow(-2 * n - 1, -1)
 
 
-# In a scan over the rows (`Kinds.sliced`): the round's row, and the rows
-# before it, which ones unknown.
-ROUND, EARLIER = OneRow(-1, -1), OneRow(-2, -2)
+def _earlier(n: int) -> OneRow:
+    return OneRow(-2 * n - 2, -1)
 
 
-def _in_scan(k) -> bool:
-    return isinstance(k, OneRow) and k.index < 0
+def _scan_of(k) -> int | None:
+    return (-k.index - 1) // 2 if isinstance(k, OneRow) and k.rows == -1 else None
+
+
+def _earlier_rows(k: OneRow) -> bool:
+    return k.index % 2 == 0
 
 
 def _located(kinds: list, eqn) -> list:
@@ -291,7 +304,7 @@ def _with_one_row(eqn, kinds: list, rule):
     are a summary of the rows where none was placed."""
     ones = {k for k in kinds if isinstance(k, OneRow)}
     rows = [k for k in kinds if isinstance(k, Row)]
-    if rule in (_stack, _concatenate) and any(_in_scan(k) for k in ones):
+    if rule in (_stack, _concatenate) and any(_scan_of(k) is not None for k in ones):
         return UNKNOWN  # runs by position: a round's row has none
     if rule is _stack:
         return _stacked_rows(eqn, kinds)
@@ -304,8 +317,11 @@ def _with_one_row(eqn, kinds: list, rule):
                 and all(r.axis != axis for r in rows):
             return "mix"  # row i's value beside each row's (`concatenate([x, x[0] * ones], 1)`)
     placed = _placed(eqn, kinds, rule)
-    if not rows and {(k.index, k.rows) for k in ones} == {(-1, -1), (-2, -2)}:
-        return dataclasses.replace(EARLIER, placed=placed)  # the rows so far
+    scan = _scan_of(next(iter(ones)))
+    if not rows and scan is not None and {k.index for k in ones} == {
+            _round(scan).index, _earlier(scan).index}:
+        # A round's row with the rows before it: the rows so far.
+        return dataclasses.replace(_earlier(scan), placed=placed)
     if len({(k.index, k.rows) for k in ones}) > 1:
         return SUMMARY if not (rows or placed) else UNKNOWN
     one = next(iter(ones))
