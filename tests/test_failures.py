@@ -341,6 +341,22 @@ def test_no_metrics_and_nested_metrics_train_and_report():
     assert row["parts/ce"] == pytest.approx(row["loss"], rel=1e-6)
 
 
+@pytest.mark.parametrize("metrics,message", [
+    (lambda m, b: {"a/b": _ce(m, b), "a": {"b": _ce(m, b)}}, r"name 'a/b' twice"),
+    (lambda m, b: {"acc": None}, r"metric 'acc' must be an array .*got NoneType"),
+    (lambda m, b: {"t": (_ce(m, b), _ce(m, b))}, r"metric 't' must be an array .*got tuple"),
+    (lambda m, b: {"n": 3.0}, r"metric 'n' must be an array .*got float"),
+])
+def test_metrics_that_are_no_arrays_or_collide_are_named(metrics, message):
+    """A reviewer's: a nested name colliding with a flat one kept one of
+    them in silence; None read as a batch mean; a tuple was JAX's
+    TracerArrayConversionError."""
+    t, fit, _ = _metrics_trainer(lambda m, b: (_ce(m, b), metrics(m, b)), 2)
+    with pytest.raises(dpax.DpaxError, match=message):
+        fit()
+    assert t.step == 0
+
+
 def test_check_finds_values_not_finite_on_n_devices_only(monkeypatch):
     """Params NaN on N devices and finite on one are no match: `max` of a
     NaN kept the earlier 0.0, and the check said "equivalent". The default

@@ -43,10 +43,12 @@ def _flat(metrics: Mapping, prefix: str = "") -> dict:
     """Nested metrics as one dict, their names joined by "/" ("parts/ce")."""
     out = {}
     for k, v in metrics.items():
-        if isinstance(v, Mapping):
-            out.update(_flat(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = v
+        for name, value in (_flat(v, f"{prefix}{k}/") if isinstance(v, Mapping)
+                            else {f"{prefix}{k}": v}).items():
+            if name in out:
+                raise DpaxError(f"loss_fn's metrics name {name!r} twice (nested names join "
+                                "by '/'): rename one")
+            out[name] = value
     return out
 
 
@@ -75,6 +77,9 @@ def shard_sums(loss_fn: LossFn, model, batch, differentiated: bool = True):
                 f"device's rows), got {jnp.shape(v)}; return per-example values before "
                 "taking the mean", name, jnp.shape(v))
     for name, v in metrics.items():
+        if not hasattr(v, "shape"):  # None, a tuple, a Python number
+            raise DpaxError(f"loss_fn's metric {name!r} must be an array of per-example "
+                            f"values, got {type(v).__name__}")
         if jnp.shape(v)[:1] != mask.shape:  # a mean over the shard, or no rows at all
             raise NotPerExample(
                 f"loss_fn's metric {name!r} must hold one value per example (shape "
