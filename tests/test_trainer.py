@@ -431,3 +431,25 @@ def test_idle_devices_are_warned_of_once_per_trainer_and_batch():
     idle = [str(w.message) for w in caught if "only padding" in str(w.message)]
     assert idle == ["batches of 1 examples on 2 devices: 1 of them sees only padding every "
                     "step; use a `batch_size` that is a multiple of 2"]
+
+
+def test_the_trained_model_runs_in_train_mode():
+    """`trainer.model()` held the host's read-only copies: a BatchNorm in
+    train mode failed to write its running mean (a reviewer's)."""
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(6, 8, rngs=rngs)
+            self.norm = nnx.BatchNorm(8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.dense(x))
+
+    x = np.random.default_rng(0).normal(size=(30, 6)).astype(np.float32)
+    t = dpax.Trainer(Net(nnx.Rngs(0)), lambda m, b: (m(b["x"]) ** 2).sum(1),
+                     optax.adam(0.01), devices=2)
+    t.fit({"x": x}, batch_size=10, until_step=2, log_every=10**9)
+    model = t.model()
+    before = np.array(model.norm.mean[...])
+    model.train()
+    model(x[:4])
+    assert max_diff(before, model.norm.mean[...]) > 0

@@ -890,7 +890,8 @@ class Trainer:
         return layouts.host_params(self.layout, params, self.backend.mesh)
 
     def model(self, ema: bool | None = None) -> nnx.Module:
-        """The trained model on the host, ready for single-device use.
+        """The trained model, ready for single-device use: its arrays on the
+        default device.
 
         Args:
           ema: with the EMA params; None: when the Trainer keeps an EMA, as
@@ -906,7 +907,10 @@ class Trainer:
         if use_ema and self.state.ema is None:
             raise DpaxError("this Trainer keeps no EMA; give it `ema_decay` to have one")
         params = self.ema_params if use_ema else self.params
-        return nnx.merge(self._graphdef, params, self.backend.host(self.state.model_state))
+        # JAX arrays on the default device, not the host's read-only copies:
+        # a layer that updates its state in place (BatchNorm in train mode) writes them.
+        state = jax.device_put((params, self.backend.host(self.state.model_state)))
+        return nnx.merge(self._graphdef, *state)
 
 
 def _found_elsewhere(first: checks.Examples, process: int) -> BadExamplesElsewhere:
