@@ -56,6 +56,19 @@ def found(fn, not_judged=None):
         lambda c, r: (c + 1.0, r * (1 + 0.1 * c)), 0.0, x)[1].sum(1)),
     ("a key split each round of a scan over the rows", lambda w, x, y: jax.lax.scan(
         lambda k, r: (jax.random.split(k)[0], r * jax.random.uniform(k)), KEY, x)[1].sum(1)),
+    # A reviewer's: a counter of shape (1,), a raw uint32 key, a body under
+    # remat or jit, the rounds counted and read after the scan.
+    ("a counter of shape (1,)", lambda w, x, y: jax.lax.scan(
+        lambda c, r: (c + 1.0, r * (1 + 0.1 * c[0])), jnp.zeros(1), x)[1].sum(1)),
+    ("a raw key split each round", lambda w, x, y: jax.lax.scan(
+        lambda k, r: (jax.random.split(k)[0], r * jax.random.uniform(k)),
+        jax.random.PRNGKey(0), x)[1].sum(1)),
+    ("a counter in a body under remat", lambda w, x, y: jax.lax.scan(jax.checkpoint(
+        lambda c, r: (c + 1.0, r * (1 + 0.1 * c))), 0.0, x)[1].sum(1)),
+    ("a counter in a jitted body", lambda w, x, y: jax.lax.scan(jax.jit(
+        lambda c, r: (c + 1.0, r * (1 + 0.1 * c))), 0.0, x)[1].sum(1)),
+    ("the rounds of a scan over the rows, counted", lambda w, x, y: x.sum(1) / jax.lax.scan(
+        lambda c, r: (c + 1.0, None), 0.0, x)[0]),
 ])
 def test_a_value_from_the_number_of_rows_is_found(name, fn):
     where = found(fn)
@@ -82,6 +95,13 @@ def test_a_value_from_the_number_of_rows_is_found(name, fn):
      lambda w, x, y: jax.lax.map(lambda r: jnp.tanh(r @ w), x).sum(1)),
     ("a scan over the rows passing a constant along", lambda w, x, y: jax.lax.scan(
         lambda c, r: (c, r * c), 2.0, x)[1].sum(1)),
+    ("a counter of the rounds that nothing reads", lambda w, x, y: jax.lax.scan(
+        lambda c, r: (c + 1.0, jnp.tanh(r)), 0.0, x)[1].sum(1)),
+    ("a counter that picks each round's row back", lambda w, x, y: jax.lax.scan(
+        lambda c, r: (c + 1, r * x[c].sum()), 0, x)[1].sum(1)),
+    ("rows written into their places by a scan over them", lambda w, x, y: jax.lax.scan(
+        lambda c, ir: (c.at[ir[0]].set(jnp.tanh(ir[1]).sum()), None), jnp.zeros(x.shape[0]),
+        (jnp.arange(x.shape[0]), x))[0]),
 ])
 def test_what_only_shapes_or_picks_by_the_rows_is_not_found(name, fn):
     assert found(fn) is None, name

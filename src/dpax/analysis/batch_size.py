@@ -43,7 +43,7 @@ from jax import export
 from jax.extend import core as jcore
 
 from dpax.analysis import two_counts
-from dpax.analysis.propagate import Domain, at_call, propagate, scan, trace, where
+from dpax.analysis.propagate import Domain, at_call, call_body, propagate, scan, trace, where
 
 _SCATTERS = ("scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min",
              "scatter-max")
@@ -81,7 +81,7 @@ class FromRowsCount(Domain):
         if name == "while":
             return self._while(eqn, facts)
         if name == "scan" and eqn.params["length"] == self.count:
-            return scan(eqn, _rounds_counted(eqn, facts), self)
+            return scan(eqn, _rounds_counted(eqn, facts, self.count), self)
         return None
 
     def _found(self, eqn) -> None:
@@ -207,26 +207,49 @@ def _positions(closed, count: int) -> list[str]:
     return domain.places
 
 
-def _rounds_counted(eqn, facts: list) -> list:
+def _rounds_counted(eqn, facts: list, count) -> list:
     """A scan's operands' facts, a position among the rows added to each
-    scalar carry that every round changes from itself and constants alone
-    (a counter, a key split each round): in a scan over the rows, round i
-    is row i's, so such a carry is row i's position (`r * (1 + 0.1 * c)`
-    weighs each row by it). A carry made from the rows themselves is the
-    rows analysis's to judge."""
+    carry that every round makes from itself, without the rows (a counter,
+    a key split each round), and that is read (by the rounds, or after
+    them): in a scan over the rows, round i is row i's, so such a carry is
+    row i's position (`r * (1 + 0.1 * c)` weighs each row by it). A carry
+    made from the rows is the rows analysis's to judge; one as long as the
+    rows (rows written into their places) is no position."""
     p = eqn.params
     body, n_consts, n_carry = p["jaxpr"].jaxpr, p["num_consts"], p["num_carry"]
-    carry_in = body.invars[n_consts:n_consts + n_carry]
-    from_rows = set(body.invars[n_consts + n_carry:])
-    for e in body.eqns:
-        if any(v in from_rows for v in e.invars if not isinstance(v, jcore.Literal)):
-            from_rows.update(e.outvars)
+    deps = _dependencies(body)
+    rows = set(range(n_consts + n_carry, len(body.invars)))
     facts = list(facts)
-    for i, (var, out) in enumerate(zip(carry_in, body.outvars[:n_carry])):
-        if (out is not var and not isinstance(out, jcore.Literal) and out not in from_rows
-                and getattr(var.aval, "shape", None) == ()):
-            facts[n_consts + i] = facts[n_consts + i] | {POSITION}
+    for i, (var, out) in enumerate(zip(body.invars[n_consts:], body.outvars[:n_carry])):
+        at = n_consts + i
+        counts = (out is not var and not isinstance(out, jcore.Literal)
+                  and at in deps[i] and not deps[i] & rows and not _has_rows(var, count))
+        read = (not isinstance(eqn.outvars[i], jcore.DropVar)
+                or any(at in d for o, d in enumerate(deps) if o != i))
+        if counts and read:
+            facts[at] = facts[at] | {POSITION}
     return facts
+
+
+def _dependencies(jaxpr) -> list[frozenset]:
+    """For each output of `jaxpr`, the indices of the inputs it is computed
+    from, through calls (jit, remat) equation by equation; any other
+    equation's outputs from all its operands."""
+    made = {v: frozenset({i}) for i, v in enumerate(jaxpr.invars)}
+
+    def of(atom):
+        return frozenset() if isinstance(atom, jcore.Literal) else made.get(atom, frozenset())
+
+    for e in jaxpr.eqns:
+        body = call_body(e)
+        if body is not None:
+            inner = _dependencies(body)
+            for v, d in zip(e.outvars, inner):
+                made[v] = frozenset().union(*(of(e.invars[j]) for j in d))
+        else:
+            every = frozenset().union(*(of(a) for a in e.invars))
+            made.update((v, every) for v in e.outvars)
+    return [of(v) for v in jaxpr.outvars]
 
 
 def _has_rows(atom, count) -> bool:

@@ -34,7 +34,7 @@ def _live(jaxpr: jcore.Jaxpr) -> jcore.Jaxpr:
     kept = []
     for eqn in reversed(jaxpr.eqns):
         if any(v in needed for v in eqn.outvars) or _lasting(eqn):
-            kept.append(_with_live_bodies(eqn))
+            kept.append(_with_live_bodies(eqn, needed))
             needed.update(v for v in eqn.invars if not isinstance(v, jcore.Literal))
     return jaxpr.replace(eqns=kept[::-1])
 
@@ -43,10 +43,13 @@ def _lasting(eqn) -> bool:
     return any(type(e).__name__ not in _PASSING for e in eqn.effects)
 
 
-def _with_live_bodies(eqn):
+def _with_live_bodies(eqn, needed: set):
     """`eqn` with each sub-jaxpr in its params (a call's, a scan's, a cond's
-    branches) made live for all its outputs."""
-    return eqn.replace(params={k: _body(v) for k, v in eqn.params.items()})
+    branches) made live for all its outputs, and the outputs nothing needs
+    dropped (`DropVar`: a scan's carry left unread)."""
+    return eqn.replace(
+        params={k: _body(v) for k, v in eqn.params.items()},
+        outvars=[v if v in needed else jcore.DropVar(v.aval) for v in eqn.outvars])
 
 
 def _body(value):
