@@ -286,8 +286,9 @@ def test_attention_on_cpu_is_xlas_and_equals_the_previous_call_and_the_textbook_
     np.testing.assert_allclose(mine, textbook, atol=1e-6)
 
     model = gpt(corpus)
-    tokens = corpus.x_train[:5]
+    tokens = corpus.x_train[:5, :-1]  # a window's inputs: all but its last token
     logits = forward(model, tokens)
+    assert np.isfinite(logits).all()
     monkeypatch.setattr(gpt_module, "causal_attention",
                         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
     np.testing.assert_array_equal(logits, forward(model, tokens))
@@ -398,3 +399,17 @@ def test_pack_keeps_full_windows_and_fills_shared_ones_in_order():
     assert packed.tolist() == [[1, 2, 3, 4, 5], [6, 7, 11, 12, 0], [16, 17, 18, 21, 0]]
     with pytest.raises(dpax.DpaxError, match="`pack` packs text documents"):
         dpax.config.validate(dpax.cli.train.TrainConfig.from_flags(data="digits", pack=True))
+
+
+def test_windows_longer_than_the_gpts_positions_are_refused_before_training():
+    """A window one token longer than `make_model`'s trained to NaN params in
+    silence: the position past the table read NaN (a reviewer's)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 64, (24, 17)).astype(np.int32)
+    t = dpax.Trainer(dpax.make_model("gpt", (16,), 64, 0), dpax.lm_loss, optax.sgd(0.5),
+                     devices=2)
+    with pytest.raises(dpax.errors.BadExamples, match=r"reads at most 15 tokens a window"):
+        t.fit(x, np.full(24, 17, np.int32), batch_size=12, until_step=2, log_every=10**9)
+    assert t.step == 0
+    t.fit(x[:, :16], np.full(24, 16, np.int32), batch_size=12, until_step=2, log_every=10**9)
+    assert all(np.isfinite(a).all() for a in jax.tree.leaves(t.params))

@@ -148,6 +148,11 @@ class GPT(nnx.Module):
     def __call__(self, tokens, segments=None):
         """`segments`: packed windows' segment id per token (None: one text
         per window); each segment's positions start at 0."""
+        if tokens.shape[1] > self.seq_len:  # a position past the table reads NaN
+            raise DpaxError(
+                f"the GPT reads at most {self.seq_len} tokens a window (its seq_len), got "
+                f"{tokens.shape[1]}: make it with seq_len {tokens.shape[1]} (or the windows "
+                f"{self.seq_len + 1} tokens long for dpax.lm_loss)")
         tokens = tokens.astype(jnp.int32)
         x = self.drop(self.wte(tokens) + self.wpe(positions(tokens.shape[1], segments)))
         extra = () if segments is None else (segments,)
