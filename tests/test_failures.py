@@ -400,3 +400,31 @@ def test_check_with_batchnorm_sync_off_says_to_turn_it_back_on():
     assert result.cause == "batchnorm-off"
     cli = as_flags(result.report())
     assert "synchronization is off (--no-sync-batchnorm)" in cli and "use nnx.BatchNorm" not in cli
+
+
+def test_a_run_length_that_is_no_whole_number_or_already_reached_is_named():
+    """A new user's: `epochs=1.5` and `until_step=2.0` were Grain's TypeError,
+    and a second `fit(epochs=1)` returned [] in silence (epochs count from
+    step 0)."""
+    t, fit, (x, y) = _metrics_trainer(_ce, 2)
+    for length in ({"epochs": 1.5}, {"until_step": 2.0}):
+        with pytest.raises(dpax.DpaxError, match=r"must be a whole number >= 1, got 2?1?\.[05]"):
+            t.fit(x, y, batch_size=8, **length)
+    assert t.fit(x, y, batch_size=8, epochs=1, log_every=10**9) != []
+    with pytest.warns(dpax.errors.DpaxWarning, match=r"at step 4, which `epochs=1` \(step 4; "
+                                                     r"epochs count from step 0\) has reached"):
+        assert t.fit(x, y, batch_size=8, epochs=1) == []
+    assert t.step == 4
+
+
+def test_regression_predict_gives_each_examples_outputs():
+    """It reshaped a model's (B, 3) outputs to (B,): JAX's TypeError."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(7, 4)).astype(np.float32)
+    for outputs, shape in ((3, (7, 3)), (1, (7,))):
+        model = nnx.Linear(4, outputs, rngs=nnx.Rngs(0))
+        t = dpax.Trainer(model, dpax.regression_loss, optax.sgd(0.1), devices=2,
+                         predict_fn=dpax.regression_predict)
+        got = t.predict(x)
+        assert got.shape == shape
+        np.testing.assert_allclose(got, np.asarray(model(x)).reshape(shape), rtol=1e-6)

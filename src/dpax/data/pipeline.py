@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import os
 import threading
 import time
@@ -57,8 +58,9 @@ def check_length(steps: int | None, epochs: int | None, steps_name: str = "steps
     if steps is not None and epochs is not None:
         raise DpaxError(f"give exactly one of `{steps_name}` or `epochs`, not both")
     for name, value in ((steps_name, steps), ("epochs", epochs)):
-        if value is not None and value < 1:
-            raise DpaxError(f"`{name}` must be >= 1, got {value}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                  or value < 1):
+            raise DpaxError(f"`{name}` must be a whole number >= 1, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,18 +117,21 @@ def classification_predict(model, batch):
 
 @checks.declare(check_inputs)
 def regression_predict(model, batch):
-    """The model's output for each example, one number each.
+    """The model's output for each example, as `regression_loss` reads it.
 
     A `predict_fn` for `dpax.Trainer`.
 
     Args:
-      model: the model, called on `batch["x"]`: one output per example.
+      model: the model, called on `batch["x"]`.
       batch: one device's shard of the batch, with `x`.
 
     Returns:
-      One float per example.
+      One float per example where the model has one output, else each
+      example's outputs (`(B, k)`).
     """
-    return model(batch["x"]).reshape(batch["x"].shape[0])
+    out = model(batch["x"])
+    n = batch["x"].shape[0]
+    return out.reshape(n) if out.size == n else out.reshape(n, -1)
 
 
 def check_lm(ex: checks.Examples) -> None:

@@ -451,6 +451,11 @@ class Trainer:
         plan = BatchPlan(batch_rows(data), batch_size, seed)
         total = plan.total_steps(until_step, epochs, steps_name="until_step")
         start = self.step
+        if total <= start:
+            reach = (f"`until_step={until_step}`" if until_step is not None else
+                     f"`epochs={epochs}` (step {total}; epochs count from step 0)")
+            warnings.warn(f"this Trainer is at step {start}, which {reach} has reached: nothing "
+                          f"to train; pass a larger `until_step`", DpaxWarning, stacklevel=2)
         size = self.padded(batch_size)
         self._warn_idle(batch_size, batch_rows(data), size)
         made_here = batches is None
