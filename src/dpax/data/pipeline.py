@@ -58,9 +58,12 @@ def check_length(steps: int | None, epochs: int | None, steps_name: str = "steps
     if steps is not None and epochs is not None:
         raise DpaxError(f"give exactly one of `{steps_name}` or `epochs`, not both")
     for name, value in ((steps_name, steps), ("epochs", epochs)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-                                  or value < 1):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise DpaxError(f"`{name}` must be a whole number >= 1, got {value!r}")
+        if value < 1:
+            raise DpaxError(f"`{name}` must be >= 1, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
